@@ -1,0 +1,1 @@
+"""Export pipeline and the `optimum-cli export neuron` command."""

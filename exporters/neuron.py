@@ -1,0 +1,162 @@
+"""Export pipeline: HF causal LM -> weights + compiled graph set in one folder.
+
+The export is built in a hidden staging folder beside OUT and moved into place only when
+complete, so a failed export never leaves a folder that looks like one.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+from rich.console import Console
+from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+from safetensors.torch import save_file
+
+from optimum_neuron_chunked.backends import get_backend
+from optimum_neuron_chunked.config import NeuronConfig
+from optimum_neuron_chunked.graphs import graph_specs
+from optimum_neuron_chunked.loader import WEIGHTS_NAME
+from optimum_neuron_chunked.modeling import build_model, family_spec, torch_dtype
+
+
+class ExportError(ValueError):
+    """The export cannot proceed; the message says what to change."""
+
+
+def export(
+    model: str,
+    output: str | Path,
+    *,
+    batch_size: int,
+    sequence_length: int,
+    prefill_chunk_size: int = 0,
+    backend: str = "cpu",
+    dtype: str = "float32",
+    on_device_sampling: bool = True,
+    tp_degree: int = 1,
+    max_topk: int = 256,
+    context_buckets: tuple[int, ...] = (),
+    overwrite: bool = False,
+    console: Console | None = None,
+) -> Path:
+    """Export `model` (local folder or hub id) into `output`; returns the output path."""
+    console = console or Console(stderr=True)
+    output = Path(output).resolve()
+    _check_output(output, overwrite)
+    hf_config = _load_hf_config(model)
+    spec = family_spec(hf_config)
+    config = NeuronConfig(
+        batch_size=batch_size,
+        sequence_length=sequence_length,
+        prefill_chunk_size=prefill_chunk_size,
+        tp_degree=tp_degree,
+        dtype=dtype,
+        on_device_sampling=on_device_sampling,
+        max_topk=max_topk,
+        backend=backend,
+        context_buckets=tuple(context_buckets),
+        model_type=spec.model_type,
+    )
+    _check_shapes(hf_config, config)
+    impl = get_backend(backend)
+    staging = Path(tempfile.mkdtemp(prefix=f".{output.name}.partial-", dir=output.parent))
+    try:
+        started = time.perf_counter()
+        decoder = build_model(hf_config, config)
+        with console.status(f"loading weights of {model}"):
+            decoder.load_weights(decoder.weights_from_hf(_load_hf_model(model, config)))
+        save_file(decoder.stored_weights(), staging / WEIGHTS_NAME)
+        specs = graph_specs(config)
+        with _progress(console, len(specs)) as on_graph:
+            impl.compile(decoder, config, specs, staging, on_graph)
+        _save_hf_files(model, hf_config, staging)
+        config.save(staging)
+        if output.exists():
+            shutil.rmtree(output)
+        staging.rename(output)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    console.print(
+        f"[green]exported[/] {len(specs)} graphs ({', '.join(s.name for s in specs)}) to {output} "
+        f"in {time.perf_counter() - started:.1f}s"
+    )
+    return output
+
+
+def _check_output(output: Path, overwrite: bool) -> None:
+    if output.exists() and not output.is_dir():
+        raise ExportError(f"output {output} exists and is not a folder: choose another OUT.")
+    if output.is_dir() and any(output.iterdir()) and not overwrite:
+        raise ExportError(f"output folder {output} is not empty: pass --overwrite to replace it, or choose another OUT.")
+    try:
+        output.parent.mkdir(parents=True, exist_ok=True)
+        probe = tempfile.NamedTemporaryFile(dir=output.parent, prefix=".write-probe-")
+        probe.close()
+    except OSError as e:
+        raise ExportError(f"cannot write beside {output}: {e.strerror}. Choose a writable OUT.") from e
+
+
+def _load_hf_config(model: str):
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(model)
+    except (OSError, ValueError) as e:
+        hint = "a local folder with config.json" if Path(model).exists() else "a local folder or a hub model id"
+        raise ExportError(f"cannot load a model config from {model!r}: pass {hint}. ({e})") from e
+
+
+def _check_shapes(hf_config, config: NeuronConfig) -> None:
+    max_positions = getattr(hf_config, "max_position_embeddings", None)
+    if max_positions is not None and config.sequence_length > max_positions:
+        raise ExportError(
+            f"--sequence_length {config.sequence_length} exceeds the model's max_position_embeddings "
+            f"({max_positions}): pass --sequence_length <= {max_positions}."
+        )
+    if config.tp_degree > 1 and config.backend != "neuron":
+        raise ExportError(f"--tensor_parallel_size {config.tp_degree} needs --backend neuron.")
+
+
+def _load_hf_model(model: str, config: NeuronConfig):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model, dtype=torch_dtype(config))
+
+
+def _save_hf_files(model: str, hf_config, out: Path) -> None:
+    from transformers import AutoTokenizer, GenerationConfig
+
+    hf_config.save_pretrained(out)
+    try:
+        GenerationConfig.from_pretrained(model).save_pretrained(out)
+    except OSError:
+        GenerationConfig.from_model_config(hf_config).save_pretrained(out)
+    try:
+        AutoTokenizer.from_pretrained(model).save_pretrained(out)
+    except (OSError, ValueError, TypeError):
+        Console(stderr=True).print(f"[yellow]warning[/]: no tokenizer found for {model}; the export has none.")
+
+
+@contextmanager
+def _progress(console: Console, total: int):
+    columns = (SpinnerColumn(), TextColumn("{task.description}"), TextColumn("{task.completed}/{task.total}"),
+               TimeElapsedColumn())
+    with Progress(*columns, console=console, transient=False) as progress:
+        overall = progress.add_task("compiling graphs", total=total)
+
+        @contextmanager
+        def on_graph(spec):
+            task = progress.add_task(f"  {spec.name} [{spec.batch}x{spec.width}, window {spec.window}]", total=1)
+            yield
+            progress.update(task, completed=1)
+            progress.advance(overall)
+
+        yield on_graph
+
+
+__all__ = ["ExportError", "export"]

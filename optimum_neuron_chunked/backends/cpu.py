@@ -1,0 +1,52 @@
+"""Ahead-of-time compilation on CPU: torch.export + AOTInductor, one package per graph.
+
+Graphs are compiled without their constants. At load time every graph binds the same
+tensors - the weights read once from safetensors and the KV cache - as user-managed
+constants (no copy), so the graphs share one cache exactly as they do on Neuron.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from ..config import NeuronConfig
+from ..graphs import GraphSpec, example_inputs, graph_module
+from ..modeling.decoder import DecoderModel
+from .base import GRAPHS_DIR, Backend, OnGraph
+
+INDUCTOR_CONFIGS = {"aot_inductor.package_constants_in_so": False}
+
+
+class CpuBackend(Backend):
+    name = "cpu"
+
+    def graph_files(self, specs: list[GraphSpec]) -> list[str]:
+        return [f"{GRAPHS_DIR}/{spec.name}.pt2" for spec in specs]
+
+    def compile(
+        self, model: DecoderModel, config: NeuronConfig, specs: list[GraphSpec], out_dir: Path, on_graph: OnGraph
+    ) -> None:
+        (out_dir / GRAPHS_DIR).mkdir(parents=True, exist_ok=True)
+        for spec, path in zip(specs, self.graph_files(specs), strict=True):
+            with on_graph(spec), torch.no_grad():
+                program = torch.export.export(graph_module(model, spec, config), example_inputs(spec, config))
+                torch._inductor.aoti_compile_and_package(
+                    program, package_path=str(out_dir / path), inductor_configs=INDUCTOR_CONFIGS
+                )
+
+    def load(
+        self, model: DecoderModel, config: NeuronConfig, specs: list[GraphSpec], export_dir: Path
+    ) -> dict[str, Callable]:
+        constants = model.constants()
+        graphs = {}
+        for spec, path in zip(specs, self.graph_files(specs), strict=True):
+            compiled = torch._inductor.aoti_load_package(str(export_dir / path))
+            # Traced through a wrapper module, so constant names carry its "model." prefix.
+            names = compiled.get_constant_fqns()
+            bound = {name: constants[name.removeprefix("model.")] for name in names}
+            compiled.load_constants(bound, check_full_update=True, user_managed=True)
+            graphs[spec.name] = compiled
+        return graphs

@@ -1,0 +1,25 @@
+"""No compilation: the graph modules run as plain torch, for fast tests and debugging."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from ..config import NeuronConfig
+from ..graphs import GraphSpec, graph_module
+from ..modeling.decoder import DecoderModel
+from .base import Backend, OnGraph
+
+
+class EagerBackend(Backend):
+    name = "eager"
+
+    def compile(self, model, config, specs, out_dir: Path, on_graph: OnGraph) -> None:
+        pass
+
+    def load(
+        self, model: DecoderModel, config: NeuronConfig, specs: list[GraphSpec], export_dir: Path
+    ) -> dict[str, Callable]:
+        return {spec.name: torch.inference_mode()(graph_module(model, spec, config)) for spec in specs}

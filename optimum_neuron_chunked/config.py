@@ -1,0 +1,141 @@
+"""The export configuration: the one source of truth for every compiled shape."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .version import __version__
+
+CONFIG_NAME = "neuron_config.json"
+BACKENDS = ("cpu", "eager", "neuron")
+DTYPES = ("float32", "bfloat16", "float16")
+# Smallest context bucket chosen by default: below this a smaller graph saves little.
+MIN_DEFAULT_BUCKET = 512
+
+
+class NeuronConfigError(ValueError):
+    """An export configuration that cannot be compiled; the message says what to change."""
+
+
+@dataclass(frozen=True)
+class NeuronConfig:
+    """Compiled shapes and options of one export.
+
+    prefill_chunk_size == 0 selects the standard recipe: context-encoding (CE) graphs as wide
+    as the prompt buckets. Otherwise chunked-prefill (CP) graphs of width prefill_chunk_size.
+    Both come with token-generation (TG) graphs. Every graph exists once per context bucket:
+    a step attends only over the smallest bucket that covers its live context.
+    """
+
+    batch_size: int
+    sequence_length: int
+    prefill_chunk_size: int = 0
+    tp_degree: int = 1
+    dtype: str = "float32"
+    on_device_sampling: bool = True
+    max_topk: int = 256
+    backend: str = "cpu"
+    context_buckets: tuple[int, ...] = ()
+    model_type: str = ""
+    package_version: str = __version__
+    extra: dict = field(default_factory=dict, compare=False, hash=False)
+
+    def __post_init__(self) -> None:
+        if not self.context_buckets:
+            object.__setattr__(self, "context_buckets", default_buckets(self))
+        object.__setattr__(self, "context_buckets", tuple(sorted(set(self.context_buckets))))
+        self._validate()
+
+    def _validate(self) -> None:
+        def fail(msg: str) -> None:
+            raise NeuronConfigError(msg)
+
+        if self.batch_size < 1:
+            fail(f"batch_size must be >= 1, got {self.batch_size}: pass --batch_size 1 or more.")
+        if self.sequence_length < 2:
+            fail(f"sequence_length must be >= 2, got {self.sequence_length}: pass a larger --sequence_length.")
+        if self.prefill_chunk_size < 0:
+            fail(
+                f"prefill_chunk_size must be >= 0 (0 = standard context encoding), got {self.prefill_chunk_size}."
+            )
+        if self.prefill_chunk_size > self.sequence_length:
+            fail(
+                f"prefill_chunk_size ({self.prefill_chunk_size}) exceeds sequence_length ({self.sequence_length}): "
+                f"pass --prefill-chunk-size <= {self.sequence_length}, or 0 for the standard graph."
+            )
+        if self.tp_degree < 1:
+            fail(f"tp_degree must be >= 1, got {self.tp_degree}.")
+        if self.dtype not in DTYPES:
+            fail(f"dtype {self.dtype!r} is not supported: choose one of {', '.join(DTYPES)}.")
+        if self.backend not in BACKENDS:
+            fail(f"backend {self.backend!r} is not supported: choose one of {', '.join(BACKENDS)}.")
+        if self.max_topk < 1:
+            fail(f"max_topk must be >= 1, got {self.max_topk}.")
+        if self.context_buckets[-1] != self.sequence_length:
+            fail(
+                f"the largest context bucket must equal sequence_length ({self.sequence_length}), "
+                f"got buckets {list(self.context_buckets)}."
+            )
+        if self.context_buckets[0] < max(self.prefill_chunk_size, 1):
+            fail(
+                f"context bucket {self.context_buckets[0]} is smaller than the chunk size "
+                f"{self.prefill_chunk_size}: every bucket must hold at least one chunk."
+            )
+
+    @property
+    def chunked(self) -> bool:
+        return self.prefill_chunk_size > 0
+
+    @property
+    def prefill_width(self) -> int | None:
+        """Width of the CP graph, or None for standard exports (CE width = its bucket)."""
+        return self.prefill_chunk_size or None
+
+    def bucket_for(self, context_length: int) -> int:
+        """Smallest compiled bucket that holds `context_length` positions."""
+        for bucket in self.context_buckets:
+            if context_length <= bucket:
+                return bucket
+        raise NeuronConfigError(
+            f"context of {context_length} tokens exceeds the compiled sequence_length {self.sequence_length}."
+        )
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["context_buckets"] = list(self.context_buckets)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> NeuronConfig:
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise NeuronConfigError(f"unknown fields in {CONFIG_NAME}: {unknown} (written by a newer version?)")
+        d = dict(d)
+        d["context_buckets"] = tuple(d.get("context_buckets", ()))
+        return cls(**d)
+
+    def save(self, directory: str | Path) -> None:
+        Path(directory, CONFIG_NAME).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+
+    @classmethod
+    def load(cls, directory: str | Path) -> NeuronConfig:
+        path = Path(directory, CONFIG_NAME)
+        if not path.is_file():
+            raise NeuronConfigError(
+                f"{directory} is not an export: {CONFIG_NAME} is missing. "
+                "Create one with `optimum-cli export neuron --model M ... OUT`."
+            )
+        return cls.from_dict(json.loads(path.read_text()))
+
+
+def default_buckets(config: NeuronConfig) -> tuple[int, ...]:
+    """Halve sequence_length down to max(MIN_DEFAULT_BUCKET, chunk size)."""
+    floor = max(MIN_DEFAULT_BUCKET, config.prefill_chunk_size)
+    buckets = [config.sequence_length]
+    while buckets[-1] // 2 >= floor:
+        buckets.append(buckets[-1] // 2)
+    return tuple(sorted(buckets))

@@ -1,0 +1,169 @@
+"""The graph set of an export: which graphs, their static shapes, and the one padding rule
+that turns real inputs into those shapes.
+
+  ce_w{P}  [1, P]  context encoding of a whole prompt (standard exports), P = prompt bucket
+  cp_w{W}  [1, C]  one prefill chunk attending over context bucket W (chunked exports)
+  tg_w{W}  [B, 1]  one decode step for up to B slots attending over context bucket W
+
+Prefill graphs return the logits of the last real token (host sampling); TG graphs sample
+on device and also return their logits, so a batch with a request that needs more than
+on-device sampling offers can be sampled on the host instead.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from .config import NeuronConfig
+from .modeling.decoder import DecoderModel
+from .modeling.sampler import sample
+
+
+@dataclass(frozen=True)
+class GraphSpec:
+    kind: str  # "ce" | "cp" | "tg"
+    batch: int  # rows
+    width: int  # tokens per row
+    window: int  # context bucket: positions attended over
+
+    @property
+    def name(self) -> str:
+        return f"{self.kind}_w{self.window}"
+
+
+def graph_specs(config: NeuronConfig) -> list[GraphSpec]:
+    specs = []
+    for window in config.context_buckets:
+        if config.chunked:
+            specs.append(GraphSpec("cp", 1, config.prefill_chunk_size, window))
+        else:
+            specs.append(GraphSpec("ce", 1, window, window))
+        specs.append(GraphSpec("tg", config.batch_size, 1, window))
+    return specs
+
+
+class PrefillGraph(nn.Module):
+    """CE or CP: [1, T] tokens -> logits [1, V] of the last real token."""
+
+    def __init__(self, model: DecoderModel, window: int):
+        super().__init__()
+        self.model, self.window = model, window
+
+    def forward(self, input_ids, position_ids, seq_ids):
+        hidden = self.model.hidden_states(input_ids, position_ids, seq_ids, self.window)
+        # Padding repeats the last real position, so the first argmax is the last real token.
+        last = torch.argmax(position_ids, dim=1)
+        rows = torch.arange(hidden.shape[0], device=hidden.device)
+        return self.model.logits(hidden[rows, last])
+
+
+class DecodeGraph(nn.Module):
+    """TG: [B, 1] tokens -> (sampled tokens [B], logits [B, V]) or logits alone without ODS."""
+
+    def __init__(self, model: DecoderModel, window: int, on_device_sampling: bool, max_topk: int):
+        super().__init__()
+        self.model, self.window = model, window
+        self.on_device_sampling, self.max_topk = on_device_sampling, max_topk
+
+    def forward(self, input_ids, position_ids, seq_ids, sampling_params=None, rand=None):
+        hidden = self.model.hidden_states(input_ids, position_ids, seq_ids, self.window)
+        logits = self.model.logits(hidden[:, 0])
+        if not self.on_device_sampling:
+            return logits
+        return sample(logits, sampling_params, rand, self.max_topk), logits
+
+
+def graph_module(model: DecoderModel, spec: GraphSpec, config: NeuronConfig) -> nn.Module:
+    if spec.kind == "tg":
+        return DecodeGraph(model, spec.window, config.on_device_sampling, config.max_topk)
+    return PrefillGraph(model, spec.window)
+
+
+def example_inputs(spec: GraphSpec, config: NeuronConfig) -> tuple[torch.Tensor, ...]:
+    """Inputs of the static shapes a graph is traced and compiled with."""
+    positions = torch.arange(spec.width, dtype=torch.long)[None].expand(spec.batch, -1).contiguous()
+    inputs = (
+        torch.zeros(spec.batch, spec.width, dtype=torch.long),
+        positions,
+        torch.arange(spec.batch, dtype=torch.long),
+    )
+    if spec.kind == "tg" and config.on_device_sampling:
+        inputs += (torch.zeros(spec.batch, 3), torch.zeros(spec.batch))
+    return inputs
+
+
+def pad_repeat_last(x: torch.Tensor, length: int, dim: int) -> torch.Tensor:
+    """The padding rule, the only one: repeat the last entry along `dim` up to `length`.
+
+    Applied to a chunk's tokens and positions, padded copies are exact duplicates of the last
+    real token (see modeling/attention.py); applied to decode rows, padded rows repeat the
+    last real row and so rewrite exactly what it writes.
+    """
+    missing = length - x.shape[dim]
+    if missing < 0:
+        raise ValueError(f"{x.shape[dim]} entries do not fit a graph dimension of {length}")
+    if missing == 0:
+        return x
+    last = x.narrow(dim, x.shape[dim] - 1, 1)
+    return torch.cat([x, last.expand(*[missing if d == dim else -1 for d in range(x.dim())])], dim=dim)
+
+
+class GraphRunner:
+    """Pads real inputs to the static shapes and picks the smallest bucket that covers them.
+
+    `graphs` maps graph names to callables from the backend. Outputs may alias runtime
+    buffers, so what is returned is cloned.
+    """
+
+    def __init__(self, config: NeuronConfig, graphs: dict[str, Callable]):
+        self.config = config
+        self.graphs = graphs
+
+    def prefill(self, token_ids: torch.Tensor, start: int, seq_id: int) -> torch.Tensor:
+        """Tokens [T] at positions start.. of slot seq_id -> logits [V] after the last one.
+
+        Chunked exports take T <= prefill_chunk_size; standard ones take a whole prompt.
+        """
+        t = token_ids.shape[0]
+        end = start + t
+        window = self.config.bucket_for(end)
+        if self.config.chunked:
+            kind, width = "cp", self.config.prefill_chunk_size
+        else:
+            kind, width = "ce", window
+        if t == 0 or t > width:
+            raise ValueError(f"a {kind} call takes 1 to {width} tokens, got {t}")
+        positions = torch.arange(start, end, dtype=torch.long)
+        ids = pad_repeat_last(token_ids.long()[None], width, dim=1)
+        pos = pad_repeat_last(positions[None], width, dim=1)
+        seq = torch.tensor([seq_id], dtype=torch.long)
+        logits = self.graphs[f"{kind}_w{window}"](ids, pos, seq)
+        return logits[0].clone()
+
+    def decode(
+        self,
+        token_ids: torch.Tensor,  # [N]
+        positions: torch.Tensor,  # [N]
+        seq_ids: torch.Tensor,  # [N]
+        params: torch.Tensor,  # [N, 3]
+        rand: torch.Tensor,  # [N]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One TG step for N <= batch_size slots -> (tokens [N], logits [N, V])."""
+        n, batch = token_ids.shape[0], self.config.batch_size
+        if not 0 < n <= batch:
+            raise ValueError(f"a decode step takes 1 to {batch} rows, got {n}")
+        window = self.config.bucket_for(int(positions.max()) + 1)
+        inputs = [token_ids.long()[:, None], positions.long()[:, None], seq_ids.long()]
+        if self.config.on_device_sampling:
+            inputs += [params.float(), rand.float()]
+        inputs = [pad_repeat_last(x, batch, dim=0) for x in inputs]
+        outputs = self.graphs[f"tg_w{window}"](*inputs)
+        if self.config.on_device_sampling:
+            tokens, logits = outputs
+            return tokens[:n].clone(), logits[:n].clone()
+        logits = outputs[:n].clone()
+        return sample(logits, params.float(), rand.float(), self.config.max_topk), logits

@@ -1,0 +1,28 @@
+from __future__ import annotations
+
+import torch
+
+from ..config import NeuronConfig
+from .decoder import DecoderModel
+from .family import SUPPORTED_ARCHITECTURES, FamilySpec, UnsupportedArchitectureError, family_spec
+
+
+def build_model(hf_config, config: NeuronConfig) -> DecoderModel:
+    """An empty decoder (zero KV cache, uninitialised weights) shaped by the export config."""
+    with torch.device("cpu"):
+        return DecoderModel(family_spec(hf_config), config.batch_size, config.sequence_length, torch_dtype(config))
+
+
+def torch_dtype(config: NeuronConfig) -> torch.dtype:
+    return getattr(torch, config.dtype)
+
+
+__all__ = [
+    "SUPPORTED_ARCHITECTURES",
+    "DecoderModel",
+    "FamilySpec",
+    "UnsupportedArchitectureError",
+    "build_model",
+    "family_spec",
+    "torch_dtype",
+]

@@ -1,0 +1,91 @@
+"""Attention over a static per-slot KV cache.
+
+Every graph (CE, CP, TG) runs the same code: scatter this step's K/V into the rows' slots at
+their positions, then attend over the first `window` positions of those slots.
+
+Padding invariant: a padded token repeats the last real token *and its position*. It
+computes the same K/V as that token (same input, same position, same visible keys), so the
+duplicate-index scatter writes identical values - a true no-op whatever the write order.
+Keys are masked by absolute position (key_pos <= query_pos), so stale entries a previous
+request left in the slot beyond the live context are never read.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .family import FamilySpec
+from .layers import MASK_VALUE, RMSNorm, apply_rotary
+
+
+def attention_mask(position_ids: torch.Tensor, window: int, sliding_window: int | None) -> torch.Tensor:
+    """[N, 1, T, window] boolean: which cached positions each query may attend to."""
+    key_pos = torch.arange(window, device=position_ids.device)
+    query_pos = position_ids[:, None, :, None]  # [N, 1, T, 1]
+    mask = key_pos <= query_pos
+    if sliding_window is not None:
+        mask = mask & (key_pos > query_pos - sliding_window)
+    return mask
+
+
+def real_token_mask(position_ids: torch.Tensor) -> torch.Tensor:
+    """[N, T] boolean: tokens whose position strictly increases are real; repeats are padding."""
+    mask = torch.ones_like(position_ids, dtype=torch.bool)
+    mask[:, 1:] = position_ids[:, 1:] > position_ids[:, :-1]
+    return mask
+
+
+class Attention(nn.Module):
+    def __init__(self, spec: FamilySpec, sliding_window: int | None, linear=nn.Linear):
+        super().__init__()
+        d = spec.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, d
+        self.scale = spec.scale
+        self.sliding_window = sliding_window
+        self.q_proj = linear(spec.hidden_size, spec.num_heads * d, bias=spec.qkv_bias)
+        self.k_proj = linear(spec.hidden_size, spec.num_kv_heads * d, bias=spec.qkv_bias)
+        self.v_proj = linear(spec.hidden_size, spec.num_kv_heads * d, bias=spec.qkv_bias)
+        self.o_proj = linear(spec.num_heads * d, spec.hidden_size, bias=spec.o_bias)
+        if spec.qk_norm:
+            self.q_norm = RMSNorm(d, spec.rms_norm_eps)
+            self.k_norm = RMSNorm(d, spec.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [N, T, H]
+        position_ids: torch.Tensor,  # [N, T]
+        seq_ids: torch.Tensor,  # [N]
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        k_cache: torch.Tensor,  # [B, Hkv, S, D]
+        v_cache: torch.Tensor,  # [B, Hkv, S, D]
+        window: int,
+    ) -> torch.Tensor:
+        n, t, _ = x.shape
+        q = self.q_proj(x).view(n, t, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(n, t, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(n, t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        cos, sin = cos_sin
+        q = apply_rotary(q.transpose(1, 2), cos, sin)  # [N, Hq, T, D]
+        k = apply_rotary(k.transpose(1, 2), cos, sin)  # [N, Hkv, T, D]
+
+        # Scatter: advanced indices on dims 0 and 2 put [N, T] first -> values [N, T, Hkv, D].
+        rows = seq_ids[:, None]
+        k_cache[rows, :, position_ids] = k.transpose(1, 2).to(k_cache.dtype)
+        v_cache[rows, :, position_ids] = v.to(v_cache.dtype)
+        keys = k_cache[seq_ids, :, :window]  # [N, Hkv, W, D]
+        values = v_cache[seq_ids, :, :window]
+
+        groups = self.num_heads // self.num_kv_heads
+        keys = keys.repeat_interleave(groups, dim=1)  # [N, Hq, W, D]
+        values = values.repeat_interleave(groups, dim=1)
+        scores = torch.matmul(q, keys.transpose(2, 3)) * self.scale  # [N, Hq, T, W]
+        mask = attention_mask(position_ids, window, self.sliding_window)
+        scores = torch.where(mask, scores.float(), MASK_VALUE)
+        probs = torch.softmax(scores, dim=-1).to(q.dtype)
+        out = torch.matmul(probs, values)  # [N, Hq, T, D]
+        return self.o_proj(out.transpose(1, 2).reshape(n, t, -1))

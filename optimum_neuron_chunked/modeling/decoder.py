@@ -1,0 +1,114 @@
+"""A llama-family decoder with a static KV cache shared by every graph."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .attention import Attention
+from .family import FamilySpec
+from .layers import MLP, RMSNorm, Rotary
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, spec: FamilySpec, layer_idx: int, linear=nn.Linear):
+        super().__init__()
+        self.self_attn = Attention(spec, spec.sliding_windows[layer_idx], linear)
+        self.mlp = MLP(spec.hidden_size, spec.intermediate_size, spec.mlp_bias, linear)
+        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.residual_multiplier = spec.residual_multiplier
+
+    def forward(self, x, position_ids, seq_ids, cos_sin, k_cache, v_cache, window):
+        h = self.self_attn(self.input_layernorm(x), position_ids, seq_ids, cos_sin, k_cache, v_cache, window)
+        x = x + h * self.residual_multiplier
+        return x + self.mlp(self.post_attention_layernorm(x)) * self.residual_multiplier
+
+
+class DecoderBody(nn.Module):
+    def __init__(self, spec: FamilySpec, linear=nn.Linear):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(spec, i, linear) for i in range(spec.num_layers))
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.rotary_emb = Rotary(spec.head_dim)
+
+
+class DecoderModel(nn.Module):
+    """Weights (named as in the HF checkpoint) plus the KV cache buffers.
+
+    KV cache: per layer k/v of shape [batch_size, kv_heads, sequence_length, head_dim]; a
+    request owns one row (its slot, `seq_id`) for its whole life.
+    """
+
+    def __init__(self, spec: FamilySpec, batch_size: int, sequence_length: int, dtype: torch.dtype):
+        super().__init__()
+        self.spec = spec
+        self.model = DecoderBody(spec)
+        self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
+        if spec.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        cache_shape = (batch_size, spec.num_kv_heads, sequence_length, spec.head_dim)
+        for i in range(spec.num_layers):
+            self.register_buffer(f"k_cache_{i}", torch.zeros(cache_shape, dtype=dtype), persistent=False)
+            self.register_buffer(f"v_cache_{i}", torch.zeros(cache_shape, dtype=dtype), persistent=False)
+        self.to(dtype)
+        self.model.rotary_emb.float()  # rotary angles stay fp32, as in transformers
+
+    def weight_names(self) -> list[str]:
+        """Names of the stored weights (a tied lm_head is stored once, as the embedding)."""
+        return list(self.state_dict(keep_vars=True).keys() - self._tied_names())
+
+    def _tied_names(self) -> set[str]:
+        return {"lm_head.weight"} if self.spec.tie_word_embeddings else set()
+
+    def stored_weights(self) -> dict[str, torch.Tensor]:
+        state = self.state_dict()
+        return {name: state[name].contiguous() for name in self.weight_names()}
+
+    def load_weights(self, state: dict[str, torch.Tensor]) -> None:
+        missing, unexpected = self.load_state_dict(state, strict=False)
+        missing = set(missing) - self._tied_names()
+        if missing or unexpected:
+            raise ValueError(f"weights do not match the model: missing {sorted(missing)}, unexpected {unexpected}")
+
+    def constants(self) -> dict[str, torch.Tensor]:
+        """Every parameter and buffer by name, tied names included: what a compiled graph binds."""
+        named = dict(self.named_parameters(remove_duplicate=False))
+        named.update(self.named_buffers(remove_duplicate=False))
+        return {k: v.detach() for k, v in named.items()}
+
+    def cache_names(self) -> list[str]:
+        return [f"{kv}_cache_{i}" for i in range(self.spec.num_layers) for kv in ("k", "v")]
+
+    def hidden_states(
+        self, input_ids: torch.Tensor, position_ids: torch.Tensor, seq_ids: torch.Tensor, window: int
+    ) -> torch.Tensor:
+        """[N, T] tokens at [N, T] positions of slots [N] -> final-norm hidden states [N, T, H]."""
+        x = self.model.embed_tokens(input_ids) * self.spec.embedding_multiplier
+        cos_sin = self.model.rotary_emb.cos_sin(position_ids, x.dtype)
+        for i, layer in enumerate(self.model.layers):
+            k_cache, v_cache = getattr(self, f"k_cache_{i}"), getattr(self, f"v_cache_{i}")
+            x = layer(x, position_ids, seq_ids, cos_sin, k_cache, v_cache, window)
+        return self.model.norm(x)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float() / self.spec.logits_divisor
+
+    def weights_from_hf(self, hf_model: nn.Module) -> dict[str, torch.Tensor]:
+        """State dict for this module taken from a transformers model of the same family."""
+        hf_state = hf_model.state_dict()
+        state = {}
+        for name in self.weight_names():
+            if name.startswith("model.rotary_emb."):
+                state[name] = _rotary_buffer(hf_model, name.rsplit(".", 1)[1])
+            else:
+                state[name] = hf_state[name]
+        return state
+
+
+def _rotary_buffer(hf_model: nn.Module, which: str) -> torch.Tensor:
+    rotary = hf_model.model.rotary_emb
+    if which == "inv_freq":
+        return rotary.inv_freq.detach().clone()
+    return torch.tensor(float(getattr(rotary, "attention_scaling", 1.0)))

@@ -1,0 +1,97 @@
+"""What distinguishes the supported llama-family architectures, read off an HF config."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# model_type -> HF architecture class name
+SUPPORTED_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "granite": "GraniteForCausalLM",
+}
+
+
+class UnsupportedArchitectureError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class FamilySpec:
+    """Shapes and per-family deltas of a llama-like decoder."""
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    tie_word_embeddings: bool
+    hidden_act: str = "silu"
+    qkv_bias: bool = False  # qwen2
+    o_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False  # qwen3: RMSNorm over each head of q and k, before rotary
+    attention_scale: float | None = None  # granite: attention_multiplier; default 1/sqrt(head_dim)
+    embedding_multiplier: float = 1.0  # granite
+    residual_multiplier: float = 1.0  # granite
+    logits_divisor: float = 1.0  # granite: logits_scaling
+    sliding_windows: tuple[int | None, ...] = ()  # per layer; None = full attention
+
+    @property
+    def scale(self) -> float:
+        return self.attention_scale if self.attention_scale is not None else self.head_dim**-0.5
+
+
+def family_spec(config) -> FamilySpec:
+    """Read a FamilySpec off a transformers PretrainedConfig; refuse what we do not support."""
+    model_type = getattr(config, "model_type", None)
+    if model_type not in SUPPORTED_ARCHITECTURES:
+        archs = getattr(config, "architectures", None) or [model_type]
+        raise UnsupportedArchitectureError(
+            f"architecture {archs[0]!r} (model_type {model_type!r}) is not supported; supported: "
+            + ", ".join(f"{a} ({t})" for t, a in SUPPORTED_ARCHITECTURES.items())
+        )
+    act = getattr(config, "hidden_act", "silu")
+    if act not in ("silu", "swish"):
+        raise UnsupportedArchitectureError(f"hidden_act {act!r} is not supported (only silu).")
+    num_heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
+    granite = model_type == "granite"
+    return FamilySpec(
+        model_type=model_type,
+        vocab_size=config.vocab_size,
+        hidden_size=config.hidden_size,
+        intermediate_size=config.intermediate_size,
+        num_layers=config.num_hidden_layers,
+        num_heads=num_heads,
+        num_kv_heads=getattr(config, "num_key_value_heads", None) or num_heads,
+        head_dim=head_dim,
+        rms_norm_eps=config.rms_norm_eps,
+        tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+        qkv_bias=model_type == "qwen2" or bool(getattr(config, "attention_bias", False)),
+        o_bias=bool(getattr(config, "attention_bias", False)),
+        mlp_bias=bool(getattr(config, "mlp_bias", False)),
+        qk_norm=model_type == "qwen3",
+        attention_scale=config.attention_multiplier if granite else None,
+        embedding_multiplier=config.embedding_multiplier if granite else 1.0,
+        residual_multiplier=config.residual_multiplier if granite else 1.0,
+        logits_divisor=config.logits_scaling if granite else 1.0,
+        sliding_windows=_sliding_windows(config),
+    )
+
+
+def _sliding_windows(config) -> tuple[int | None, ...]:
+    window = getattr(config, "sliding_window", None)
+    layer_types = getattr(config, "layer_types", None)
+    n = config.num_hidden_layers
+    if window is None:
+        return (None,) * n
+    if layer_types is None:  # mistral: every layer slides
+        return (window,) * n
+    return tuple(window if t == "sliding_attention" else None for t in layer_types)

@@ -1,0 +1,57 @@
+"""Building blocks of the decoder. The neuron backend swaps the linear factories for
+NxD parallel layers; cpu and eager use plain torch layers."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+# A large finite negative: exp() of it is exactly 0 in fp32, while finfo.min turns into NaN
+# on Neuron XLA once max-subtraction overflows.
+MASK_VALUE = -1e9
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class Rotary(nn.Module):
+    """Rotary embedding with inv_freq taken from the HF model (covers every rope_type)."""
+
+    def __init__(self, head_dim: int):
+        super().__init__()
+        self.register_buffer("inv_freq", torch.zeros(head_dim // 2))
+        self.register_buffer("attention_scaling", torch.ones(()))
+
+    def cos_sin(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = position_ids.float()[..., None] * self.inv_freq  # [N, T, D/2]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos = (emb.cos() * self.attention_scaling).to(dtype)[:, None]  # [N, 1, T, D]
+        sin = (emb.sin() * self.attention_scaling).to(dtype)[:, None]
+        return cos, sin
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden: int, intermediate: int, bias: bool, linear=nn.Linear):
+        super().__init__()
+        self.gate_proj = linear(hidden, intermediate, bias=bias)
+        self.up_proj = linear(hidden, intermediate, bias=bias)
+        self.down_proj = linear(intermediate, hidden, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))

@@ -1,0 +1,1 @@
+"""vLLM platform plugin (see the vLLM plugin issue); nothing is registered yet."""
