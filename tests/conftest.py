@@ -1,0 +1,48 @@
+from __future__ import annotations
+
+import glob
+
+import pytest
+import torch
+from fixtures.export_models import EXPORTS, checkpoint_path, export_model
+
+
+def pytest_collection_modifyitems(config, items):
+    has_device = bool(glob.glob("/dev/neuron*"))
+    for item in items:
+        if "neuron" in item.keywords and not has_device:
+            item.add_marker(pytest.mark.skip(reason="needs a Neuron device (/dev/neuron*)"))
+
+
+def export_params(ids: list[str]) -> list:
+    """Indirect parameters for `neuron_model`: cpu exports are marked slow (they compile)."""
+    return [pytest.param(i, id=i, marks=[pytest.mark.slow] if EXPORTS[i].backend == "cpu" else []) for i in ids]
+
+
+@pytest.fixture(scope="session")
+def export_dir(request):
+    """Indirectly parametrized with an export id: the (cached) export folder."""
+    return export_model(EXPORTS[request.param])
+
+
+@pytest.fixture(scope="session")
+def hf_reference():
+    """family -> transformers model (fp32, eval) of the same tiny checkpoint."""
+    from transformers import AutoModelForCausalLM
+
+    cache = {}
+
+    def get(family: str):
+        if family not in cache:
+            cache[family] = AutoModelForCausalLM.from_pretrained(checkpoint_path(family), dtype=torch.float32).eval()
+        return cache[family]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def neuron_model(export_dir):
+    """The loaded export of `export_dir` (one per session: loading AOTI packages takes seconds)."""
+    from optimum_neuron_chunked import NeuronModelForCausalLM
+
+    return NeuronModelForCausalLM.from_pretrained(export_dir)

@@ -1,0 +1,61 @@
+"""Std and chunked exports against HF transformers on the same checkpoint (fp32)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import export_params
+from fixtures.export_models import CHUNK, EXPORTS
+
+# 1, C-1, C, C+1 and 3C+5 tokens: single token, partial, exact and overflowing chunks.
+PROMPT_LENGTHS = (1, CHUNK - 1, CHUNK, CHUNK + 1, 3 * CHUNK + 5)
+LOGITS_TOLERANCE = 1e-4  # fp32; observed differences are ~1e-5
+NEW_TOKENS = 12
+
+
+def prompt(n: int, seed: int = 0) -> torch.Tensor:
+    # ids 4.. skip the special tokens (eos would end generation early)
+    return torch.randint(4, 380, (n,), generator=torch.Generator().manual_seed(1000 * seed + n))
+
+
+def family_of(export_id: str) -> str:
+    return EXPORTS[export_id].family
+
+
+@pytest.mark.parametrize("export_dir", export_params(list(EXPORTS)), indirect=True)
+@pytest.mark.parametrize("length", PROMPT_LENGTHS)
+def test_prefill_logits_and_greedy_tokens_match_transformers(export_dir, neuron_model, hf_reference, length):
+    hf = hf_reference(neuron_model.config.model_type)
+    ids = prompt(length)
+    with torch.no_grad():
+        expected_logits = hf(ids[None]).logits[0, -1]
+    logits = neuron_model.prefill(ids, seq_id=1)
+    torch.testing.assert_close(logits, expected_logits, atol=LOGITS_TOLERANCE, rtol=0)
+    # logits are peaked enough that greedy does not hinge on rounding
+    top2 = expected_logits.topk(2).values
+    assert top2[0] - top2[1] > 10 * LOGITS_TOLERANCE
+
+    output = neuron_model.generate(ids[None], max_new_tokens=NEW_TOKENS, do_sample=False)
+    expected = hf.generate(ids[None], max_new_tokens=NEW_TOKENS, do_sample=False)
+    assert output.tolist() == expected.tolist()
+
+
+@pytest.mark.parametrize("export_dir", export_params(list(EXPORTS)), indirect=True)
+def test_left_padded_batch_matches_transformers(export_dir, neuron_model, hf_reference):
+    hf = hf_reference(neuron_model.config.model_type)
+    pad = hf.generation_config.pad_token_id
+    lengths = (3 * CHUNK + 5, CHUNK - 1)
+    width = max(lengths)
+    input_ids = torch.full((len(lengths), width), pad)
+    attention_mask = torch.zeros_like(input_ids)
+    for row, n in enumerate(lengths):
+        input_ids[row, width - n :] = prompt(n, seed=row)
+        attention_mask[row, width - n :] = 1
+    output = neuron_model.generate(input_ids, attention_mask=attention_mask, max_new_tokens=NEW_TOKENS)
+    expected = hf.generate(input_ids, attention_mask=attention_mask, max_new_tokens=NEW_TOKENS, do_sample=False)
+    assert output.tolist() == expected.tolist()
+    # and each row equals its unpadded single run
+    for row, n in enumerate(lengths):
+        alone = neuron_model.generate(input_ids[row : row + 1, width - n :], max_new_tokens=NEW_TOKENS)
+        assert output[row, width:].tolist()[: alone.shape[1] - n] == alone[0, n:].tolist()
+    assert neuron_model.slots.num_free == neuron_model.neuron_config.batch_size
