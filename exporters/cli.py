@@ -15,21 +15,52 @@ EPILOG = (
 
 def add_export_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", "-m", required=True, help="HF model id or local checkpoint folder.")
-    parser.add_argument("--batch_size", "--batch-size", type=int, required=True, help="KV-cache slots (max concurrent sequences).")
-    parser.add_argument("--sequence_length", "--sequence-length", type=int, required=True, help="Max tokens per sequence.")
     parser.add_argument(
-        "--prefill-chunk-size", "--prefill_chunk_size", type=int, default=0, dest="prefill_chunk_size",
+        "--batch_size",
+        "--batch-size",
+        type=int,
+        required=True,
+        help="KV-cache slots (max concurrent sequences).",
+    )
+    parser.add_argument(
+        "--sequence_length", "--sequence-length", type=int, required=True, help="Max tokens per sequence."
+    )
+    parser.add_argument(
+        "--prefill-chunk-size",
+        "--prefill_chunk_size",
+        type=int,
+        default=0,
+        dest="prefill_chunk_size",
         help="Width C of the chunked-prefill graph; 0 (default) compiles the standard context-encoding graph.",
     )
     parser.add_argument("--backend", choices=("cpu", "eager", "neuron"), default="cpu")
-    parser.add_argument("--dtype", "--torch_dtype", choices=("float32", "bfloat16", "float16"), default="float32")
-    parser.add_argument("--no-on-device-sampling", action="store_false", dest="on_device_sampling",
-                        help="TG graphs return logits only; sampling happens on the host.")
-    parser.add_argument("--tensor_parallel_size", "--tensor-parallel-size", type=int, default=1, dest="tp_degree")
-    parser.add_argument("--max-topk", "--max_topk", type=int, default=256, dest="max_topk",
-                        help="Candidates considered by on-device sampling.")
-    parser.add_argument("--context-buckets", "--context_buckets", default="", dest="context_buckets",
-                        help="Comma-separated context buckets (default: sequence_length halved down to 512).")
+    parser.add_argument(
+        "--dtype", "--torch_dtype", choices=("float32", "bfloat16", "float16"), default="float32"
+    )
+    parser.add_argument(
+        "--no-on-device-sampling",
+        action="store_false",
+        dest="on_device_sampling",
+        help="TG graphs return logits only; sampling happens on the host.",
+    )
+    parser.add_argument(
+        "--tensor_parallel_size", "--tensor-parallel-size", type=int, default=1, dest="tp_degree"
+    )
+    parser.add_argument(
+        "--max-topk",
+        "--max_topk",
+        type=int,
+        default=256,
+        dest="max_topk",
+        help="Candidates considered by on-device sampling.",
+    )
+    parser.add_argument(
+        "--context-buckets",
+        "--context_buckets",
+        default="",
+        dest="context_buckets",
+        help="Comma-separated context buckets (default: sequence_length halved down to 512).",
+    )
     parser.add_argument("--overwrite", action="store_true", help="Replace a non-empty OUT folder.")
     parser.add_argument("output", help="Output folder.")
 
@@ -47,10 +78,19 @@ def run_export(args: argparse.Namespace) -> int:
     try:
         buckets = tuple(int(b) for b in args.context_buckets.split(",") if b.strip())
         export(
-            args.model, args.output, batch_size=args.batch_size, sequence_length=args.sequence_length,
-            prefill_chunk_size=args.prefill_chunk_size, backend=args.backend, dtype=args.dtype,
-            on_device_sampling=args.on_device_sampling, tp_degree=args.tp_degree, max_topk=args.max_topk,
-            context_buckets=buckets, overwrite=args.overwrite, console=console,
+            args.model,
+            args.output,
+            batch_size=args.batch_size,
+            sequence_length=args.sequence_length,
+            prefill_chunk_size=args.prefill_chunk_size,
+            backend=args.backend,
+            dtype=args.dtype,
+            on_device_sampling=args.on_device_sampling,
+            tp_degree=args.tp_degree,
+            max_topk=args.max_topk,
+            context_buckets=buckets,
+            overwrite=args.overwrite,
+            console=console,
         )
     except (ExportError, NeuronConfigError, UnsupportedArchitectureError, BackendUnavailableError) as e:
         console.print(f"[red]error[/]: {e}")
@@ -73,7 +113,11 @@ class NeuronExportCommand(BaseOptimumCLICommand):
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m exporters", description=NeuronExportCommand.COMMAND.help,
-                                     epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m exporters",
+        description=NeuronExportCommand.COMMAND.help,
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     add_export_arguments(parser)
     return run_export(parser.parse_args(argv))

@@ -92,7 +92,9 @@ def _check_output(output: Path, overwrite: bool) -> None:
     if output.exists() and not output.is_dir():
         raise ExportError(f"output {output} exists and is not a folder: choose another OUT.")
     if output.is_dir() and any(output.iterdir()) and not overwrite:
-        raise ExportError(f"output folder {output} is not empty: pass --overwrite to replace it, or choose another OUT.")
+        raise ExportError(
+            f"output folder {output} is not empty: pass --overwrite to replace it, or choose another OUT."
+        )
     try:
         output.parent.mkdir(parents=True, exist_ok=True)
         probe = tempfile.NamedTemporaryFile(dir=output.parent, prefix=".write-probe-")
@@ -107,7 +109,9 @@ def _load_hf_config(model: str):
     try:
         return AutoConfig.from_pretrained(model)
     except (OSError, ValueError) as e:
-        hint = "a local folder with config.json" if Path(model).exists() else "a local folder or a hub model id"
+        hint = (
+            "a local folder with config.json" if Path(model).exists() else "a local folder or a hub model id"
+        )
         raise ExportError(f"cannot load a model config from {model!r}: pass {hint}. ({e})") from e
 
 
@@ -139,19 +143,27 @@ def _save_hf_files(model: str, hf_config, out: Path) -> None:
     try:
         AutoTokenizer.from_pretrained(model).save_pretrained(out)
     except (OSError, ValueError, TypeError):
-        Console(stderr=True).print(f"[yellow]warning[/]: no tokenizer found for {model}; the export has none.")
+        Console(stderr=True).print(
+            f"[yellow]warning[/]: no tokenizer found for {model}; the export has none."
+        )
 
 
 @contextmanager
 def _progress(console: Console, total: int):
-    columns = (SpinnerColumn(), TextColumn("{task.description}"), TextColumn("{task.completed}/{task.total}"),
-               TimeElapsedColumn())
+    columns = (
+        SpinnerColumn(),
+        TextColumn("{task.description}"),
+        TextColumn("{task.completed}/{task.total}"),
+        TimeElapsedColumn(),
+    )
     with Progress(*columns, console=console, transient=False) as progress:
         overall = progress.add_task("compiling graphs", total=total)
 
         @contextmanager
         def on_graph(spec):
-            task = progress.add_task(f"  {spec.name} [{spec.batch}x{spec.width}, window {spec.window}]", total=1)
+            task = progress.add_task(
+                f"  {spec.name} [{spec.batch}x{spec.width}, window {spec.window}]", total=1
+            )
             yield
             progress.update(task, completed=1)
             progress.advance(overall)

@@ -56,7 +56,9 @@ class NeuronConfig:
         if self.batch_size < 1:
             fail(f"batch_size must be >= 1, got {self.batch_size}: pass --batch_size 1 or more.")
         if self.sequence_length < 2:
-            fail(f"sequence_length must be >= 2, got {self.sequence_length}: pass a larger --sequence_length.")
+            fail(
+                f"sequence_length must be >= 2, got {self.sequence_length}: pass a larger --sequence_length."
+            )
         if self.prefill_chunk_size < 0:
             fail(
                 f"prefill_chunk_size must be >= 0 (0 = standard context encoding), got {self.prefill_chunk_size}."
@@ -113,7 +115,9 @@ class NeuronConfig:
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(d) - known)
         if unknown:
-            raise NeuronConfigError(f"unknown fields in {CONFIG_NAME}: {unknown} (written by a newer version?)")
+            raise NeuronConfigError(
+                f"unknown fields in {CONFIG_NAME}: {unknown} (written by a newer version?)"
+            )
         d = dict(d)
         d["context_buckets"] = tuple(d.get("context_buckets", ()))
         return cls(**d)

@@ -1,6 +1,6 @@
 """The embedded default job: build a small local checkpoint, export it chunked, generate.
 
-    python -m optimum_neuron_chunked.demo [--out demo-out] [--backend cpu]
+python -m optimum_neuron_chunked.demo [--out demo-out] [--backend cpu]
 """
 
 from __future__ import annotations
@@ -14,7 +14,9 @@ from rich.console import Console
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--out", default="demo-out", help="work folder (checkpoint + export)")
     parser.add_argument("--backend", default="cpu", choices=("cpu", "eager"))
     parser.add_argument("--prompt", default="once upon a time there was a small model")
@@ -33,8 +35,15 @@ def main(argv: list[str] | None = None) -> int:
     checkpoint = build_checkpoint("demo", work / "checkpoint")
     exported = work / f"export-{args.backend}-4x8x64"
     if not (exported / "neuron_config.json").is_file():
-        export(str(checkpoint), exported, batch_size=4, sequence_length=512, prefill_chunk_size=64,
-               backend=args.backend, overwrite=True)
+        export(
+            str(checkpoint),
+            exported,
+            batch_size=4,
+            sequence_length=512,
+            prefill_chunk_size=64,
+            backend=args.backend,
+            overwrite=True,
+        )
     started = time.perf_counter()
     model = NeuronModelForCausalLM.from_pretrained(exported)
     console.print(f"loaded {exported} in {time.perf_counter() - started:.1f}s")

@@ -29,13 +29,19 @@ def generate(
     gen = model.generation_config
     max_new_tokens = max_new_tokens if max_new_tokens is not None else (gen.max_new_tokens or 20)
     eos_ids = _as_list(eos_token_id if eos_token_id is not None else gen.eos_token_id)
-    pad = pad_token_id if pad_token_id is not None else (gen.pad_token_id if gen.pad_token_id is not None else None)
+    pad = (
+        pad_token_id
+        if pad_token_id is not None
+        else (gen.pad_token_id if gen.pad_token_id is not None else None)
+    )
     pad = pad if pad is not None else (eos_ids[0] if eos_ids else 0)
     do_sample = do_sample if do_sample is not None else bool(gen.do_sample)
     row_params = sampling_params(
         top_k=top_k if top_k is not None else (gen.top_k or 0),
         top_p=top_p if top_p is not None else (gen.top_p or 1.0),
-        temperature=(temperature if temperature is not None else (gen.temperature or 1.0)) if do_sample else 0.0,
+        temperature=(temperature if temperature is not None else (gen.temperature or 1.0))
+        if do_sample
+        else 0.0,
     )
     if attention_mask is None:
         attention_mask = torch.ones_like(input_ids)

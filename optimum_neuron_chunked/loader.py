@@ -30,7 +30,9 @@ class NeuronModelForCausalLM:
     releases slots itself.
     """
 
-    def __init__(self, model_dir: Path, hf_config, config: NeuronConfig, runner: GraphRunner, generation_config):
+    def __init__(
+        self, model_dir: Path, hf_config, config: NeuronConfig, runner: GraphRunner, generation_config
+    ):
         self.model_dir = model_dir
         self.config = hf_config
         self.neuron_config = config
@@ -72,7 +74,9 @@ class NeuronModelForCausalLM:
     def context_encode(self, input_ids: torch.Tensor, seq_id: int) -> torch.Tensor:
         """A whole prompt through the CE graph -> logits [V] after its last token."""
         if self.neuron_config.chunked:
-            raise NeuronConfigError("this is a chunked export (no CE graph): use prefill_chunk() or prefill().")
+            raise NeuronConfigError(
+                "this is a chunked export (no CE graph): use prefill_chunk() or prefill()."
+            )
         return self.runner.prefill(input_ids, 0, seq_id)
 
     def prefill(self, input_ids: torch.Tensor, seq_id: int) -> torch.Tensor:
@@ -105,7 +109,9 @@ class NeuronModelForCausalLM:
             rand = torch.zeros(n)
         return self.runner.decode(input_ids, positions, seq_ids, params, rand)
 
-    def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, **kwargs) -> torch.Tensor:
+    def generate(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, **kwargs
+    ) -> torch.Tensor:
         """Like transformers' generate: prompt + new tokens, for left-padded batches."""
         from .generation import generate
 
@@ -114,7 +120,9 @@ class NeuronModelForCausalLM:
 
 def _load_neuron_config(model_dir: Path) -> NeuronConfig:
     if not model_dir.is_dir():
-        raise InvalidExportError(f"{model_dir} is not a folder: pass the OUT folder of `optimum-cli export neuron`.")
+        raise InvalidExportError(
+            f"{model_dir} is not a folder: pass the OUT folder of `optimum-cli export neuron`."
+        )
     try:
         config = NeuronConfig.load(model_dir)
     except NeuronConfigError as e:

@@ -16,7 +16,9 @@ def pytest_collection_modifyitems(config, items):
 
 def export_params(ids: list[str]) -> list:
     """Indirect parameters for `neuron_model`: cpu exports are marked slow (they compile)."""
-    return [pytest.param(i, id=i, marks=[pytest.mark.slow] if EXPORTS[i].backend == "cpu" else []) for i in ids]
+    return [
+        pytest.param(i, id=i, marks=[pytest.mark.slow] if EXPORTS[i].backend == "cpu" else []) for i in ids
+    ]
 
 
 @pytest.fixture(scope="session")
@@ -34,7 +36,9 @@ def hf_reference():
 
     def get(family: str):
         if family not in cache:
-            cache[family] = AutoModelForCausalLM.from_pretrained(checkpoint_path(family), dtype=torch.float32).eval()
+            cache[family] = AutoModelForCausalLM.from_pretrained(
+                checkpoint_path(family), dtype=torch.float32
+            ).eval()
         return cache[family]
 
     return get

@@ -52,7 +52,9 @@ def test_left_padded_batch_matches_transformers(export_dir, neuron_model, hf_ref
         input_ids[row, width - n :] = prompt(n, seed=row)
         attention_mask[row, width - n :] = 1
     output = neuron_model.generate(input_ids, attention_mask=attention_mask, max_new_tokens=NEW_TOKENS)
-    expected = hf.generate(input_ids, attention_mask=attention_mask, max_new_tokens=NEW_TOKENS, do_sample=False)
+    expected = hf.generate(
+        input_ids, attention_mask=attention_mask, max_new_tokens=NEW_TOKENS, do_sample=False
+    )
     assert output.tolist() == expected.tolist()
     # and each row equals its unpadded single run
     for row, n in enumerate(lengths):

@@ -26,7 +26,12 @@ class Backend(ABC):
 
     @abstractmethod
     def compile(
-        self, model: DecoderModel, config: NeuronConfig, specs: list[GraphSpec], out_dir: Path, on_graph: OnGraph
+        self,
+        model: DecoderModel,
+        config: NeuronConfig,
+        specs: list[GraphSpec],
+        out_dir: Path,
+        on_graph: OnGraph,
     ) -> None:
         """Compile every graph of `specs` into `out_dir` (weights are stored by the exporter)."""
 

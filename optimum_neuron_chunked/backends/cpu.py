@@ -27,7 +27,12 @@ class CpuBackend(Backend):
         return [f"{GRAPHS_DIR}/{spec.name}.pt2" for spec in specs]
 
     def compile(
-        self, model: DecoderModel, config: NeuronConfig, specs: list[GraphSpec], out_dir: Path, on_graph: OnGraph
+        self,
+        model: DecoderModel,
+        config: NeuronConfig,
+        specs: list[GraphSpec],
+        out_dir: Path,
+        on_graph: OnGraph,
     ) -> None:
         (out_dir / GRAPHS_DIR).mkdir(parents=True, exist_ok=True)
         for spec, path in zip(specs, self.graph_files(specs), strict=True):

@@ -10,7 +10,9 @@ from .family import SUPPORTED_ARCHITECTURES, FamilySpec, UnsupportedArchitecture
 def build_model(hf_config, config: NeuronConfig) -> DecoderModel:
     """An empty decoder (zero KV cache, uninitialised weights) shaped by the export config."""
     with torch.device("cpu"):
-        return DecoderModel(family_spec(hf_config), config.batch_size, config.sequence_length, torch_dtype(config))
+        return DecoderModel(
+            family_spec(hf_config), config.batch_size, config.sequence_length, torch_dtype(config)
+        )
 
 
 def torch_dtype(config: NeuronConfig) -> torch.dtype:

@@ -70,7 +70,9 @@ class DecoderModel(nn.Module):
         missing, unexpected = self.load_state_dict(state, strict=False)
         missing = set(missing) - self._tied_names()
         if missing or unexpected:
-            raise ValueError(f"weights do not match the model: missing {sorted(missing)}, unexpected {unexpected}")
+            raise ValueError(
+                f"weights do not match the model: missing {sorted(missing)}, unexpected {unexpected}"
+            )
 
     def constants(self) -> dict[str, torch.Tensor]:
         """Every parameter and buffer by name, tied names included: what a compiled graph binds."""

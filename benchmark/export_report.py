@@ -1,0 +1,191 @@
+"""Export time, artifact size and HF parity of std vs chunked exports, for every family.
+
+Checkpoints here use shapes the tests do not (other head dims, GQA ratios, vocab sizes).
+Writes benchmark/results/export-<date>-<host>.{json,md}.
+
+    python benchmark/export_report.py [--batch-size 4 --sequence-length 1024 --chunk 128]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from exporters.neuron import export  # noqa: E402
+from optimum_neuron_chunked import NeuronModelForCausalLM  # noqa: E402
+from optimum_neuron_chunked.checkpoints import COMMON, build_checkpoint  # noqa: E402
+
+UNSEEN = {
+    "llama": dict(
+        model_type="llama",
+        hidden_size=128,
+        intermediate_size=320,
+        num_hidden_layers=3,
+        num_attention_heads=16,
+        num_key_value_heads=4,
+        vocab_size=1000,
+    ),
+    "mistral": dict(
+        model_type="mistral",
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=64,
+        vocab_size=700,
+        sliding_window=300,
+    ),
+    "qwen2": dict(
+        model_type="qwen2",
+        hidden_size=120,
+        intermediate_size=200,
+        num_hidden_layers=2,
+        num_attention_heads=5,
+        num_key_value_heads=5,
+        vocab_size=900,
+        tie_word_embeddings=True,
+    ),
+    "qwen3": dict(
+        model_type="qwen3",
+        hidden_size=96,
+        intermediate_size=192,
+        num_hidden_layers=2,
+        num_attention_heads=3,
+        num_key_value_heads=3,
+        head_dim=48,
+        vocab_size=777,
+        tie_word_embeddings=False,
+    ),
+    "granite": dict(
+        model_type="granite",
+        hidden_size=96,
+        intermediate_size=160,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=24,
+        vocab_size=600,
+        embedding_multiplier=3.0,
+        residual_multiplier=0.3,
+        attention_multiplier=0.05,
+        logits_scaling=2.0,
+    ),
+}
+
+
+def size_mb(path: Path, pattern: str = "*") -> float:
+    return sum(p.stat().st_size for p in path.rglob(pattern) if p.is_file()) / 2**20
+
+
+def parity(model, hf, lengths: list[int], new_tokens: int) -> dict:
+    matches = {}
+    for n in lengths:
+        ids = torch.randint(4, 380, (1, n), generator=torch.Generator().manual_seed(n))
+        got = model.generate(ids, max_new_tokens=new_tokens, do_sample=False)
+        want = hf.generate(ids, max_new_tokens=new_tokens, do_sample=False)
+        matches[n] = got.tolist() == want.tolist()
+    return matches
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--batch-size", type=int, default=4)
+    parser.add_argument("--sequence-length", type=int, default=1024)
+    parser.add_argument("--chunk", type=int, default=128)
+    parser.add_argument("--backend", default="cpu")
+    parser.add_argument("--families", nargs="*", default=list(UNSEEN))
+    args = parser.parse_args()
+    from transformers import AutoModelForCausalLM
+
+    console = Console()
+    s, c = args.sequence_length, args.chunk
+    lengths = [1, c - 1, c, c + 1, 3 * c + 5, s - 24]
+    rows = []
+    work = Path(tempfile.mkdtemp(prefix="export-report-"))
+    for family in args.families:
+        checkpoint = build_checkpoint(
+            family, work / f"ckpt-{family}", seed=7, config={**COMMON, **UNSEEN[family]}
+        )
+        hf = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+        for chunk in (0, c):
+            out = work / f"{family}-{chunk}"
+            started = time.perf_counter()
+            export(
+                str(checkpoint),
+                out,
+                batch_size=args.batch_size,
+                sequence_length=s,
+                prefill_chunk_size=chunk,
+                backend=args.backend,
+                console=console,
+            )
+            export_s = time.perf_counter() - started
+            model = NeuronModelForCausalLM.from_pretrained(out)
+            matches = parity(model, hf, lengths, new_tokens=16)
+            rows.append(
+                dict(
+                    family=family,
+                    kind="chunked" if chunk else "std",
+                    chunk=chunk,
+                    export_s=round(export_s, 1),
+                    graphs_mb=round(size_mb(out / "graphs"), 1),
+                    weights_mb=round(size_mb(out, "*.safetensors"), 2),
+                    total_mb=round(size_mb(out), 1),
+                    greedy_equal_hf=all(matches.values()),
+                    per_length=matches,
+                )
+            )
+            console.print(rows[-1])
+    table = Table("family", "kind", "export s", "graphs MiB", "weights MiB", "greedy == HF")
+    for r in rows:
+        table.add_row(
+            r["family"],
+            r["kind"],
+            str(r["export_s"]),
+            str(r["graphs_mb"]),
+            str(r["weights_mb"]),
+            str(r["greedy_equal_hf"]),
+        )
+    console.print(table)
+    stamp = f"export-{datetime.date.today()}-{platform.node()}"
+    results = REPO / "benchmark" / "results"
+    results.mkdir(parents=True, exist_ok=True)
+    meta = dict(
+        batch_size=args.batch_size, sequence_length=s, chunk=c, backend=args.backend, prompt_lengths=lengths
+    )
+    (results / f"{stamp}.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=2, default=str))
+    lines = [
+        f"# Export report ({stamp})",
+        "",
+        f"`{json.dumps(meta)}`",
+        "",
+        "| family | kind | export s | graphs MiB | weights MiB | greedy == HF |",
+        "|---|---|---|---|---|---|",
+    ]
+    lines += [
+        f"| {r['family']} | {r['kind']} | {r['export_s']} | {r['graphs_mb']} | {r['weights_mb']} | "
+        f"{r['greedy_equal_hf']} |"
+        for r in rows
+    ]
+    (results / f"{stamp}.md").write_text("\n".join(lines) + "\n")
+    return 0 if all(r["greedy_equal_hf"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

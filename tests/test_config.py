@@ -1,0 +1,60 @@
+from __future__ import annotations
+
+import pytest
+
+from optimum_neuron_chunked.config import NeuronConfig, NeuronConfigError
+from optimum_neuron_chunked.graphs import graph_specs
+
+
+def test_round_trip(tmp_path):
+    config = NeuronConfig(batch_size=4, sequence_length=1024, prefill_chunk_size=128)
+    config.save(tmp_path)
+    assert NeuronConfig.load(tmp_path) == config
+
+
+def test_default_buckets_halve_down_to_512():
+    assert NeuronConfig(batch_size=1, sequence_length=4096).context_buckets == (512, 1024, 2048, 4096)
+    assert NeuronConfig(batch_size=1, sequence_length=128).context_buckets == (128,)
+    assert NeuronConfig(batch_size=1, sequence_length=4096, prefill_chunk_size=1024).context_buckets == (
+        1024,
+        2048,
+        4096,
+    )
+
+
+def test_bucket_for_picks_the_smallest_cover():
+    config = NeuronConfig(batch_size=1, sequence_length=4096)
+    assert [config.bucket_for(n) for n in (1, 512, 513, 4096)] == [512, 512, 1024, 4096]
+    with pytest.raises(NeuronConfigError, match="exceeds"):
+        config.bucket_for(4097)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(batch_size=0, sequence_length=128), "--batch_size 1 or more"),
+        (dict(batch_size=1, sequence_length=128, prefill_chunk_size=256), "--prefill-chunk-size <= 128"),
+        (dict(batch_size=1, sequence_length=128, dtype="int8"), "choose one of"),
+        (dict(batch_size=1, sequence_length=128, backend="tpu"), "choose one of"),
+        (dict(batch_size=1, sequence_length=128, context_buckets=(64,)), "must equal sequence_length"),
+        (
+            dict(batch_size=1, sequence_length=128, prefill_chunk_size=64, context_buckets=(32, 128)),
+            "at least one chunk",
+        ),
+    ],
+)
+def test_invalid_configs_say_what_to_change(kwargs, message):
+    with pytest.raises(NeuronConfigError, match=message):
+        NeuronConfig(**kwargs)
+
+
+def test_graph_sets():
+    chunked = NeuronConfig(batch_size=4, sequence_length=1024, prefill_chunk_size=128)
+    assert [s.name for s in graph_specs(chunked)] == ["cp_w512", "tg_w512", "cp_w1024", "tg_w1024"]
+    std = NeuronConfig(batch_size=4, sequence_length=1024)
+    assert [(s.name, s.batch, s.width) for s in graph_specs(std)] == [
+        ("ce_w512", 1, 512),
+        ("tg_w512", 4, 1),
+        ("ce_w1024", 1, 1024),
+        ("tg_w1024", 4, 1),
+    ]

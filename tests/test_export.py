@@ -1,0 +1,249 @@
+"""The exporter, its artifact folder and the loader's refusals."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import export_params
+from fixtures.export_models import CHUNKED_SHAPE, REPO, STD_SHAPE, checkpoint_path
+
+from optimum_neuron_chunked import InvalidExportError, NeuronModelForCausalLM
+from optimum_neuron_chunked.config import CONFIG_NAME
+
+BIN = Path(sys.executable).parent
+
+
+def cli(*args: str, cwd=REPO) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [str(BIN / "optimum-cli"), "export", "neuron", *args],
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        timeout=600,
+    )
+
+
+def files(folder: Path) -> set[str]:
+    return {str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file()}
+
+
+@pytest.mark.parametrize("export_dir", export_params([f"llama-{CHUNKED_SHAPE}-cpu"]), indirect=True)
+def test_chunked_artifact_has_cp_and_tg_graphs_and_no_ce(export_dir):
+    found = files(export_dir)
+    assert {
+        "config.json",
+        "generation_config.json",
+        "tokenizer.json",
+        CONFIG_NAME,
+        "model.safetensors",
+    } <= found
+    graphs = sorted(f for f in found if f.startswith("graphs/"))
+    assert graphs == ["graphs/cp_w128.pt2", "graphs/cp_w64.pt2", "graphs/tg_w128.pt2", "graphs/tg_w64.pt2"]
+    assert json.loads((export_dir / CONFIG_NAME).read_text())["prefill_chunk_size"] == 32
+
+
+@pytest.mark.parametrize("export_dir", export_params([f"llama-{STD_SHAPE}-cpu"]), indirect=True)
+def test_standard_artifact_has_ce_and_tg_graphs(export_dir):
+    graphs = sorted(f for f in files(export_dir) if f.startswith("graphs/"))
+    assert graphs == ["graphs/ce_w128.pt2", "graphs/ce_w64.pt2", "graphs/tg_w128.pt2", "graphs/tg_w64.pt2"]
+
+
+@pytest.mark.parametrize("export_dir", export_params([f"llama-{CHUNKED_SHAPE}-cpu"]), indirect=True)
+def test_fresh_process_loads_without_compiling(export_dir, hf_reference):
+    """A new process loads the AOTI packages (no trace, no compile) and generates HF's tokens."""
+    script = (
+        "import sys, time, torch\n"
+        "import torch._inductor, torch.export\n"
+        "def forbidden(*a, **k): raise AssertionError('compiled at load time')\n"
+        "torch.export.export = forbidden; torch._inductor.aoti_compile_and_package = forbidden\n"
+        "from optimum_neuron_chunked import NeuronModelForCausalLM\n"
+        "m = NeuronModelForCausalLM.from_pretrained(sys.argv[1])\n"
+        "ids = torch.arange(4, 4 + 45)[None]\n"
+        "print(m.generate(ids, max_new_tokens=8, do_sample=False)[0].tolist())\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script, str(export_dir)], capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    import torch
+
+    ids = torch.arange(4, 4 + 45)[None]
+    expected = hf_reference("llama").generate(ids, max_new_tokens=8, do_sample=False)[0].tolist()
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == expected
+
+
+def test_optimum_cli_exports_eager(tmp_path):
+    out = tmp_path / "out"
+    done = cli(
+        "--model",
+        str(checkpoint_path("qwen2")),
+        "--batch_size",
+        "2",
+        "--sequence_length",
+        "64",
+        "--prefill-chunk-size",
+        "16",
+        "--backend",
+        "eager",
+        str(out),
+    )
+    assert done.returncode == 0, done.stderr
+    model = NeuronModelForCausalLM.from_pretrained(out)
+    assert model.neuron_config.prefill_chunk_size == 16 and model.neuron_config.batch_size == 2
+
+
+def test_python_m_exporters_is_the_same_command(tmp_path):
+    done = subprocess.run(
+        [sys.executable, "-m", "exporters", "--help"], capture_output=True, text=True, cwd=REPO
+    )
+    assert done.returncode == 0 and "--prefill-chunk-size" in done.stdout
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--model", "/nonexistent/model"], "cannot load a model config"),
+        (["--prefill-chunk-size", "512"], "--prefill-chunk-size <= 64"),
+        (["--batch_size", "0"], "--batch_size 1 or more"),
+        (["--sequence_length", "100000"], "max_position_embeddings"),
+    ],
+)
+def test_cli_errors_name_the_fix_and_leave_nothing(tmp_path, args, message):
+    base = {
+        "--model": str(checkpoint_path("llama")),
+        "--batch_size": "2",
+        "--sequence_length": "64",
+        "--backend": "eager",
+    }
+    for i in range(0, len(args), 2):
+        base[args[i]] = args[i + 1]
+    done = cli(*[x for kv in base.items() for x in kv], str(tmp_path / "out"))
+    assert done.returncode == 2
+    assert message in " ".join(done.stderr.split()), done.stderr
+    assert "Traceback" not in done.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_unsupported_architecture_is_refused_by_name(tmp_path):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=100)).save_pretrained(
+        tmp_path / "gpt2"
+    )
+    done = cli(
+        "--model",
+        str(tmp_path / "gpt2"),
+        "--batch_size",
+        "1",
+        "--sequence_length",
+        "64",
+        "--backend",
+        "eager",
+        str(tmp_path / "out"),
+    )
+    assert done.returncode == 2
+    assert "GPT2LMHeadModel" in done.stderr and "LlamaForCausalLM" in done.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_unwritable_and_non_empty_outputs_are_refused(tmp_path):
+    model = str(checkpoint_path("llama"))
+    common = ["--model", model, "--batch_size", "1", "--sequence_length", "64", "--backend", "eager"]
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "keep.txt").write_text("mine")
+    done = cli(*common, str(tmp_path / "full"))
+    assert done.returncode == 2 and "--overwrite" in done.stderr
+    assert (tmp_path / "full" / "keep.txt").read_text() == "mine"
+    if os.geteuid() != 0:  # root writes anywhere
+        locked = tmp_path / "locked"
+        locked.mkdir(mode=0o500)
+        done = cli(*common, str(locked / "out"))
+        assert done.returncode == 2 and "writable" in done.stderr
+
+
+def test_failed_compile_leaves_no_folder(tmp_path, monkeypatch):
+    from exporters import neuron as exporter
+    from optimum_neuron_chunked.backends.eager import EagerBackend
+
+    def broken(self, *args, **kwargs):
+        raise RuntimeError("compiler crashed")
+
+    monkeypatch.setattr(EagerBackend, "compile", broken)
+    with pytest.raises(RuntimeError, match="compiler crashed"):
+        exporter.export(
+            str(checkpoint_path("llama")), tmp_path / "out", batch_size=1, sequence_length=64, backend="eager"
+        )
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.fixture
+def eager_export(tmp_path):
+    from exporters.neuron import export
+
+    return export(
+        str(checkpoint_path("llama")),
+        tmp_path / "out",
+        batch_size=1,
+        sequence_length=64,
+        prefill_chunk_size=16,
+        backend="eager",
+    )
+
+
+def test_loader_refuses_incomplete_export(eager_export):
+    (eager_export / "model.safetensors").unlink()
+    with pytest.raises(InvalidExportError, match="incomplete export.*model.safetensors"):
+        NeuronModelForCausalLM.from_pretrained(eager_export)
+
+
+def test_loader_refuses_a_folder_that_is_no_export(tmp_path):
+    with pytest.raises(InvalidExportError, match="not an export"):
+        NeuronModelForCausalLM.from_pretrained(checkpoint_path("llama"))
+    with pytest.raises(InvalidExportError, match="not a folder"):
+        NeuronModelForCausalLM.from_pretrained(tmp_path / "missing")
+
+
+def test_loader_refuses_other_version_and_other_backend(eager_export):
+    with pytest.raises(InvalidExportError, match="--backend cpu"):
+        NeuronModelForCausalLM.from_pretrained(eager_export, backend="cpu")
+    config = json.loads((eager_export / CONFIG_NAME).read_text())
+    config["package_version"] = "0.0.1"
+    (eager_export / CONFIG_NAME).write_text(json.dumps(config))
+    with pytest.raises(InvalidExportError, match="re-export"):
+        NeuronModelForCausalLM.from_pretrained(eager_export)
+
+
+def test_cpu_export_missing_a_graph_is_refused(tmp_path):
+    from fixtures.export_models import EXPORTS, export_model
+
+    source = export_model(EXPORTS[f"llama-{CHUNKED_SHAPE}-eager"])
+    copy = tmp_path / "copy"
+    shutil.copytree(source, copy)
+    config = json.loads((copy / CONFIG_NAME).read_text())
+    config["backend"] = "cpu"
+    (copy / CONFIG_NAME).write_text(json.dumps(config))
+    with pytest.raises(InvalidExportError, match="graphs/cp_w64.pt2"):
+        NeuronModelForCausalLM.from_pretrained(copy)
+
+
+def test_neuron_backend_without_sdk_says_so(tmp_path):
+    done = cli(
+        "--model",
+        str(checkpoint_path("llama")),
+        "--batch_size",
+        "1",
+        "--sequence_length",
+        "64",
+        "--backend",
+        "neuron",
+        str(tmp_path / "out"),
+    )
+    assert done.returncode == 2
+    assert "Neuron SDK" in done.stderr and "Traceback" not in done.stderr
+    assert list(tmp_path.iterdir()) == []

@@ -1,0 +1,111 @@
+"""Padded-position masking, the scatter write and bucket windows, on a real tiny decoder."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from fixtures.export_models import checkpoint_path
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from optimum_neuron_chunked.config import NeuronConfig
+from optimum_neuron_chunked.graphs import PrefillGraph, pad_repeat_last
+from optimum_neuron_chunked.modeling import build_model
+from optimum_neuron_chunked.modeling.attention import real_token_mask
+
+CHUNK, SEQ = 16, 64
+
+
+@pytest.fixture(scope="module")
+def decoder():
+    path = checkpoint_path("llama")
+    config = NeuronConfig(batch_size=2, sequence_length=SEQ, prefill_chunk_size=CHUNK, backend="eager")
+    model = build_model(AutoConfig.from_pretrained(path), config)
+    model.load_weights(model.weights_from_hf(AutoModelForCausalLM.from_pretrained(path)))
+    return model.eval()
+
+
+def run_chunk(model, tokens, start, seq_id=0, width=CHUNK, window=SEQ):
+    ids = pad_repeat_last(tokens[None], width, dim=1)
+    pos = pad_repeat_last(torch.arange(start, start + len(tokens))[None], width, dim=1)
+    with torch.no_grad():
+        return PrefillGraph(model, window)(ids, pos, torch.tensor([seq_id]))[0]
+
+
+def test_pad_repeat_last_repeats_the_last_entry():
+    x = torch.tensor([[5, 6, 7]])
+    assert pad_repeat_last(x, 6, dim=1).tolist() == [[5, 6, 7, 7, 7, 7]]
+    assert pad_repeat_last(x.T, 2 + 3, dim=0).flatten().tolist() == [5, 6, 7, 7, 7]
+    with pytest.raises(ValueError):
+        pad_repeat_last(x, 2, dim=1)
+
+
+def test_real_token_mask_marks_padded_repeats():
+    pos = pad_repeat_last(torch.arange(10, 13)[None], 6, dim=1)
+    assert real_token_mask(pos).tolist() == [[True, True, True, False, False, False]]
+
+
+def test_padded_copies_write_identical_kv(decoder):
+    """The K/V a padded copy computes equal the last real token's, so the duplicate scatter is a no-op."""
+    tokens = torch.arange(5, 5 + 9)
+    captured = []
+    hook = decoder.model.layers[1].self_attn.k_proj.register_forward_hook(lambda m, i, o: captured.append(o))
+    try:
+        run_chunk(decoder, tokens, start=0)
+    finally:
+        hook.remove()
+    k = captured[0][0]  # [C, Hkv * D] at the deepest layer
+    for padded in range(9, CHUNK):
+        torch.testing.assert_close(k[padded], k[8], atol=0, rtol=0)
+
+
+def test_padding_does_not_change_cache_or_logits(decoder):
+    tokens = torch.arange(5, 5 + 9)
+    for cache in decoder.cache_names():
+        getattr(decoder, cache).zero_()
+    padded_logits = run_chunk(decoder, tokens, start=0, width=CHUNK)
+    padded_cache = [getattr(decoder, c)[0].clone() for c in decoder.cache_names()]
+    for cache in decoder.cache_names():
+        getattr(decoder, cache).zero_()
+    exact_logits = run_chunk(decoder, tokens, start=0, width=len(tokens))
+    torch.testing.assert_close(padded_logits, exact_logits, atol=1e-5, rtol=0)
+    for name, before in zip(decoder.cache_names(), padded_cache, strict=True):
+        torch.testing.assert_close(getattr(decoder, name)[0], before, atol=1e-5, rtol=0)
+
+
+def test_logits_come_from_last_real_token(decoder):
+    tokens = torch.arange(5, 5 + 9)
+    logits = run_chunk(decoder, tokens, start=0)
+    shorter = run_chunk(decoder, tokens[:8], start=0)
+    assert not torch.allclose(logits, shorter)  # a different last token gives different logits
+    hf = AutoModelForCausalLM.from_pretrained(checkpoint_path("llama")).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(logits, hf(tokens[None]).logits[0, -1], atol=1e-4, rtol=0)
+
+
+def test_stale_cache_entries_beyond_the_context_are_never_read(decoder):
+    tokens = torch.arange(5, 5 + 9)
+    for cache in decoder.cache_names():
+        getattr(decoder, cache).zero_()
+    clean = run_chunk(decoder, tokens, start=0)
+    for cache in decoder.cache_names():  # a previous request's leftovers in the slot
+        getattr(decoder, cache)[0, :, 9:].normal_(0, 100)
+    dirty = run_chunk(decoder, tokens, start=0)
+    torch.testing.assert_close(dirty, clean, atol=0, rtol=0)
+
+
+def test_slots_are_isolated(decoder):
+    tokens = torch.arange(5, 5 + 9)
+    alone = run_chunk(decoder, tokens, start=0, seq_id=0)
+    run_chunk(decoder, torch.arange(40, 60), start=0, seq_id=1, width=20)
+    again = run_chunk(decoder, tokens[-1:], start=8, seq_id=0)  # re-run the last token on slot 0
+    torch.testing.assert_close(again, alone, atol=1e-5, rtol=0)
+
+
+def test_bucket_window_matches_full_window(decoder):
+    tokens = torch.arange(5, 5 + 9)
+    torch.testing.assert_close(
+        run_chunk(decoder, tokens, start=0, window=16),
+        run_chunk(decoder, tokens, start=0, window=SEQ),
+        atol=1e-5,
+        rtol=0,
+    )
