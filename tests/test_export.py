@@ -160,6 +160,9 @@ def test_unwritable_and_non_empty_outputs_are_refused(tmp_path):
     done = cli(*common, str(tmp_path / "full"))
     assert done.returncode == 2 and "--overwrite" in done.stderr
     assert (tmp_path / "full" / "keep.txt").read_text() == "mine"
+    (tmp_path / "a-file").write_text("x")
+    done = cli(*common, str(tmp_path / "a-file" / "out"))
+    assert done.returncode == 2 and "writable OUT" in " ".join(done.stderr.split()), done.stderr
     if os.geteuid() != 0:  # root writes anywhere
         locked = tmp_path / "locked"
         locked.mkdir(mode=0o500)
@@ -247,3 +250,43 @@ def test_neuron_backend_without_sdk_says_so(tmp_path):
     assert done.returncode == 2
     assert "Neuron SDK" in done.stderr and "Traceback" not in done.stderr
     assert list(tmp_path.iterdir()) == []
+
+
+def test_export_without_on_device_sampling_samples_on_the_host(tmp_path, hf_reference):
+    import torch
+
+    from exporters.neuron import export
+
+    out = export(
+        str(checkpoint_path("llama")),
+        tmp_path / "out",
+        batch_size=2,
+        sequence_length=64,
+        prefill_chunk_size=16,
+        backend="eager",
+        on_device_sampling=False,
+    )
+    model = NeuronModelForCausalLM.from_pretrained(out)
+    ids = torch.arange(4, 4 + 21)[None]
+    expected = hf_reference("llama").generate(ids, max_new_tokens=10, do_sample=False)
+    assert model.generate(ids, max_new_tokens=10, do_sample=False).tolist() == expected.tolist()
+    seeded = [
+        model.generate(ids, max_new_tokens=10, do_sample=True, generator=torch.Generator().manual_seed(5))
+        for _ in range(2)
+    ]
+    assert seeded[0].tolist() == seeded[1].tolist()
+    # on-device sampling draws the same tokens from the same host random numbers
+    ods = NeuronModelForCausalLM.from_pretrained(
+        export(
+            str(checkpoint_path("llama")),
+            tmp_path / "ods",
+            batch_size=2,
+            sequence_length=64,
+            prefill_chunk_size=16,
+            backend="eager",
+        )
+    )
+    on_device = ods.generate(
+        ids, max_new_tokens=10, do_sample=True, generator=torch.Generator().manual_seed(5)
+    )
+    assert on_device.tolist() == seeded[0].tolist()
