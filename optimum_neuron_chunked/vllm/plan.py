@@ -1,0 +1,109 @@
+"""Plan one engine step: which slots decode through TG, which prefill chunks run through CP/CE.
+
+Pure functions over frozen dataclasses, so the scheduler interplay is unit-tested without a
+model. The runner converts vLLM's SchedulerOutput into `ScheduledWork` and executes the plan.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+class PlanError(RuntimeError):
+    """A step the compiled graphs cannot run (a scheduler configured against the export)."""
+
+
+@dataclass(frozen=True)
+class ScheduledWork:
+    """One request's share of a step, as the scheduler gave it.
+
+    `token_ids` are the tokens at positions `start, start + 1, ...`; `num_known_tokens` counts
+    prompt + generated tokens so far: the work reaches the end of them when it samples.
+    """
+
+    req_id: str
+    slot: int
+    start: int
+    token_ids: tuple[int, ...]
+    num_prompt_tokens: int
+    num_known_tokens: int
+
+    @property
+    def end(self) -> int:
+        return self.start + len(self.token_ids)
+
+    @property
+    def is_decode(self) -> bool:
+        return len(self.token_ids) == 1 and self.start >= self.num_prompt_tokens
+
+    @property
+    def samples(self) -> bool:
+        return self.end == self.num_known_tokens
+
+
+@dataclass(frozen=True)
+class DecodeRow:
+    req_id: str
+    slot: int
+    token_id: int
+    position: int
+
+
+@dataclass(frozen=True)
+class PrefillChunk:
+    """A graph call's worth of prompt: at most C tokens (chunked) or a whole prompt (standard)."""
+
+    req_id: str
+    slot: int
+    start: int
+    token_ids: tuple[int, ...]
+    samples: bool  # the last chunk of the request's prefill: its logits are sampled
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    decodes: tuple[DecodeRow, ...]
+    chunks: tuple[PrefillChunk, ...]
+    order: tuple[str, ...]  # every scheduled request, in the scheduler's order
+
+    @property
+    def sampling_req_ids(self) -> tuple[str, ...]:
+        """Requests that get a token this step: decodes, then last chunks, in plan order."""
+        return tuple(d.req_id for d in self.decodes) + tuple(c.req_id for c in self.chunks if c.samples)
+
+
+def plan_step(work: list[ScheduledWork], chunk_size: int, batch_size: int) -> StepPlan:
+    """Split the step into one TG call (all decodes) and prefill chunks.
+
+    chunk_size 0 means a standard export: a prefill must be a whole prompt from position 0.
+    """
+    decodes, chunks = [], []
+    for w in work:
+        if not w.token_ids:
+            raise PlanError(f"request {w.req_id} was scheduled with no tokens")
+        if w.is_decode:
+            decodes.append(DecodeRow(w.req_id, w.slot, w.token_ids[0], w.start))
+        else:
+            chunks.extend(_split_prefill(w, chunk_size))
+    if len(decodes) > batch_size:
+        raise PlanError(f"{len(decodes)} decodes in one step exceed the compiled batch_size {batch_size}")
+    if len({w.slot for w in work}) != len(work):
+        raise PlanError(f"two requests share a KV-cache slot: {[(w.req_id, w.slot) for w in work]}")
+    return StepPlan(tuple(decodes), tuple(chunks), tuple(w.req_id for w in work))
+
+
+def _split_prefill(w: ScheduledWork, chunk_size: int) -> list[PrefillChunk]:
+    if chunk_size == 0:
+        if w.start != 0 or not w.samples:
+            raise PlanError(
+                f"request {w.req_id}: a standard export encodes whole prompts, but the scheduler gave "
+                f"positions {w.start}..{w.end} of {w.num_known_tokens}; serve a chunked export for "
+                "chunked prefill."
+            )
+        return [PrefillChunk(w.req_id, w.slot, 0, w.token_ids, True)]
+    pieces = []
+    for offset in range(0, len(w.token_ids), chunk_size):
+        ids = w.token_ids[offset : offset + chunk_size]
+        last = offset + len(ids) == len(w.token_ids)
+        pieces.append(PrefillChunk(w.req_id, w.slot, w.start + offset, ids, last and w.samples))
+    return pieces

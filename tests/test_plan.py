@@ -1,0 +1,52 @@
+"""The pure step planner: decodes vs prefill chunks, splitting, sampling flags, refusals."""
+
+from __future__ import annotations
+
+import pytest
+
+from optimum_neuron_chunked.vllm.plan import PlanError, ScheduledWork, plan_step
+
+
+def work(req_id, slot, start, n, prompt, known=None, first=100):
+    return ScheduledWork(req_id, slot, start, tuple(range(first, first + n)), prompt, known or prompt)
+
+
+def test_decodes_and_a_partial_chunk():
+    plan = plan_step(
+        [work("a", 0, 10, 1, prompt=8, known=11), work("b", 1, 0, 20, prompt=50)], chunk_size=32, batch_size=4
+    )
+    assert [(d.req_id, d.slot, d.position) for d in plan.decodes] == [("a", 0, 10)]
+    assert [(c.req_id, c.start, len(c.token_ids), c.samples) for c in plan.chunks] == [("b", 0, 20, False)]
+    assert plan.sampling_req_ids == ("a",)
+    assert plan.order == ("a", "b")
+
+
+def test_long_piece_is_split_into_chunks_and_only_the_last_samples():
+    plan = plan_step([work("b", 2, 40, 70, prompt=110)], chunk_size=32, batch_size=4)
+    assert [(c.start, len(c.token_ids), c.samples) for c in plan.chunks] == [
+        (40, 32, False),
+        (72, 32, False),
+        (104, 6, True),
+    ]
+    assert plan.chunks[1].token_ids[0] == 132  # tokens stay with their positions
+    assert plan.sampling_req_ids == ("b",)
+
+
+def test_single_token_prompt_is_a_prefill_not_a_decode():
+    plan = plan_step([work("a", 0, 0, 1, prompt=1)], chunk_size=32, batch_size=4)
+    assert plan.decodes == () and plan.chunks[0].samples
+
+
+def test_standard_export_takes_whole_prompts_only():
+    plan = plan_step([work("a", 0, 0, 90, prompt=90)], chunk_size=0, batch_size=4)
+    assert len(plan.chunks) == 1 and len(plan.chunks[0].token_ids) == 90
+    with pytest.raises(PlanError, match="whole prompts"):
+        plan_step([work("a", 0, 0, 40, prompt=90)], chunk_size=0, batch_size=4)
+
+
+def test_refuses_shared_slots_and_oversized_decode_batches():
+    with pytest.raises(PlanError, match="share a KV-cache slot"):
+        plan_step([work("a", 0, 9, 1, 8, 10), work("b", 0, 9, 1, 8, 10)], chunk_size=32, batch_size=4)
+    decodes = [work(str(i), i, 9, 1, 8, 10) for i in range(3)]
+    with pytest.raises(PlanError, match="batch_size 2"):
+        plan_step(decodes, chunk_size=32, batch_size=2)
