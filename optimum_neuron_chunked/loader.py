@@ -43,15 +43,9 @@ class NeuronModelForCausalLM:
     @classmethod
     def from_pretrained(cls, model_dir: str | Path, backend: str | None = None) -> NeuronModelForCausalLM:
         model_dir = Path(model_dir)
-        config = _load_neuron_config(model_dir)
-        if backend is not None and backend != config.backend:
-            raise InvalidExportError(
-                f"{model_dir} was compiled for the {config.backend!r} backend, not {backend!r}: "
-                f"re-export with --backend {backend}."
-            )
+        config = check_export(model_dir, backend)
         impl = get_backend(config.backend)
         specs = graph_specs(config)
-        _check_complete(model_dir, [CONFIG_NAME, "config.json", WEIGHTS_NAME, *impl.graph_files(specs)])
         hf_config = AutoConfig.from_pretrained(model_dir)
         model = build_model(hf_config, config)
         model.load_weights(load_file(model_dir / WEIGHTS_NAME))
@@ -116,6 +110,21 @@ class NeuronModelForCausalLM:
         from .generation import generate
 
         return generate(self, input_ids, attention_mask, **kwargs)
+
+
+def check_export(model_dir: str | Path, backend: str | None = None) -> NeuronConfig:
+    """The config of a complete export of this version (for `backend` if given), or InvalidExportError."""
+    model_dir = Path(model_dir)
+    config = _load_neuron_config(model_dir)
+    if backend is not None and backend != config.backend:
+        raise InvalidExportError(
+            f"{model_dir} was compiled for the {config.backend!r} backend, not {backend!r}: "
+            f"re-export with --backend {backend}."
+        )
+    specs = graph_specs(config)
+    files = get_backend(config.backend).graph_files(specs)
+    _check_complete(model_dir, [CONFIG_NAME, "config.json", WEIGHTS_NAME, *files])
+    return config
 
 
 def _load_neuron_config(model_dir: Path) -> NeuronConfig:

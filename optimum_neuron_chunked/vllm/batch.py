@@ -1,0 +1,136 @@
+"""Per-request state of the running batch, kept in step with vLLM's scheduler.
+
+vLLM sends each request's prompt and sampling parameters once (when it is first scheduled)
+and then only how far it got; the runner keeps the rest: the tokens generated so far, the
+KV-cache slot and the sampling state. Host sampling reuses vLLM's own `InputBatch`, which
+derives the sampler's metadata (penalties, seeds, logits processors, ...) from that state.
+
+The slot of a request is its KV block: the cache is presented to vLLM as one block of
+`max_model_len` tokens per request, so block id b (1..B; 0 is vLLM's null block) is slot b-1
+and vLLM's block pool is the slot allocator - a finished or aborted request frees its slot
+in the scheduler itself.
+"""
+
+from __future__ import annotations
+
+import torch
+from vllm.config import VllmConfig
+from vllm.sampling_params import SamplingType
+from vllm.v1.core.sched.output import SchedulerOutput
+from vllm.v1.sample.logits_processor import build_logitsprocs
+from vllm.v1.worker.gpu_input_batch import CachedRequestState, InputBatch
+
+from .plan import ScheduledWork
+
+
+def slot_of(block_ids: tuple[list[int], ...]) -> int:
+    """KV-cache slot of a request from its block ids (one group, one block)."""
+    (blocks,) = block_ids
+    if len(blocks) != 1:
+        raise RuntimeError(
+            f"expected one KV block per request, got {blocks}: check the platform's block_size"
+        )
+    return blocks[0] - 1
+
+
+class BatchState:
+    """The running requests (`CachedRequestState`) and vLLM's `InputBatch` over them."""
+
+    def __init__(self, vllm_config: VllmConfig):
+        mc, sc = vllm_config.model_config, vllm_config.scheduler_config
+        block_size = vllm_config.cache_config.block_size
+        cpu = torch.device("cpu")
+        custom = tuple(mc.logits_processors or ())
+        self.input_batch = InputBatch(
+            max_num_reqs=sc.max_num_seqs,
+            max_model_len=mc.max_model_len,
+            max_num_batched_tokens=sc.max_num_batched_tokens,
+            device=cpu,
+            vocab_size=mc.get_vocab_size(),
+            block_sizes=[block_size],
+            max_num_blocks_per_req=[-(-mc.max_model_len // block_size)],
+            logitsprocs=build_logitsprocs(vllm_config, cpu, False, False, custom),
+            logitsprocs_need_output_token_ids=bool(custom),
+        )
+        self.requests: dict[str, CachedRequestState] = {}
+
+    def update(self, so: SchedulerOutput) -> None:
+        """Apply what the scheduler changed since the last step (finished, new, advanced)."""
+        batch = self.input_batch
+        for req_id in so.finished_req_ids:
+            self.requests.pop(req_id, None)
+            batch.remove_request(req_id)
+        resumed = so.scheduled_cached_reqs.resumed_req_ids
+        # Running but not scheduled this step (preempted): out of the batch, state kept.
+        for req_id in batch.req_id_to_index.keys() - (so.num_scheduled_tokens.keys() - resumed):
+            batch.remove_request(req_id)
+        to_add = [self._new_state(new) for new in so.scheduled_new_reqs]
+        cached = so.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            state = self.requests[req_id]
+            state.num_computed_tokens = cached.num_computed_tokens[i]
+            if req_id in resumed and cached.new_block_ids[i] is not None:
+                state.block_ids = cached.new_block_ids[i]
+            elif cached.new_block_ids[i] is not None and any(cached.new_block_ids[i]):
+                raise RuntimeError(f"request {req_id} got a second KV block: {cached.new_block_ids[i]}")
+            if req_id in cached.all_token_ids:  # resumed: vLLM resends prompt + outputs
+                del state.output_token_ids[cached.num_output_tokens[i] :]
+            index = batch.req_id_to_index.get(req_id)
+            if index is None:
+                to_add.append(state)
+            else:
+                batch.num_computed_tokens_cpu[index] = state.num_computed_tokens
+        for state in to_add:
+            batch.add_request(state)
+        batch.condense()
+        batch.refresh_metadata()  # every step: min_tokens bookkeeping lives there
+
+    def _new_state(self, new) -> CachedRequestState:
+        params = new.sampling_params
+        generator = None
+        if params is not None and params.sampling_type == SamplingType.RANDOM_SEED:
+            generator = torch.Generator(device="cpu")
+            generator.manual_seed(params.seed)
+        state = CachedRequestState(
+            req_id=new.req_id,
+            prompt_token_ids=list(new.prompt_token_ids),
+            mm_features=new.mm_features,
+            sampling_params=params,
+            generator=generator,
+            block_ids=new.block_ids,
+            num_computed_tokens=new.num_computed_tokens,
+            output_token_ids=[],
+            lora_request=new.lora_request,
+        )
+        self.requests[new.req_id] = state
+        return state
+
+    def scheduled_work(self, so: SchedulerOutput) -> list[ScheduledWork]:
+        """The step as plain data for the planner, in the scheduler's order."""
+        work = []
+        for req_id, n in so.num_scheduled_tokens.items():
+            state = self.requests[req_id]
+            start = state.num_computed_tokens
+            known = state.prompt_token_ids + state.output_token_ids
+            work.append(
+                ScheduledWork(
+                    req_id=req_id,
+                    slot=slot_of(state.block_ids),
+                    start=start,
+                    token_ids=tuple(known[start : start + n]),
+                    num_prompt_tokens=state.num_prompt_tokens,
+                    num_known_tokens=len(known),
+                )
+            )
+        return work
+
+    def append_tokens(self, tokens: dict[str, int]) -> None:
+        """Record sampled tokens (output lists are mutated in place: InputBatch holds them)."""
+        batch = self.input_batch
+        for req_id, token in tokens.items():
+            self.requests[req_id].output_token_ids.append(token)
+            i = batch.req_id_to_index[req_id]
+            end = int(batch.num_tokens_no_spec[i])
+            batch.token_ids_cpu[i, end] = token
+            batch.is_token_ids[i, end] = True
+            batch.num_tokens_no_spec[i] = end + 1

@@ -1,0 +1,91 @@
+"""What vLLM may ask of an export: its arguments checked against the compiled shapes, and the
+scheduler settings derived from them. Pure, so every refusal is unit-tested.
+
+Derived settings (each overridable by its usual vLLM flag):
+  --max-model-len            sequence_length (the compiled KV-cache length)
+  --max-num-seqs             batch_size (one KV-cache slot per running request)
+  --max-num-batched-tokens   chunked: batch_size + prefill_chunk_size, i.e. every running decode
+                             plus one chunk per step; standard: max_model_len + batch_size, so a
+                             whole prompt always fits (standard exports cannot split prompts)
+  --long-prefill-token-threshold   chunked: prefill_chunk_size, so one request's share of a
+                             step is one chunk (vLLM lifts the cap when a request runs alone)
+The KV cache is presented to vLLM as one group of max_model_len-token blocks, one per slot.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..config import NeuronConfig
+
+
+class ServingConfigError(ValueError):
+    """vLLM arguments that the compiled graphs cannot serve; the message names the flag."""
+
+
+@dataclass(frozen=True)
+class EngineRequest:
+    """vLLM's view before the platform adjusts it. None: the user did not give the flag."""
+
+    max_model_len: int | None
+    derived_max_model_len: int  # what vLLM derived (HF config) or was given
+    max_num_seqs: int | None
+    max_num_batched_tokens: int | None
+    long_prefill_token_threshold: int  # 0 = unset
+    dtype: str
+
+
+@dataclass(frozen=True)
+class ServingLimits:
+    max_model_len: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    long_prefill_token_threshold: int
+    enable_chunked_prefill: bool
+    block_size: int  # one block per request
+    num_blocks: int  # one per slot + vLLM's null block
+
+
+def serving_limits(config: NeuronConfig, request: EngineRequest) -> ServingLimits:
+    if request.dtype != config.dtype:
+        raise ServingConfigError(
+            f"--dtype {request.dtype} differs from the compiled dtype {config.dtype}: "
+            f"pass --dtype {config.dtype} (or omit it), or re-export with --dtype {request.dtype}."
+        )
+    max_model_len = config.sequence_length if request.max_model_len is None else request.max_model_len
+    if max_model_len > config.sequence_length:
+        raise ServingConfigError(
+            f"--max-model-len {max_model_len} exceeds the compiled sequence_length "
+            f"{config.sequence_length}: pass --max-model-len {config.sequence_length} or less, "
+            f"or re-export with --sequence_length {max_model_len}."
+        )
+    max_num_seqs = config.batch_size if request.max_num_seqs is None else request.max_num_seqs
+    if max_num_seqs > config.batch_size:
+        raise ServingConfigError(
+            f"--max-num-seqs {max_num_seqs} exceeds the compiled batch_size {config.batch_size}: "
+            f"pass --max-num-seqs {config.batch_size} or less, or re-export with --batch_size {max_num_seqs}."
+        )
+    chunk = config.prefill_chunk_size
+    if request.max_num_batched_tokens is not None:
+        budget = request.max_num_batched_tokens
+    else:
+        budget = max_num_seqs + (chunk if config.chunked else max_model_len)
+    if not config.chunked and budget < max_model_len:
+        raise ServingConfigError(
+            f"--max-num-batched-tokens {budget} is below --max-model-len {max_model_len}: a standard "
+            "export encodes whole prompts in one step; raise it, or serve a chunked export."
+        )
+    if budget < max_num_seqs:
+        raise ServingConfigError(
+            f"--max-num-batched-tokens {budget} is below --max-num-seqs {max_num_seqs}: raise it."
+        )
+    threshold = request.long_prefill_token_threshold or (chunk if config.chunked else 0)
+    return ServingLimits(
+        max_model_len=max_model_len,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=budget,
+        long_prefill_token_threshold=threshold,
+        enable_chunked_prefill=config.chunked,
+        block_size=max_model_len,
+        num_blocks=max_num_seqs + 1,
+    )

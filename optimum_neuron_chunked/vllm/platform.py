@@ -1,0 +1,159 @@
+"""The vLLM platform: serves an export folder of this package with its own worker.
+
+vLLM tensors stay on the host (device_type "cpu"): the graphs own the accelerator, the
+platform only configures the engine around them.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from vllm.logger import init_logger
+from vllm.platforms import Platform, PlatformEnum
+
+from ..config import NeuronConfig
+from ..loader import InvalidExportError, check_export
+from .limits import EngineRequest, serving_limits
+
+logger = init_logger(__name__)
+
+WORKER = "optimum_neuron_chunked.vllm.worker.NeuronChunkedWorker"
+DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+class NeuronChunkedPlatform(Platform):
+    _enum = PlatformEnum.OOT
+    device_name = "cpu"
+    device_type = "cpu"
+    dispatch_key = "CPU"
+    dist_backend = "gloo"
+    simple_compile_backend = "inductor"
+
+    @property
+    def supported_dtypes(self) -> list[torch.dtype]:
+        # float32 first: vLLM's "auto" keeps a float32 export in float32.
+        return [torch.float32, torch.bfloat16, torch.float16]
+
+    @classmethod
+    def is_cpu(cls) -> bool:
+        # vLLM's tensors live in host memory, so its host-side code paths (sampler ops, thread
+        # setup of the engine process, shutdown) are the CPU ones; the graphs own the device.
+        return True
+
+    @classmethod
+    def get_device_name(cls, device_id: int = 0) -> str:
+        return "neuron-chunked"
+
+    @classmethod
+    def get_device_total_memory(cls, device_id: int = 0) -> int:
+        import psutil
+
+        return psutil.virtual_memory().total
+
+    @classmethod
+    def is_pin_memory_available(cls) -> bool:
+        return False
+
+    @classmethod
+    def inference_mode(cls):
+        return torch.no_grad()
+
+    @classmethod
+    def set_device(cls, device: torch.device) -> None:
+        pass
+
+    @classmethod
+    def manual_seed_all(cls, seed: int) -> None:
+        pass
+
+    @classmethod
+    def import_kernels(cls) -> None:
+        # vLLM's sampler uses its CPU ops; the CPU platform loads the build this CPU runs.
+        from vllm.platforms.cpu import CpuPlatform
+
+        CpuPlatform.import_kernels()
+
+    @classmethod
+    def check_and_update_config(cls, vllm_config) -> None:
+        """Check vLLM's arguments against the export and fit the engine to the static cache.
+
+        Runs twice (front end, then engine core) and is idempotent.
+        """
+        model_config = vllm_config.model_config
+        if model_config is None:
+            return
+        model_dir = Path(model_config.model)
+        try:
+            export = check_export(model_dir)
+        except InvalidExportError as e:
+            raise InvalidExportError(
+                f"{e}\n(optimum-neuron-chunked's vLLM platform serves export folders only; to serve "
+                "a plain checkpoint with another platform, deselect it with VLLM_PLUGINS=...)"
+            ) from None
+        sched, cache = vllm_config.scheduler_config, vllm_config.cache_config
+        limits = serving_limits(export, _engine_request(vllm_config, export))
+        model_config.max_model_len = limits.max_model_len
+        sched.max_num_seqs = limits.max_num_seqs
+        sched.max_num_batched_tokens = limits.max_num_batched_tokens
+        sched.long_prefill_token_threshold = limits.long_prefill_token_threshold
+        sched.enable_chunked_prefill = limits.enable_chunked_prefill
+        sched.async_scheduling = False  # the runner needs each step's tokens before the next
+        cache.block_size = limits.block_size
+        cache.user_specified_block_size = True
+        cache.num_gpu_blocks_override = limits.num_blocks
+        cache.enable_prefix_caching = False  # a cached block would point at another slot
+        parallel = vllm_config.parallel_config
+        if parallel.worker_cls == "auto":
+            parallel.worker_cls = WORKER
+        if parallel.distributed_executor_backend is None:
+            parallel.distributed_executor_backend = "uni"
+        vllm_config.compilation_config.cudagraph_capture_sizes = []
+        logger.info("serving %s (%s) with %s", model_dir, _describe(export), limits)
+
+    @classmethod
+    def validate_request(cls, processed_inputs, params) -> None:
+        from vllm.exceptions import VLLMValidationError
+
+        if getattr(params, "prompt_logprobs", None) is not None:
+            raise VLLMValidationError(
+                "prompt_logprobs are not supported: the prefill graphs return the logits of the last "
+                "prompt token only.",
+                parameter="prompt_logprobs",
+            )
+        if isinstance(processed_inputs, dict) and processed_inputs.get("prompt_embeds") is not None:
+            raise VLLMValidationError(
+                "prompt embeddings are not supported: send token ids or text.", parameter="prompt_embeds"
+            )
+
+
+def _engine_request(vllm_config, export: NeuronConfig) -> EngineRequest:
+    """vLLM's arguments, with vLLM's own defaults read as 'not given' (the export decides)."""
+    from vllm.config import SchedulerConfig
+    from vllm.engine.arg_utils import EngineArgs
+
+    model_config, sched = vllm_config.model_config, vllm_config.scheduler_config
+    world = vllm_config.parallel_config.world_size
+    tokens_defaults, seqs_defaults = EngineArgs.get_batch_defaults(world)
+    default_seqs = {*seqs_defaults.values(), SchedulerConfig.DEFAULT_MAX_NUM_SEQS}
+    default_tokens = {*tokens_defaults.values(), SchedulerConfig.DEFAULT_MAX_NUM_BATCHED_TOKENS}
+    # vLLM caps a default budget at max_num_seqs * max_model_len
+    default_tokens |= {sched.max_num_seqs * model_config.max_model_len}
+    given_len = model_config.original_max_model_len
+    return EngineRequest(
+        max_model_len=None if given_len in (None, -1) else given_len,
+        derived_max_model_len=model_config.max_model_len,
+        max_num_seqs=None
+        if sched.max_num_seqs in default_seqs and sched.max_num_seqs > export.batch_size
+        else sched.max_num_seqs,
+        max_num_batched_tokens=None
+        if sched.max_num_batched_tokens in default_tokens
+        else sched.max_num_batched_tokens,
+        long_prefill_token_threshold=sched.long_prefill_token_threshold,
+        dtype=DTYPE_NAMES.get(model_config.dtype, str(model_config.dtype)),
+    )
+
+
+def _describe(config: NeuronConfig) -> str:
+    kind = f"chunked C={config.prefill_chunk_size}" if config.chunked else "standard"
+    return f"{kind}, B={config.batch_size}, S={config.sequence_length}, backend={config.backend}"

@@ -1,0 +1,99 @@
+"""The step runner: scheduler output -> plan -> graphs -> hybrid sampling -> ModelRunnerOutput.
+
+vLLM calls `execute_model` (graphs run, nothing sampled yet) then `sample_tokens` with the
+structured-output bitmask, if any.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from vllm.config import VllmConfig
+from vllm.v1.core.sched.output import SchedulerOutput
+from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
+from vllm.v1.sample.sampler import Sampler
+
+from ..loader import NeuronModelForCausalLM
+from .batch import BatchState
+from .plan import StepPlan, plan_step
+from .sampling import device_sampling_inputs, host_sample, on_device_eligible
+
+
+@dataclass
+class StepResult:
+    """What the graphs produced: logits to sample on the host, tokens sampled on device."""
+
+    plan: StepPlan
+    host_logits: dict[str, torch.Tensor] = field(default_factory=dict)
+    device_tokens: dict[str, int] = field(default_factory=dict)
+
+
+class StepRunner:
+    def __init__(self, model: NeuronModelForCausalLM, vllm_config: VllmConfig):
+        self.model = model
+        self.config = model.neuron_config
+        self.batch = BatchState(vllm_config)
+        self.sampler = Sampler(logprobs_mode=vllm_config.model_config.logprobs_mode)
+        self.vocab_size = vllm_config.model_config.get_vocab_size()
+        self.rng = torch.Generator().manual_seed(vllm_config.model_config.seed or 0)
+        self.history: list[StepPlan] = []  # what each step ran (tests and debugging)
+        self._pending: tuple[SchedulerOutput, StepResult] | None = None
+
+    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput | None:
+        self.batch.update(so)
+        if so.total_num_scheduled_tokens == 0:
+            return EMPTY_MODEL_RUNNER_OUTPUT
+        plan = plan_step(
+            self.batch.scheduled_work(so), self.config.prefill_chunk_size, self.config.batch_size
+        )
+        self.history.append(plan)
+        result = StepResult(plan)
+        self._run_decodes(result)
+        self._run_chunks(result)
+        self._pending = (so, result)
+        return None
+
+    def sample_tokens(self, grammar_output) -> ModelRunnerOutput:
+        so, result = self._pending
+        self._pending = None
+        tokens, logprobs = dict(result.device_tokens), None
+        if result.host_logits:
+            host, logprobs = host_sample(self.batch, self.sampler, result.host_logits, grammar_output, so)
+            tokens.update(host)
+        self.batch.append_tokens(tokens)
+        ib = self.batch.input_batch
+        return ModelRunnerOutput(
+            req_ids=list(ib.req_ids),
+            req_id_to_index=dict(ib.req_id_to_index),
+            sampled_token_ids=[[tokens[r]] if r in tokens else [] for r in ib.req_ids],
+            logprobs=logprobs,
+        )
+
+    def _run_decodes(self, result: StepResult) -> None:
+        decodes = result.plan.decodes
+        if not decodes:
+            return
+        params = [self.batch.requests[d.req_id].sampling_params for d in decodes]
+        on_device = self.config.on_device_sampling and all(
+            on_device_eligible(p, self.config.max_topk, self.vocab_size) for p in params
+        )
+        sampling, rand = device_sampling_inputs(params, self.rng)
+        tokens, logits = self.model.decode(
+            torch.tensor([d.token_id for d in decodes]),
+            torch.tensor([d.position for d in decodes]),
+            torch.tensor([d.slot for d in decodes]),
+            sampling,
+            rand,
+        )
+        for i, d in enumerate(decodes):
+            if on_device:
+                result.device_tokens[d.req_id] = int(tokens[i])
+            else:
+                result.host_logits[d.req_id] = logits[i]
+
+    def _run_chunks(self, result: StepResult) -> None:
+        for chunk in result.plan.chunks:
+            logits = self.model.runner.prefill(torch.tensor(chunk.token_ids), chunk.start, chunk.slot)
+            if chunk.samples:
+                result.host_logits[chunk.req_id] = logits

@@ -1,0 +1,83 @@
+"""Hybrid sampling: on device when the TG graph can honour every request, vLLM's sampler otherwise.
+
+On-device sampling (modeling/sampler.py) offers greedy, temperature, top-k (up to the
+compiled max_topk) and top-p, driven by host random numbers. Anything else a request asks
+for - logprobs, penalties, a seed, min_tokens, min_p, logit bias, allowed or banned tokens,
+structured output - is done by vLLM's own Sampler on the graph's logits, so it is never dropped.
+"""
+
+from __future__ import annotations
+
+import torch
+from vllm.sampling_params import SamplingParams
+from vllm.v1.outputs import LogprobsLists
+from vllm.v1.sample.sampler import Sampler
+
+from ..modeling.sampler import sampling_params as ods_row
+from .batch import BatchState
+
+GREEDY_EPS = 1e-5  # vLLM's threshold: temperature below it is greedy
+
+
+def on_device_eligible(params: SamplingParams, max_topk: int, vocab_size: int) -> bool:
+    """True when on-device sampling gives exactly what `params` asks for."""
+    if params.temperature >= GREEDY_EPS:
+        top_k_covered = 0 < params.top_k <= max_topk or vocab_size <= max_topk
+        if not top_k_covered or params.min_p > 0 or params.seed is not None:
+            return False
+    return (
+        params.logprobs is None
+        and params.prompt_logprobs is None
+        and params.presence_penalty == 0
+        and params.frequency_penalty == 0
+        and params.repetition_penalty == 1
+        and params.min_tokens == 0
+        and not params.logit_bias
+        and not params.allowed_token_ids
+        and not params.bad_words_token_ids
+        and params.structured_outputs is None
+        and not params.extra_args
+    )
+
+
+def device_sampling_inputs(
+    params: list[SamplingParams], generator: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The TG graph's sampling_params [N, 3] and random numbers [N] for these requests."""
+    rows = [
+        ods_row(
+            top_k=p.top_k, top_p=p.top_p, temperature=p.temperature if p.temperature >= GREEDY_EPS else 0.0
+        )
+        for p in params
+    ]
+    return torch.tensor(rows, dtype=torch.float32), torch.rand(len(rows), generator=generator)
+
+
+def host_sample(
+    batch: BatchState, sampler: Sampler, logits: dict[str, torch.Tensor], grammar=None, scheduler_output=None
+) -> tuple[dict[str, int], LogprobsLists | None]:
+    """Sample the requests in `logits` (req_id -> [V]) with vLLM's sampler.
+
+    vLLM's sampling metadata covers the whole InputBatch, so every row is sampled; rows
+    without logits this step (partial prefills, on-device rows) are discarded and their
+    seeded generators rewound, so a request's random stream only advances when it samples.
+    Returns tokens by request and logprobs rows in InputBatch order.
+    """
+    ib = batch.input_batch
+    vocab = ib.vocab_size
+    full = torch.zeros(ib.num_reqs, vocab, dtype=torch.float32)
+    for req_id, row in logits.items():
+        full[ib.req_id_to_index[req_id]] = row[:vocab].float()
+    if grammar is not None:
+        from vllm.v1.structured_output.utils import apply_grammar_bitmask
+
+        apply_grammar_bitmask(scheduler_output, grammar, ib, full)
+    skipped = [i for i, req_id in enumerate(ib.req_ids) if req_id not in logits]
+    states = {i: ib.generators[i].get_state() for i in skipped if i in ib.generators}
+    out = sampler(full, ib.sampling_metadata)
+    for i, state in states.items():
+        ib.generators[i].set_state(state)  # CPU generators have no offset to rewind
+    sampled = out.sampled_token_ids[:, 0].tolist()
+    tokens = {req_id: sampled[ib.req_id_to_index[req_id]] for req_id in logits}
+    lists = out.logprobs_tensors.tolists() if out.logprobs_tensors is not None else None
+    return tokens, lists

@@ -1,0 +1,77 @@
+"""The vLLM worker: loads the export and hands each engine step to the StepRunner."""
+
+from __future__ import annotations
+
+import torch
+from vllm.logger import init_logger
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheSpec
+from vllm.v1.worker.worker_base import CompilationTimes, WorkerBase
+
+from ..loader import NeuronModelForCausalLM
+from ..modeling import torch_dtype
+from .runner import StepRunner
+
+logger = init_logger(__name__)
+KV_LAYER = "neuron_chunked.kv_cache"  # the static cache, as one vLLM "layer"
+
+
+class NeuronChunkedWorker(WorkerBase):
+    model: NeuronModelForCausalLM
+    runner: StepRunner
+
+    def init_device(self) -> None:
+        self.device = torch.device("cpu")
+
+    def load_model(self, *, load_dummy_weights: bool = False) -> None:
+        self.model = NeuronModelForCausalLM.from_pretrained(self.model_config.model)
+        self.runner = StepRunner(self.model, self.vllm_config)
+        logger.info("loaded %s; torch threads: %d", self.model_config.model, torch.get_num_threads())
+
+    def get_model(self) -> torch.nn.Module:
+        return torch.nn.Module()  # the model lives inside the compiled graphs
+
+    def get_kv_cache_spec(self) -> dict[str, KVCacheSpec]:
+        hf, nc = self.model.config, self.model.neuron_config
+        head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+        spec = FullAttentionSpec(
+            block_size=self.cache_config.block_size,
+            num_kv_heads=hf.num_key_value_heads * hf.num_hidden_layers,
+            head_size=head_dim,
+            dtype=torch_dtype(nc),
+        )
+        return {KV_LAYER: spec}
+
+    def get_supported_kv_cache_layouts(self) -> list[str]:
+        return ["LBNHC"]
+
+    def determine_available_memory(self) -> int:
+        # The cache is allocated by the export; vLLM's block count comes from the platform's
+        # num_gpu_blocks_override. Report exactly what that many blocks take.
+        spec = self.get_kv_cache_spec()[KV_LAYER]
+        return spec.page_size_bytes * self.cache_config.num_gpu_blocks_override
+
+    def initialize_from_config(self, kv_cache_config: KVCacheConfig) -> None:
+        slots = kv_cache_config.num_blocks - 1
+        if slots > self.model.neuron_config.batch_size:
+            raise RuntimeError(
+                f"vLLM sized the KV cache for {slots} requests, the export has "
+                f"{self.model.neuron_config.batch_size} slots"
+            )
+
+    def compile_or_warm_up_model(self) -> CompilationTimes:
+        return CompilationTimes(language_model=0.0, encoder=0.0)
+
+    def get_supported_tasks(self) -> tuple[str, ...]:
+        return ("generate",)
+
+    def execute_model(self, scheduler_output):
+        return self.runner.execute_model(scheduler_output)
+
+    def sample_tokens(self, grammar_output):
+        return self.runner.sample_tokens(grammar_output)
+
+    def get_cache_block_size_bytes(self) -> int:
+        return self.get_kv_cache_spec()[KV_LAYER].page_size_bytes
+
+    def check_health(self) -> None:
+        return
