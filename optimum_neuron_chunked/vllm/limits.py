@@ -4,11 +4,13 @@ scheduler settings derived from them. Pure, so every refusal is unit-tested.
 Derived settings (each overridable by its usual vLLM flag):
   --max-model-len            sequence_length (the compiled KV-cache length)
   --max-num-seqs             batch_size (one KV-cache slot per running request)
-  --max-num-batched-tokens   chunked: batch_size + prefill_chunk_size, i.e. every running decode
-                             plus one chunk per step; standard: max_model_len + batch_size, so a
-                             whole prompt always fits (standard exports cannot split prompts)
+  --max-num-batched-tokens   chunked: prefill_chunk_size (at least max_num_seqs). Running
+                             requests are scheduled first, so a step is every running decode plus
+                             the rest of one chunk: one TG call and one CP call, however long the
+                             prompts. Standard: max_model_len + max_num_seqs, so a whole prompt
+                             always fits (standard exports cannot split prompts).
   --long-prefill-token-threshold   chunked: prefill_chunk_size, so one request's share of a
-                             step is one chunk (vLLM lifts the cap when a request runs alone)
+                             step stays one chunk if the budget is raised
 The KV cache is presented to vLLM as one group of max_model_len-token blocks, one per slot.
 """
 
@@ -69,7 +71,7 @@ def serving_limits(config: NeuronConfig, request: EngineRequest) -> ServingLimit
     if request.max_num_batched_tokens is not None:
         budget = request.max_num_batched_tokens
     else:
-        budget = max_num_seqs + (chunk if config.chunked else max_model_len)
+        budget = max(chunk, max_num_seqs) if config.chunked else max_model_len + max_num_seqs
     if not config.chunked and budget < max_model_len:
         raise ServingConfigError(
             f"--max-num-batched-tokens {budget} is below --max-model-len {max_model_len}: a standard "

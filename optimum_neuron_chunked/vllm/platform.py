@@ -6,6 +6,7 @@ platform only configures the engine around them.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import torch
@@ -16,7 +17,7 @@ from ..config import NeuronConfig
 from ..loader import InvalidExportError, check_export
 from .limits import EngineRequest, serving_limits
 
-logger = init_logger(__name__)
+logger = init_logger(f"vllm.{__name__}")  # under vLLM's configured logger
 
 WORKER = "optimum_neuron_chunked.vllm.worker.NeuronChunkedWorker"
 DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -109,6 +110,9 @@ class NeuronChunkedPlatform(Platform):
         if parallel.distributed_executor_backend is None:
             parallel.distributed_executor_backend = "uni"
         vllm_config.compilation_config.cudagraph_capture_sizes = []
+        # A process forked after torch ran OpenMP work deadlocks in its first parallel op:
+        # engine processes must be spawned (vLLM's CPU platform does the same).
+        os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
         logger.info("serving %s (%s) with %s", model_dir, _describe(export), limits)
 
     @classmethod

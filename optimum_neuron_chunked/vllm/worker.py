@@ -11,7 +11,7 @@ from ..loader import NeuronModelForCausalLM
 from ..modeling import torch_dtype
 from .runner import StepRunner
 
-logger = init_logger(__name__)
+logger = init_logger(f"vllm.{__name__}")  # under vLLM's configured logger
 KV_LAYER = "neuron_chunked.kv_cache"  # the static cache, as one vLLM "layer"
 
 

@@ -1,0 +1,68 @@
+"""vLLM arguments against the export: derived defaults and refusals that name the flag."""
+
+from __future__ import annotations
+
+import pytest
+
+from optimum_neuron_chunked.config import NeuronConfig
+from optimum_neuron_chunked.vllm.limits import EngineRequest, ServingConfigError, serving_limits
+
+CHUNKED = NeuronConfig(batch_size=4, sequence_length=1024, prefill_chunk_size=128, backend="eager")
+STD = NeuronConfig(batch_size=4, sequence_length=1024, backend="eager")
+
+
+def request(**kw) -> EngineRequest:
+    base = dict(
+        max_model_len=None,
+        derived_max_model_len=4096,
+        max_num_seqs=None,
+        max_num_batched_tokens=None,
+        long_prefill_token_threshold=0,
+        dtype="float32",
+    )
+    return EngineRequest(**{**base, **kw})
+
+
+def test_omitted_flags_take_the_export_values():
+    limits = serving_limits(CHUNKED, request())
+    assert (limits.max_model_len, limits.max_num_seqs) == (1024, 4)
+    assert limits.max_num_batched_tokens == 128  # running decodes + the rest of one chunk
+    assert limits.long_prefill_token_threshold == 128
+    assert limits.enable_chunked_prefill
+    assert (limits.block_size, limits.num_blocks) == (1024, 5)
+
+
+def test_standard_export_schedules_whole_prompts():
+    limits = serving_limits(STD, request(max_model_len=512))
+    assert not limits.enable_chunked_prefill
+    assert limits.max_num_batched_tokens == 512 + 4
+    assert limits.long_prefill_token_threshold == 0
+    with pytest.raises(ServingConfigError, match="--max-num-batched-tokens 100"):
+        serving_limits(STD, request(max_num_batched_tokens=100))
+
+
+def test_explicit_flags_within_the_export_are_kept():
+    limits = serving_limits(
+        CHUNKED,
+        request(
+            max_model_len=512, max_num_seqs=2, max_num_batched_tokens=1024, long_prefill_token_threshold=64
+        ),
+    )
+    assert (limits.max_model_len, limits.max_num_seqs, limits.max_num_batched_tokens) == (512, 2, 1024)
+    assert limits.long_prefill_token_threshold == 64
+    assert (limits.block_size, limits.num_blocks) == (512, 3)
+
+
+@pytest.mark.parametrize(
+    "kw, flag, compiled",
+    [
+        (dict(max_model_len=4096), "--max-model-len 4096", "sequence_length 1024"),
+        (dict(max_num_seqs=8), "--max-num-seqs 8", "batch_size 4"),
+        (dict(dtype="bfloat16"), "--dtype bfloat16", "compiled dtype float32"),
+        (dict(max_num_seqs=4, max_num_batched_tokens=2), "--max-num-batched-tokens 2", "--max-num-seqs 4"),
+    ],
+)
+def test_refusals_name_the_flag_and_the_compiled_value(kw, flag, compiled):
+    with pytest.raises(ServingConfigError) as e:
+        serving_limits(CHUNKED, request(**kw))
+    assert flag in str(e.value) and compiled in str(e.value)

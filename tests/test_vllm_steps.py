@@ -1,0 +1,164 @@
+"""Step tables: vLLM's real V1 scheduler driving the real worker and runner, step by step.
+
+The export is llama-2x4x32-eager: 2 slots, chunk 32, so the platform derives a token budget
+of 32 tokens per step: the running decodes first, then the rest of one chunk.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import export_params
+from test_parity import prompt
+from test_vllm_engine import hf_greedy
+
+EXPORT = "llama-2x4x32-eager"
+
+
+class Engine:
+    """Scheduler + worker in this process; `step()` returns what the step ran."""
+
+    def __init__(self, export_dir, config=None):
+        from vllm.config import ModelConfig, VllmConfig
+        from vllm.v1.core.sched.scheduler import Scheduler
+        from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec
+        from vllm.v1.structured_output import StructuredOutputManager
+
+        from optimum_neuron_chunked.vllm.worker import KV_LAYER, NeuronChunkedWorker
+
+        config = config or VllmConfig(
+            model_config=ModelConfig(model=str(export_dir), dtype="float32", seed=0)
+        )
+        self.worker = NeuronChunkedWorker(config, 0, 0, "tcp://127.0.0.1:0", is_driver_worker=True)
+        self.worker.init_device()
+        self.worker.load_model()
+        num_blocks = config.cache_config.num_gpu_blocks_override
+        spec = self.worker.get_kv_cache_spec()[KV_LAYER]
+        kv = KVCacheConfig(num_blocks, [], [KVCacheGroupSpec([KV_LAYER], spec)])
+        self.worker.initialize_from_config(kv)
+        config.cache_config.num_gpu_blocks = num_blocks
+        self.scheduler = Scheduler(config, kv, StructuredOutputManager(config), block_size=spec.block_size)
+        self.tokens: dict[str, list[int]] = {}
+
+    def add(self, req_id: str, ids: torch.Tensor, max_tokens: int) -> None:
+        from vllm import SamplingParams
+        from vllm.v1.request import Request
+
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        self.scheduler.add_request(Request(req_id, ids.tolist(), params, None))
+        self.tokens[req_id] = []
+
+    def abort(self, req_id: str) -> None:
+        from vllm.v1.request import RequestStatus
+
+        self.scheduler.finish_requests([req_id], RequestStatus.FINISHED_ABORTED)
+
+    def step(self) -> str:
+        """One engine step -> 'a+b | c[0:32]' (decodes | prefill chunks with their positions)."""
+        so = self.scheduler.schedule()
+        out = self.worker.execute_model(so)
+        if out is None:
+            out = self.worker.sample_tokens(None)
+        self.scheduler.update_from_output(so, out)
+        for req_id, index in out.req_id_to_index.items():
+            self.tokens[req_id] += out.sampled_token_ids[index]
+        if so.total_num_scheduled_tokens == 0:
+            return ""
+        plan = self.worker.runner.history[-1]
+        decodes = "+".join(d.req_id for d in plan.decodes)
+        chunks = " ".join(f"{c.req_id}[{c.start}:{c.start + len(c.token_ids)}]" for c in plan.chunks)
+        return f"{decodes} | {chunks}".strip()
+
+    @property
+    def free_slots(self) -> int:
+        return self.scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
+
+
+@pytest.fixture(scope="module")
+def engine_factory(export_dir):
+    return lambda: Engine(export_dir)
+
+
+@pytest.mark.parametrize("export_dir", export_params([EXPORT]), indirect=True)
+def test_decodes_continue_between_the_chunks_of_a_long_prompt(export_dir, engine_factory, hf_reference):
+    engine = engine_factory()
+    a, b = prompt(5, seed=10), prompt(100, seed=11)
+    engine.add("a", a, max_tokens=9)
+    table = [engine.step(), engine.step()]
+    engine.add("b", b, max_tokens=3)  # a long prompt arrives while a decodes
+    while engine.scheduler.has_requests():
+        table.append(engine.step())
+    assert table == [
+        "| a[0:5]",
+        "a |",
+        "a | b[0:31]",  # a's decode in every step, b's chunk takes the rest of the budget
+        "a | b[31:62]",
+        "a | b[62:93]",
+        "a | b[93:100]",
+        "a+b |",
+        "a+b |",
+        "a |",
+        "",  # flushes the finished requests
+    ]
+    hf = hf_reference("llama")
+    assert engine.tokens == {"a": hf_greedy(hf, a, 9), "b": hf_greedy(hf, b, 3)}
+    assert engine.free_slots == 2
+
+
+@pytest.mark.parametrize("export_dir", export_params([EXPORT]), indirect=True)
+def test_a_prompt_alone_runs_one_full_chunk_per_step(export_dir, engine_factory, hf_reference):
+    engine = engine_factory()
+    ids = prompt(70, seed=12)
+    engine.add("a", ids, max_tokens=2)
+    assert engine.step() == "| a[0:32]"
+    assert engine.step() == "| a[32:64]"
+    assert engine.step() == "| a[64:70]"
+    assert engine.step() == "a |"
+    engine.step()
+    assert engine.tokens["a"] == hf_greedy(hf_reference("llama"), ids, 2)
+
+
+@pytest.mark.parametrize("export_dir", export_params([EXPORT]), indirect=True)
+def test_abort_mid_prefill_frees_the_slot_for_a_queued_request(export_dir, engine_factory, hf_reference):
+    engine = engine_factory()
+    a, b, c = prompt(6, seed=13), prompt(90, seed=14), prompt(40, seed=15)
+    engine.add("a", a, max_tokens=8)
+    engine.add("b", b, max_tokens=4)
+    engine.add("c", c, max_tokens=4)  # queued: both slots are taken
+    table = [engine.step(), engine.step()]
+    engine.abort("b")
+    while engine.scheduler.has_requests():
+        table.append(engine.step())
+    assert table[:4] == ["| a[0:6] b[0:26]", "a | b[26:57]", "a | c[0:31]", "a | c[31:40]"]
+    assert "b" not in "".join(table[2:])
+    hf = hf_reference("llama")
+    assert engine.tokens["a"] == hf_greedy(hf, a, 8)
+    assert engine.tokens["c"] == hf_greedy(hf, c, 4)  # c reuses b's slot: nothing of b is read
+    assert engine.tokens["b"] == []
+    assert engine.free_slots == 2
+
+
+@pytest.mark.parametrize("export_dir", export_params([EXPORT]), indirect=True)
+def test_a_budget_above_the_chunk_runs_chunks_back_to_back_in_one_step(export_dir, hf_reference):
+    """--max-num-batched-tokens >= the prompt: whole prompts per step, split by the runner
+    (the runner-internal chunking of optimum-neuron, benchmark contender 3)."""
+    from vllm.config import ModelConfig, SchedulerConfig, VllmConfig
+
+    model = ModelConfig(model=str(export_dir), dtype="float32", seed=0)
+    sched = SchedulerConfig(
+        max_model_len=128,
+        is_encoder_decoder=False,
+        max_num_batched_tokens=160,
+        long_prefill_token_threshold=128,
+    )
+    engine = Engine(export_dir, VllmConfig(model_config=model, scheduler_config=sched))
+    a, b = prompt(4, seed=16), prompt(100, seed=17)
+    engine.add("a", a, max_tokens=4)
+    assert engine.step() == "| a[0:4]"
+    engine.add("b", b, max_tokens=2)
+    # a's next token waits for all four chunks of b
+    assert engine.step() == "a | b[0:32] b[32:64] b[64:96] b[96:100]"
+    while engine.scheduler.has_requests():
+        engine.step()
+    hf = hf_reference("llama")
+    assert engine.tokens == {"a": hf_greedy(hf, a, 4), "b": hf_greedy(hf, b, 2)}
