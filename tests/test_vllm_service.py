@@ -1,0 +1,182 @@
+"""`vllm serve EXPORT` driven by the openai client: parity, streaming, chat, bad input, aborts,
+start-up refusals and a shutdown that leaves no process behind."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+
+import pytest
+import torch
+from conftest import export_params
+from fixtures.export_models import CHUNK, checkpoint_path
+from test_parity import prompt
+from test_vllm_engine import hf_greedy
+from vllm_server import Server
+
+EXPORT = "llama-2x4x32-eager"  # 2 slots, S=128, C=32
+SEQUENCE_LENGTH = 128
+
+
+@pytest.fixture(scope="module")
+def server(export_dir, tmp_path_factory):
+    srv = Server(export_dir, tmp_path_factory.mktemp("serve") / "serve.log").wait_ready()
+    yield srv
+    left = srv.stop()
+    assert left == [], f"processes left behind after SIGTERM: {left}"
+
+
+@pytest.fixture
+def client(server):
+    from openai import OpenAI
+
+    return OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0)
+
+
+def complete(client, model, ids: list[int], n: int = 8, **kw):
+    return client.completions.create(
+        model=model, prompt=ids, max_tokens=n, temperature=0, extra_body={"return_token_ids": True, **kw}
+    ).choices[0]
+
+
+def served_model(client) -> str:
+    return client.models.list().data[0].id
+
+
+pytestmark = pytest.mark.parametrize("export_dir", export_params([EXPORT]), indirect=True)
+
+
+def test_completions_match_transformers_alone_and_concurrently(server, client, hf_reference):
+    from openai import AsyncOpenAI
+
+    hf, model = hf_reference("llama"), served_model(client)
+    prompts = [prompt(n, seed=20 + i) for i, n in enumerate((1, CHUNK + 1, 3 * CHUNK + 5, 50, 7, 120))]
+    expected = [hf_greedy(hf, p, 8) for p in prompts]
+    assert list(complete(client, model, prompts[2].tolist(), ignore_eos=True).token_ids) == expected[2]
+
+    async def all_at_once():  # 6 requests on 2 slots: queued, not refused
+        aclient = AsyncOpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0)
+        calls = [
+            aclient.completions.create(
+                model=model,
+                prompt=p.tolist(),
+                max_tokens=8,
+                temperature=0,
+                extra_body={"return_token_ids": True, "ignore_eos": True},
+            )
+            for p in prompts
+        ]
+        return [r.choices[0].token_ids for r in await asyncio.gather(*calls)]
+
+    assert [list(t) for t in asyncio.run(all_at_once())] == expected
+
+
+def test_streaming_gives_the_same_text_in_pieces(client):
+    model = served_model(client)
+    ids = prompt(2 * CHUNK + 3, seed=30).tolist()
+    whole = complete(client, model, ids, 12, ignore_eos=True).text
+    stream = client.completions.create(
+        model=model, prompt=ids, max_tokens=12, temperature=0, stream=True, extra_body={"ignore_eos": True}
+    )
+    pieces = [event.choices[0].text for event in stream if event.choices]
+    assert len(pieces) > 1 and "".join(pieces) == whole
+
+
+def test_chat_uses_the_chat_template(client, hf_reference, export_dir):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(export_dir)
+    messages = [{"role": "user", "content": "the quick brown fox"}]
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    ids = torch.tensor(tokenizer(text, add_special_tokens=False).input_ids)
+    reply = client.chat.completions.create(
+        model=served_model(client),
+        messages=messages,
+        max_tokens=6,
+        temperature=0,
+        extra_body={"return_token_ids": True, "ignore_eos": True},
+    )
+    assert list(reply.choices[0].token_ids) == hf_greedy(hf_reference("llama"), ids, 6)
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(prompt=list(range(4, 4 + SEQUENCE_LENGTH + 1))),  # longer than the compiled length
+        dict(prompt=""),
+        dict(prompt=[5, 6], max_tokens=-1),
+        dict(prompt=[5, 6], temperature=-1.0),
+        dict(prompt=[5, 6], top_p=1.5),
+        dict(prompt=[5, 6], extra_body={"prompt_logprobs": 2}),
+    ],
+    ids=["too-long", "empty", "negative-max-tokens", "temperature", "top-p", "prompt-logprobs"],
+)
+def test_bad_input_gets_a_4xx_and_disturbs_nothing(client, server, kw):
+    import openai
+
+    model = served_model(client)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=model, **{"max_tokens": 4, **kw})
+    assert e.value.status_code == 400 and e.value.message
+    ok = complete(client, model, [5, 6, 7], 4)
+    assert len(ok.token_ids) == 4
+    assert server.metrics().get("vllm:num_requests_running", 0) == 0
+
+
+def test_max_tokens_beyond_the_context_is_capped_by_vllm(client):
+    """vLLM's own rule: a completion stops at max_model_len (finish_reason "length")."""
+    choice = complete(client, served_model(client), list(range(4, 100)), SEQUENCE_LENGTH, ignore_eos=True)
+    assert len(choice.token_ids) == SEQUENCE_LENGTH - 96 and choice.finish_reason == "length"
+
+
+def test_clients_that_disconnect_mid_prefill_free_their_slots(server, client, hf_reference):
+    import httpx
+
+    model = served_model(client)
+    body = {"model": model, "prompt": prompt(120, seed=40).tolist(), "max_tokens": 100, "stream": True}
+
+    async def disconnect_early(n: int):
+        async with httpx.AsyncClient(base_url=server.url) as http:
+            for _ in range(n):
+                async with http.stream("POST", "/v1/completions", json=body) as r:
+                    assert r.status_code == 200  # headers only: the prefill is still running
+
+    asyncio.run(disconnect_early(6))
+    hf = hf_reference("llama")
+    prompts = [prompt(n, seed=41 + n) for n in (90, 10)]
+    outs = [complete(client, model, p.tolist(), 6, ignore_eos=True).token_ids for p in prompts]
+    assert [list(o) for o in outs] == [hf_greedy(hf, p, 6) for p in prompts]
+    metrics = server.metrics()
+    assert metrics["vllm:num_requests_running"] == 0 and metrics["vllm:kv_cache_usage_perc"] == 0
+
+
+def test_metrics_are_served(server):
+    metrics = server.metrics()
+    assert "vllm:num_requests_running" in metrics and "vllm:kv_cache_usage_perc" in metrics
+
+
+@pytest.mark.parametrize(
+    "case, expected",
+    [
+        ("max-model-len", ["--max-model-len 4096", "sequence_length 128"]),
+        ("max-num-seqs", ["--max-num-seqs 8", "batch_size 2"]),
+        ("checkpoint", ["is not an export", "optimum-cli export neuron"]),
+        ("incomplete", ["incomplete export", "model.safetensors"]),
+    ],
+)
+def test_start_up_refusals_name_the_fix(export_dir, tmp_path, case, expected):
+    model, args = export_dir, []
+    if case == "max-model-len":
+        args = ["--max-model-len", "4096"]
+    elif case == "max-num-seqs":
+        args = ["--max-num-seqs", "8"]
+    elif case == "checkpoint":
+        model = checkpoint_path("llama")
+    else:
+        model = tmp_path / "partial"
+        shutil.copytree(export_dir, model)
+        (model / "model.safetensors").unlink()
+    srv = Server(model, tmp_path / "serve.log", *args)
+    assert srv.wait_exit() != 0
+    output = srv.output()
+    assert all(text in output for text in expected), output[-3000:]

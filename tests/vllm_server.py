@@ -1,0 +1,88 @@
+"""`vllm serve` in its own process group on a free local port, for service tests."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+VLLM = str(Path(sys.executable).with_name("vllm"))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def group_pids(pgid: int) -> list[int]:
+    out = subprocess.run(["pgrep", "-g", str(pgid)], capture_output=True, text=True).stdout
+    return [int(p) for p in out.split()]
+
+
+class Server:
+    def __init__(self, model: Path, log: Path, *args: str, env: dict | None = None):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = log
+        cmd = [VLLM, "serve", str(model), "--host", "127.0.0.1", "--port", str(self.port), *args]
+        self.proc = subprocess.Popen(
+            cmd,
+            stdout=log.open("w"),
+            stderr=subprocess.STDOUT,
+            start_new_session=True,  # its own process group: engine + workers stop with it
+            env={**os.environ, **(env or {})},
+        )
+
+    def wait_ready(self, timeout: float = 240) -> Server:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"vllm serve exited with {self.proc.returncode}:\n{self.output()[-3000:]}")
+            try:
+                with urllib.request.urlopen(f"{self.url}/health", timeout=2) as r:
+                    if r.status == 200:
+                        return self
+            except OSError:
+                time.sleep(0.5)
+        self.stop()
+        raise TimeoutError(f"vllm serve not ready after {timeout} s:\n{self.output()[-3000:]}")
+
+    def wait_exit(self, timeout: float = 240) -> int:
+        try:
+            return self.proc.wait(timeout)
+        finally:
+            self.stop()
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def metrics(self) -> dict[str, float]:
+        with urllib.request.urlopen(f"{self.url}/metrics", timeout=5) as r:
+            text = r.read().decode()
+        values = {}
+        for line in text.splitlines():
+            if line.startswith("vllm:") and " " in line:
+                name, value = line.rsplit(" ", 1)
+                values[name.split("{")[0]] = float(value)
+        return values
+
+    def stop(self, timeout: float = 60) -> list[int]:
+        """SIGTERM the whole group, wait, and return the pids still alive (should be none)."""
+        pgid = self.proc.pid
+        if not group_pids(pgid) and self.proc.poll() is not None:
+            return []
+        os.killpg(pgid, signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and group_pids(pgid):
+            time.sleep(0.2)
+        self.proc.poll()
+        left = group_pids(pgid)
+        if left:
+            os.killpg(pgid, signal.SIGKILL)
+        return left
