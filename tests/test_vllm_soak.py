@@ -1,0 +1,89 @@
+"""Soak: 200 requests of random lengths at twice the slot count, a tenth dropped mid-prefill.
+
+Every finished request must equal HF transformers' greedy tokens, no slot may leak, and the
+server must still serve afterwards.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+from conftest import export_params
+from fixtures.export_models import CHUNK
+from test_parity import prompt
+from test_vllm_engine import hf_greedy
+from vllm_server import Server
+
+EXPORT = "llama-2x4x32-eager"  # 2 slots, S=128, C=32
+SEQUENCE_LENGTH, SLOTS = 128, 2
+NUM_REQUESTS, CONCURRENCY = 200, 2 * SLOTS
+
+
+def workload(seed: int = 0) -> list[dict]:
+    rng = random.Random(seed)
+    requests = []
+    for i in range(NUM_REQUESTS):
+        new_tokens = rng.randint(1, 12)
+        long = rng.random() < 0.3  # more than 3 chunks
+        length = (
+            rng.randint(3 * CHUNK + 1, SEQUENCE_LENGTH - new_tokens) if long else rng.randint(1, 3 * CHUNK)
+        )
+        requests.append(
+            {"id": i, "ids": prompt(length, seed=100 + i), "new_tokens": new_tokens, "drop": i % 10 == 3}
+        )
+    return requests
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("export_dir", export_params([EXPORT]), indirect=True)
+def test_soak(export_dir, tmp_path, hf_reference):
+    import httpx
+
+    hf = hf_reference("llama")
+    requests = workload()
+    expected = {r["id"]: hf_greedy(hf, r["ids"], r["new_tokens"]) for r in requests if not r["drop"]}
+    assert sum(r["ids"].shape[0] > 3 * CHUNK for r in requests) > 40
+
+    server = Server(export_dir, tmp_path / "serve.log").wait_ready()
+    try:
+        model = httpx.get(f"{server.url}/v1/models").json()["data"][0]["id"]
+
+        async def one(http: httpx.AsyncClient, gate: asyncio.Semaphore, r: dict):
+            body = {
+                "model": model,
+                "prompt": r["ids"].tolist(),
+                "max_tokens": r["new_tokens"],
+                "temperature": 0,
+                "ignore_eos": True,
+                "return_token_ids": True,
+            }
+            async with gate:
+                if r["drop"]:  # the client goes away once the request is accepted: mid-prefill
+                    async with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as resp:
+                        assert resp.status_code == 200
+                    return r["id"], None
+                resp = await http.post("/v1/completions", json=body)
+                assert resp.status_code == 200, resp.text
+                return r["id"], resp.json()["choices"][0]["token_ids"]
+
+        async def run_all():
+            gate = asyncio.Semaphore(CONCURRENCY)
+            async with httpx.AsyncClient(base_url=server.url, timeout=300) as http:
+                return dict(await asyncio.gather(*(one(http, gate, r) for r in requests)))
+
+        results = asyncio.run(run_all())
+        mismatched = [i for i, tokens in expected.items() if results[i] != tokens]
+        assert mismatched == [], f"{len(mismatched)} requests differ from HF, e.g. {mismatched[:5]}"
+
+        metrics = server.metrics()
+        assert metrics["vllm:num_requests_running"] == 0 and metrics["vllm:num_requests_waiting"] == 0
+        assert metrics["vllm:kv_cache_usage_perc"] == 0  # every slot is free again
+        after = requests[0]
+        body = {"model": model, "prompt": after["ids"].tolist(), "max_tokens": 5, "temperature": 0}
+        body |= {"ignore_eos": True, "return_token_ids": True}
+        resp = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60)
+        assert resp.json()["choices"][0]["token_ids"] == hf_greedy(hf, after["ids"], 5)
+    finally:
+        assert server.stop() == []
