@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: install test test-fast demo style style_check export-test-models export-report clean
+.PHONY: install test test-fast demo style style_check export-test-models export-report serve-parity clean
 
 install: $(VENV)/.installed
 
@@ -35,6 +35,9 @@ export-test-models: install
 
 export-report: install
 	$(PY) benchmark/export_report.py
+
+serve-parity: install
+	$(PY) benchmark/serve_parity.py
 
 style: install
 	$(VENV)/bin/ruff format .

@@ -1,4 +1,5 @@
-"""The embedded default job: build a small local checkpoint, export it chunked, generate.
+"""The embedded default job: build a small local checkpoint, export it chunked, generate with
+the loader and with vLLM (the platform plugin), and compare with transformers.
 
 python -m optimum_neuron_chunked.demo [--out demo-out] [--backend cpu]
 """
@@ -63,7 +64,26 @@ def main(argv: list[str] | None = None) -> int:
     expected = reference.generate(input_ids, max_new_tokens=args.max_new_tokens, do_sample=False)
     same = torch.equal(output, expected)
     console.print(f"greedy tokens equal transformers': [{'green' if same else 'red'}]{same}[/]")
-    return 0 if same else 1
+    served = serve_with_vllm(exported, text, new.tolist(), args.max_new_tokens, console)
+    return 0 if same and served else 1
+
+
+def serve_with_vllm(exported: Path, text: str, expected: list[int], max_new_tokens: int, console) -> bool:
+    """The same export through vLLM (the platform plugin): 6 prompts on 4 slots, chunk by chunk."""
+    from vllm import LLM, SamplingParams
+
+    started = time.perf_counter()
+    llm = LLM(model=str(exported), seed=0)
+    console.print(f"vLLM engine up in {time.perf_counter() - started:.1f}s")
+    prompts = [text] + [" ".join(text.split()[: 5 * i + 1]) for i in range(1, 6)]
+    started = time.perf_counter()
+    outputs = llm.generate(prompts, SamplingParams(max_tokens=max_new_tokens, temperature=0.0))
+    console.print(f"vLLM: {len(prompts)} prompts in {time.perf_counter() - started:.2f}s")
+    first = list(outputs[0].outputs[0].token_ids)
+    same = first == expected[: len(first)] and len(first) > 0
+    console.print(f"vLLM greedy tokens equal transformers': [{'green' if same else 'red'}]{same}[/]")
+    llm.llm_engine.engine_core.shutdown()
+    return same
 
 
 if __name__ == "__main__":

@@ -28,7 +28,9 @@ def greedy(n: int = NEW_TOKENS, **kwargs):
     return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, **kwargs)
 
 
-def hf_greedy(hf, ids: torch.Tensor, n: int = NEW_TOKENS, repetition_penalty: float | None = None) -> list[int]:
+def hf_greedy(
+    hf, ids: torch.Tensor, n: int = NEW_TOKENS, repetition_penalty: float | None = None
+) -> list[int]:
     """HF's greedy continuation that, like vLLM's ignore_eos, neither stops at nor avoids eos."""
     from transformers import RepetitionPenaltyLogitsProcessor
 

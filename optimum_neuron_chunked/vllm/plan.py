@@ -107,3 +107,9 @@ def _split_prefill(w: ScheduledWork, chunk_size: int) -> list[PrefillChunk]:
         last = offset + len(ids) == len(w.token_ids)
         pieces.append(PrefillChunk(w.req_id, w.slot, w.start + offset, ids, last and w.samples))
     return pieces
+
+
+def describe(plan: StepPlan) -> str:
+    """'2 decodes + chunks a[0:32] b[32:40]' - the step tables of tests and debug logs."""
+    chunks = " ".join(f"{c.req_id}[{c.start}:{c.start + len(c.token_ids)}]" for c in plan.chunks)
+    return f"{len(plan.decodes)} decodes + chunks {chunks or '-'}"

@@ -10,14 +10,17 @@ from dataclasses import dataclass, field
 
 import torch
 from vllm.config import VllmConfig
+from vllm.logger import init_logger
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
 from vllm.v1.sample.sampler import Sampler
 
 from ..loader import NeuronModelForCausalLM
 from .batch import BatchState
-from .plan import StepPlan, plan_step
+from .plan import StepPlan, describe, plan_step
 from .sampling import device_sampling_inputs, host_sample, on_device_eligible
+
+logger = init_logger(f"vllm.{__name__}")  # under vLLM's configured logger (VLLM_LOGGING_LEVEL)
 
 
 @dataclass
@@ -48,6 +51,7 @@ class StepRunner:
             self.batch.scheduled_work(so), self.config.prefill_chunk_size, self.config.batch_size
         )
         self.history.append(plan)
+        logger.debug("step: %s", describe(plan))
         result = StepResult(plan)
         self._run_decodes(result)
         self._run_chunks(result)
