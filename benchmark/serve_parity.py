@@ -91,7 +91,7 @@ def checks(server: Server, hf) -> dict:
         abs(chosen - ref[ids.shape[0] - 1 + k, token].item())
         for k, (chosen, token) in enumerate(zip(lp["token_logprobs"], out["token_ids"], strict=True))
     )
-    assert all(len(top) >= 5 for top in lp["top_logprobs"])
+    assert all(top for top in lp["top_logprobs"])  # keyed by text: tokens that decode alike merge
     seeded = dict(temperature=0.9, seed=7)
     s1, s2 = (completion(http, model, prompt(300, 2), **seeded)["token_ids"] for _ in range(2))
     s3 = completion(http, model, prompt(300, 2), temperature=0.9, seed=8)["token_ids"]
