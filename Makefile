@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: install test test-fast demo style style_check export-test-models export-report serve-parity clean
+.PHONY: install test test-fast demo style style_check export-test-models export-report serve-parity bench bench-quick clean
 
 install: $(VENV)/.installed
 
@@ -35,6 +35,12 @@ export-test-models: install
 
 export-report: install
 	$(PY) benchmark/export_report.py
+
+bench: install
+	$(PY) benchmark/serve_bench.py
+
+bench-quick: install
+	$(PY) benchmark/serve_bench.py --quick
 
 serve-parity: install
 	$(PY) benchmark/serve_parity.py

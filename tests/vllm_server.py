@@ -79,9 +79,8 @@ class Server:
             return []
         os.killpg(pgid, signal.SIGTERM)
         deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline and group_pids(pgid):
-            time.sleep(0.2)
-        self.proc.poll()
+        while time.monotonic() < deadline and (self.proc.poll() is None or group_pids(pgid)):
+            time.sleep(0.2)  # poll() reaps the server: a zombie would still be in the group
         left = group_pids(pgid)
         if left:
             os.killpg(pgid, signal.SIGKILL)

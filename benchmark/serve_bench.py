@@ -1,0 +1,244 @@
+"""What chunked prefill buys, served with `vllm serve`, side by side in one run.
+
+Contenders (same locally built random-init Llama checkpoint):
+  std            standard export (CE graph), whole prompts per step
+  chunked        chunked export, vLLM schedules the chunks (this project's default)
+  chunked-whole  chunked export, budget >= max_model_len: whole prompts per step, chunks back
+                 to back inside it (optimum-neuron's runner-internal chunking)
+  native         vLLM's own CPU engine on the HF checkpoint (--dtype float32, plugin deselected)
+  native-budget  the same at a token budget equal to our chunk size
+Workloads:
+  W1 mixed-load stall: streams decode steadily, a long prompt arrives; ITL and decode rate
+     of the streams inside its prefill window vs before it
+  W2 throughput: many prompts of random lengths at fixed concurrency; TTFT, ITL, output tok/s
+
+    python benchmark/serve_bench.py [--quick] [--repeats 3] [--contenders std,chunked,...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import platform
+import statistics
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import psutil
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+sys.path[:0] = [str(REPO), str(REPO / "tests"), str(HERE)]
+
+from client import mixed_load_stall, throughput  # noqa: E402
+from metrics import summarize_load, summarize_stall  # noqa: E402
+from vllm_server import Server  # noqa: E402
+
+from optimum_neuron_chunked.checkpoints import COMMON, build_checkpoint  # noqa: E402
+
+
+@dataclass(frozen=True)
+class Setup:
+    model: dict
+    batch: int
+    seq: int
+    chunk: int
+    backend: str
+    w1: dict  # streams, long_prompt, stream_tokens, warmup_s
+    w2: dict  # requests, lengths, out_tokens, concurrency
+    contenders: tuple[str, ...]
+
+
+FULL = Setup(
+    model=dict(
+        model_type="llama",
+        hidden_size=512,
+        intermediate_size=1376,
+        num_hidden_layers=8,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        vocab_size=1024,
+        tie_word_embeddings=False,
+    ),
+    batch=8,
+    seq=4096,
+    chunk=256,
+    backend="cpu",
+    w1=dict(streams=4, long_prompt=3072, stream_tokens=400, warmup_s=3.0),
+    w2=dict(requests=64, lengths=(128, 2048), out_tokens=128, concurrency=8),
+    contenders=("std", "chunked", "chunked-whole", "native", "native-budget"),
+)
+QUICK = Setup(
+    model=dict(
+        model_type="llama",
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=512,
+        tie_word_embeddings=False,
+    ),
+    batch=4,
+    seq=512,
+    chunk=64,
+    backend="eager",
+    w1=dict(streams=3, long_prompt=384, stream_tokens=60, warmup_s=1.0),
+    w2=dict(requests=8, lengths=(32, 256), out_tokens=16, concurrency=4),
+    contenders=("std", "chunked"),
+)
+
+
+def exports(setup: Setup, work: Path) -> tuple[Path, dict[str, Path], dict]:
+    from exporters.neuron import export
+
+    ckpt = build_checkpoint("bench", work / "checkpoint", config={**COMMON, **setup.model})
+    folders, info = {}, {}
+    for kind, chunk in (("std", 0), ("chunked", setup.chunk)):
+        out = work / f"{kind}-{setup.batch}x{setup.seq}x{chunk}-{setup.backend}"
+        started = time.perf_counter()
+        if not (out / "neuron_config.json").is_file():
+            export(str(ckpt), out, batch_size=setup.batch, sequence_length=setup.seq,
+                   prefill_chunk_size=chunk, backend=setup.backend, overwrite=True)  # fmt: skip
+            info[kind] = {"export_s": round(time.perf_counter() - started, 1)}
+        else:
+            info[kind] = {"export_s": None}  # cached: see the results file of the run that built it
+        info[kind]["graphs_mib"] = round(sum(f.stat().st_size for f in out.rglob("*.pt2")) / 2**20, 1)
+        folders[kind] = out
+    return ckpt, folders, info
+
+
+def server_for(name: str, setup: Setup, ckpt: Path, folders: dict[str, Path], log: Path) -> Server:
+    limits = ["--max-num-seqs", str(setup.batch), "--max-model-len", str(setup.seq)]
+    if name == "std":
+        return Server(folders["std"], log, *limits)
+    if name == "chunked":
+        return Server(folders["chunked"], log, *limits)
+    if name == "chunked-whole":
+        whole = ["--max-num-batched-tokens", str(setup.seq), "--long-prefill-token-threshold", str(setup.seq)]
+        return Server(folders["chunked"], log, *limits, *whole)
+    native = [*limits, "--dtype", "float32", "--gpu-memory-utilization", "0.2"]
+    env = {"VLLM_PLUGINS": "", "VLLM_CPU_KVCACHE_SPACE": "2"}
+    if name == "native-budget":
+        native += [
+            "--max-num-batched-tokens",
+            str(setup.chunk),
+            "--long-prefill-token-threshold",
+            str(setup.chunk),
+        ]
+    return Server(ckpt, log, *native, env=env)
+
+
+class PeakRss:
+    """Peak summed RSS of a process group, sampled in a thread."""
+
+    def __init__(self, pgid: int):
+        self.pgid, self.peak, self._stop = pgid, 0, threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self):
+        while not self._stop.wait(0.25):
+            total = 0
+            for p in psutil.process_iter(["pid"]):
+                try:
+                    if psutil.os.getpgid(p.pid) == self.pgid:
+                        total += p.memory_info().rss
+                except (psutil.Error, ProcessLookupError):
+                    pass
+            self.peak = max(self.peak, total)
+
+    def stop(self) -> float:
+        self._stop.set()
+        self._thread.join()
+        return round(self.peak / 2**20, 1)
+
+
+def run_contender(name: str, setup: Setup, ckpt: Path, folders: dict, work: Path, repeats: int) -> dict:
+    server = server_for(name, setup, ckpt, folders, work / f"{name}.log")
+    started = time.perf_counter()
+    try:
+        server.wait_ready(timeout=900)
+    except (RuntimeError, TimeoutError) as e:
+        return {"error": str(e)[-600:]}
+    result = {"startup_s": round(time.perf_counter() - started, 1), "w1": [], "w2": []}
+    print(f"{name}: up in {result['startup_s']} s", file=sys.stderr)
+    rss = PeakRss(server.proc.pid)
+    try:
+        model = __import__("httpx").get(f"{server.url}/v1/models").json()["data"][0]["id"]
+        for _ in range(repeats):
+            streams, long = asyncio.run(mixed_load_stall(server.url, model, **setup.w1))
+            result["w1"].append(summarize_stall(streams, long) | {"timeline": timeline(streams, long)})
+            traces, wall = asyncio.run(throughput(server.url, model, **setup.w2))
+            result["w2"].append(
+                summarize_load(traces, wall) | {"itl_all": [g for t in traces for g in t.gaps]}
+            )
+            print(
+                f"{name}: W1 window {result['w1'][-1].get('prefill_window_s')}, W2 {wall:.1f} s",
+                file=sys.stderr,
+            )
+    finally:
+        result["peak_rss_mib"] = rss.stop()
+        server.stop()
+    return result
+
+
+def timeline(streams, long) -> dict:
+    t0 = long.sent
+    return {
+        "window": [0.0, (long.tokens[0] - t0) if long.tokens else None],
+        "streams": [[round(x - t0, 4) for x in s.tokens] for s in streams],
+    }
+
+
+def median_of(runs: list[dict], *path: str) -> tuple[float, float]:
+    """Median and spread (max - min) of a figure over repeated runs."""
+    values = []
+    for run in runs:
+        value = run
+        for key in path:
+            value = value.get(key, {}) if isinstance(value, dict) else None
+        if isinstance(value, int | float):
+            values.append(float(value))
+    if not values:
+        return float("nan"), float("nan")
+    return statistics.median(values), max(values) - min(values)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--quick", action="store_true", help="tiny model, eager backend, seconds per contender"
+    )
+    parser.add_argument("--repeats", type=int, default=None, help="runs per workload (default 3, quick 1)")
+    parser.add_argument("--contenders", default=None, help="comma-separated subset")
+    parser.add_argument("--results", type=Path, default=HERE / "results")
+    parser.add_argument(
+        "--work", type=Path, default=Path.home() / ".cache" / "optimum-neuron-chunked" / "bench"
+    )
+    args = parser.parse_args(argv)
+    setup = QUICK if args.quick else FULL
+    repeats = args.repeats or (1 if args.quick else 3)
+    names = args.contenders.split(",") if args.contenders else list(setup.contenders)
+    work = args.work / ("quick" if args.quick else "full")
+    work.mkdir(parents=True, exist_ok=True)
+    ckpt, folders, export_info = exports(setup, work)
+    results = {name: run_contender(name, setup, ckpt, folders, work, repeats) for name in names}
+    report = {"setup": asdict(setup), "repeats": repeats, "exports": export_info, "contenders": results}
+    from report import write_report
+
+    paths = write_report(
+        report, args.results, f"{'quick-' if args.quick else ''}{datetime.date.today()}-{platform.node()}"
+    )
+    print("\n".join(str(p) for p in paths))
+    return 0 if all("error" not in r for r in results.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,49 @@
+"""The benchmark harness: its pure latency figures, and the quick mode end to end."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmark"))
+
+from metrics import Trace, summarize_load, summarize_stall  # noqa: E402
+
+
+def test_a_stall_spanning_the_prefill_window_is_its_max_gap():
+    # two streams at 10 ms/token; the long prompt arrives at t=1.0 and answers at t=1.5
+    steady = [i * 0.01 for i in range(100)]  # up to 0.99
+    stalled = steady + [1.52 + i * 0.01 for i in range(20)]
+    streams = [Trace("s0", 4, 0.0, stalled), Trace("s1", 4, 0.0, list(stalled))]
+    long = Trace("long", 3000, 1.0, [1.5, 1.51])
+    figures = summarize_stall(streams, long)
+    assert figures["prefill_window_s"] == pytest.approx(0.5)
+    assert figures["itl_in_window"]["max"] == pytest.approx(0.53)
+    assert figures["itl_before"]["p50"] == pytest.approx(0.01)
+    assert figures["decode_tok_s_in_window"] == 0
+    assert figures["decode_tok_s_before"] == pytest.approx(2 * 100 / 2.0)
+    assert figures["long_ttft_s"] == pytest.approx(0.5)
+
+
+def test_load_summary_counts_failures_and_throughput():
+    ok = Trace("a", 10, 0.0, [0.2, 0.3, 0.4])
+    failed = Trace("b", 10, 0.0, [], error="HTTP 400")
+    figures = summarize_load([ok, failed], wall=1.0)
+    assert figures["failed"] == 1 and figures["output_tok_s"] == 3
+    assert figures["ttft"]["p50"] == pytest.approx(0.2)
+
+
+@pytest.mark.slow
+def test_quick_mode_produces_the_report(tmp_path):
+    from serve_bench import main
+
+    assert main(["--quick", "--results", str(tmp_path)]) == 0
+    (report,) = tmp_path.glob("bench-quick-*.json")
+    data = json.loads(report.read_text())
+    assert set(data["contenders"]) == {"std", "chunked"}
+    for result in data["contenders"].values():
+        assert result["w2"][0]["failed"] == 0 and result["w1"][0]["long_ttft_s"] > 0
+    assert len(list(tmp_path.glob("*.png"))) == 2 and list(tmp_path.glob("*.md"))
