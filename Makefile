@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: install test test-fast demo style style_check export-test-models export-report serve-parity bench bench-quick clean
+.PHONY: install test test-fast demo style style_check export-test-models export-report serve-parity bench bench-quick bench-w3 clean
 
 install: $(VENV)/.installed
 
@@ -38,6 +38,9 @@ export-report: install
 
 bench: install
 	$(PY) benchmark/serve_bench.py
+
+bench-w3: install
+	$(PY) benchmark/long_context.py
 
 bench-quick: install
 	$(PY) benchmark/serve_bench.py --quick

@@ -1,0 +1,181 @@
+"""W3 long context and the decode roofline.
+
+For each sequence length S (C=256): export a standard (CE) and a chunked (CP) model with one
+context bucket (S) in a child process - compile time and the child's peak RSS - then load it
+and time a prefill of S-1 tokens (the peak RSS it adds), and one decode step at several
+context lengths. The roofline divides the bytes a decode step must read (weights + live KV of
+the batch) by its time and compares with this machine's measured copy bandwidth.
+
+    python benchmark/long_context.py [--lengths 1024,4096,8192] [--backend cpu]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import torch
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+sys.path[:0] = [str(REPO), str(HERE)]
+
+from serve_bench import FULL  # noqa: E402
+
+from optimum_neuron_chunked.checkpoints import COMMON, build_checkpoint  # noqa: E402
+
+CHUNK, BATCH = 256, 4
+
+
+def child_peak(cmd: list[str]) -> tuple[float, float]:
+    """Run cmd; (wall seconds, peak RSS MiB of its process tree)."""
+    started, peak = time.perf_counter(), 0
+    proc = psutil.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    while proc.poll() is None:
+        try:
+            peak = max(peak, sum(p.memory_info().rss for p in [proc, *proc.children(recursive=True)]))
+        except psutil.Error:
+            pass
+        time.sleep(0.1)
+    if proc.returncode:
+        raise RuntimeError(proc.stderr.read().decode()[-2000:])
+    return time.perf_counter() - started, peak / 2**20
+
+
+def export_cmd(ckpt: Path, out: Path, seq: int, chunk: int, backend: str) -> list[str]:
+    return [
+        sys.executable, "-m", "exporters", "--model", str(ckpt), "--batch_size", str(BATCH),
+        "--sequence_length", str(seq), "--prefill-chunk-size", str(chunk), "--context-buckets", str(seq),
+        "--backend", backend, "--overwrite", str(out),
+    ]  # fmt: skip
+
+
+def run_figures(out: Path) -> dict:
+    from optimum_neuron_chunked import NeuronModelForCausalLM
+
+    model = NeuronModelForCausalLM.from_pretrained(out)
+    seq = model.neuron_config.sequence_length
+    ids = torch.randint(4, 400, (seq - 1,))
+    rss0 = psutil.Process().memory_info().rss
+    started = time.perf_counter()
+    model.prefill(ids, seq_id=0)
+    prefill_s = time.perf_counter() - started
+    prefill_extra_mib = (psutil.Process().memory_info().rss - rss0) / 2**20
+    decode = {}
+    for ctx in sorted({seq // 8, seq // 2, seq - 2}):
+        pos = torch.full((BATCH,), ctx)
+        model.decode(torch.full((BATCH,), 5), pos, torch.arange(BATCH))  # warm
+        started = time.perf_counter()
+        for _ in range(10):
+            model.decode(torch.full((BATCH,), 5), pos, torch.arange(BATCH))
+        decode[ctx] = (time.perf_counter() - started) / 10
+    hf = model.config
+    head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+    weights = (out / "model.safetensors").stat().st_size
+    kv_per_token = 2 * hf.num_hidden_layers * hf.num_key_value_heads * head_dim * 4 * BATCH
+    roofline = {ctx: (weights + kv_per_token * ctx) / t / 1e9 for ctx, t in decode.items()}
+    return {
+        "prefill_s": prefill_s,
+        "prefill_extra_rss_mib": prefill_extra_mib,
+        "decode_step_ms": {c: t * 1e3 for c, t in decode.items()},
+        "decode_gb_s": roofline,
+    }
+
+
+def copy_bandwidth_gb_s() -> float:
+    src = torch.empty(256 * 2**20 // 4)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    started = time.perf_counter()
+    for _ in range(10):
+        dst.copy_(src)
+    return 2 * src.numel() * 4 * 10 / (time.perf_counter() - started) / 1e9  # read + write
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--lengths", default="1024,4096,8192")
+    parser.add_argument("--backend", default="cpu")
+    parser.add_argument("--work", type=Path, default=Path.home() / ".cache" / "optimum-neuron-chunked" / "w3")
+    parser.add_argument("--results", type=Path, default=HERE / "results")
+    args = parser.parse_args(argv)
+    ckpt = build_checkpoint(
+        "bench", args.work / "checkpoint", config={**COMMON, **FULL.model, "max_position_embeddings": 8192}
+    )
+    rows = []
+    for seq in [int(x) for x in args.lengths.split(",")]:
+        for kind, chunk in (("CE", 0), ("CP", CHUNK)):
+            out = args.work / f"{kind}-{seq}-{args.backend}"
+            export_s, export_peak = child_peak(export_cmd(ckpt, out, seq, chunk, args.backend))
+            graphs = (
+                sum(f.stat().st_size for f in (out / "graphs").rglob("*")) / 2**20
+                if (out / "graphs").exists()
+                else 0
+            )
+            row = {
+                "seq": seq,
+                "graph": kind,
+                "export_s": export_s,
+                "export_peak_rss_mib": export_peak,
+                "graphs_mib": graphs,
+            }
+            row |= run_figures(out)
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    bandwidth = copy_bandwidth_gb_s()
+    tag = f"{datetime.date.today()}-{platform.node()}"
+    args.results.mkdir(parents=True, exist_ok=True)
+    (args.results / f"w3-{tag}.json").write_text(
+        json.dumps({"rows": rows, "copy_gb_s": bandwidth}, indent=1) + "\n"
+    )
+    md = [f"# W3 long context ({args.backend}, B={BATCH}, C={CHUNK}) {tag}", "",
+          f"Machine copy bandwidth (read+write): {bandwidth:.1f} GB/s", "",
+          "| S | graph | export s | export peak RSS MiB | graphs MiB | prefill S-1 s | prefill +RSS MiB | decode ms (ctx) | decode GB/s (ctx) |",
+          "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    for r in rows:
+        dec = ", ".join(f"{v:.1f} ({c})" for c, v in r["decode_step_ms"].items())
+        gbs = ", ".join(f"{v:.1f} ({c})" for c, v in r["decode_gb_s"].items())
+        md.append(
+            f"| {r['seq']} | {r['graph']} | {r['export_s']:.0f} | {r['export_peak_rss_mib']:.0f} | {r['graphs_mib']:.1f} "
+            f"| {r['prefill_s']:.2f} | {r['prefill_extra_rss_mib']:.0f} | {dec} | {gbs} |"
+        )
+    plot(rows, args.results / f"w3-{tag}-memory.png")
+    md += ["", f"![memory](w3-{tag}-memory.png)"]
+    (args.results / f"w3-{tag}.md").write_text("\n".join(md) + "\n")
+    print("\n".join(md))
+    return 0
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for kind in ("CE", "CP"):
+        rs = [r for r in rows if r["graph"] == kind]
+        axes[0].plot([r["seq"] for r in rs], [r["export_peak_rss_mib"] for r in rs], "o-", label=kind)
+        axes[1].plot([r["seq"] for r in rs], [r["prefill_extra_rss_mib"] for r in rs], "o-", label=kind)
+    axes[0].set_title("export (compile) peak RSS, MiB")
+    axes[1].set_title("RSS added by a prefill of S-1 tokens, MiB")
+    for ax in axes:
+        ax.set_xlabel("sequence length S")
+        ax.set_xscale("log", base=2)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
