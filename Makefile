@@ -38,6 +38,7 @@ export-report: install
 
 bench: install
 	$(PY) benchmark/serve_bench.py
+	$(PY) benchmark/long_context.py
 
 bench-w3: install
 	$(PY) benchmark/long_context.py

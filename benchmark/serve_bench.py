@@ -119,7 +119,10 @@ def server_for(name: str, setup: Setup, ckpt: Path, folders: dict[str, Path], lo
     if name == "chunked":
         return Server(folders["chunked"], log, *limits)
     if name == "chunked-whole":
-        whole = ["--max-num-batched-tokens", str(setup.seq), "--long-prefill-token-threshold", str(setup.seq)]
+        # max_model_len + max_num_seqs: above any prompt, and not one of vLLM's own default budgets
+        # (which the platform reads as "not given", see README)
+        budget = str(setup.seq + setup.batch)
+        whole = ["--max-num-batched-tokens", budget, "--long-prefill-token-threshold", str(setup.seq)]
         return Server(folders["chunked"], log, *limits, *whole)
     native = [*limits, "--dtype", "float32", "--gpu-memory-utilization", "0.2"]
     env = {"VLLM_PLUGINS": "", "VLLM_CPU_KVCACHE_SPACE": "2"}
