@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import statistics
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -76,3 +77,17 @@ def summarize_load(traces: list[Trace], wall: float) -> dict:
         "output_tok_s": sum(len(t.tokens) for t in done) / wall,
         "wall_s": wall,
     }
+
+
+def median_of(runs: list[dict], *path: str) -> tuple[float, float]:
+    """Median and spread (max - min) of a figure over repeated runs."""
+    values = []
+    for run in runs:
+        value = run
+        for key in path:
+            value = value.get(key, {}) if isinstance(value, dict) else None
+        if isinstance(value, int | float):
+            values.append(float(value))
+    if not values:
+        return float("nan"), float("nan")
+    return statistics.median(values), max(values) - min(values)

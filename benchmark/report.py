@@ -5,9 +5,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from metrics import median_of
 from rich.console import Console
 from rich.table import Table
-from serve_bench import median_of
 
 COLUMNS = [
     # (header, workload, path, scale, format)

@@ -20,14 +20,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 import datetime
+import os
 import platform
-import statistics
 import sys
 import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import httpx
 import psutil
 
 HERE = Path(__file__).resolve().parent
@@ -149,7 +150,7 @@ class PeakRss:
             total = 0
             for p in psutil.process_iter(["pid"]):
                 try:
-                    if psutil.os.getpgid(p.pid) == self.pgid:
+                    if os.getpgid(p.pid) == self.pgid:
                         total += p.memory_info().rss
                 except (psutil.Error, ProcessLookupError):
                     pass
@@ -172,7 +173,7 @@ def run_contender(name: str, setup: Setup, ckpt: Path, folders: dict, work: Path
     print(f"{name}: up in {result['startup_s']} s", file=sys.stderr)
     rss = PeakRss(server.proc.pid)
     try:
-        model = __import__("httpx").get(f"{server.url}/v1/models").json()["data"][0]["id"]
+        model = httpx.get(f"{server.url}/v1/models").json()["data"][0]["id"]
         for _ in range(repeats):
             streams, long = asyncio.run(mixed_load_stall(server.url, model, **setup.w1))
             result["w1"].append(summarize_stall(streams, long) | {"timeline": timeline(streams, long)})
@@ -196,20 +197,6 @@ def timeline(streams, long) -> dict:
         "window": [0.0, (long.tokens[0] - t0) if long.tokens else None],
         "streams": [[round(x - t0, 4) for x in s.tokens] for s in streams],
     }
-
-
-def median_of(runs: list[dict], *path: str) -> tuple[float, float]:
-    """Median and spread (max - min) of a figure over repeated runs."""
-    values = []
-    for run in runs:
-        value = run
-        for key in path:
-            value = value.get(key, {}) if isinstance(value, dict) else None
-        if isinstance(value, int | float):
-            values.append(float(value))
-    if not values:
-        return float("nan"), float("nan")
-    return statistics.median(values), max(values) - min(values)
 
 
 def main(argv: list[str] | None = None) -> int:

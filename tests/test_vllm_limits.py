@@ -14,7 +14,6 @@ STD = NeuronConfig(batch_size=4, sequence_length=1024, backend="eager")
 def request(**kw) -> EngineRequest:
     base = dict(
         max_model_len=None,
-        derived_max_model_len=4096,
         max_num_seqs=None,
         max_num_batched_tokens=None,
         long_prefill_token_threshold=0,

@@ -12,6 +12,8 @@ from conftest import export_params
 from test_parity import prompt
 from test_vllm_engine import hf_greedy
 
+from optimum_neuron_chunked.vllm.plan import describe_chunks
+
 EXPORT = "llama-2x4x32-eager"
 
 
@@ -66,8 +68,7 @@ class Engine:
             return ""
         plan = self.worker.runner.history[-1]
         decodes = "+".join(d.req_id for d in plan.decodes)
-        chunks = " ".join(f"{c.req_id}[{c.start}:{c.start + len(c.token_ids)}]" for c in plan.chunks)
-        return f"{decodes} | {chunks}".strip()
+        return f"{decodes} | {describe_chunks(plan)}".strip()
 
     @property
     def free_slots(self) -> int:

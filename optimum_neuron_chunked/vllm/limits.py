@@ -30,7 +30,6 @@ class EngineRequest:
     """vLLM's view before the platform adjusts it. None: the user did not give the flag."""
 
     max_model_len: int | None
-    derived_max_model_len: int  # what vLLM derived (HF config) or was given
     max_num_seqs: int | None
     max_num_batched_tokens: int | None
     long_prefill_token_threshold: int  # 0 = unset

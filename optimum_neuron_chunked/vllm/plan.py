@@ -109,7 +109,11 @@ def _split_prefill(w: ScheduledWork, chunk_size: int) -> list[PrefillChunk]:
     return pieces
 
 
+def describe_chunks(plan: StepPlan) -> str:
+    """'a[0:32] b[32:40]': each prefill chunk with its positions."""
+    return " ".join(f"{c.req_id}[{c.start}:{c.start + len(c.token_ids)}]" for c in plan.chunks)
+
+
 def describe(plan: StepPlan) -> str:
-    """'2 decodes + chunks a[0:32] b[32:40]' - the step tables of tests and debug logs."""
-    chunks = " ".join(f"{c.req_id}[{c.start}:{c.start + len(c.token_ids)}]" for c in plan.chunks)
-    return f"{len(plan.decodes)} decodes + chunks {chunks or '-'}"
+    """'2 decodes + chunks a[0:32] b[32:40]' - the runner's debug log line."""
+    return f"{len(plan.decodes)} decodes + chunks {describe_chunks(plan) or '-'}"

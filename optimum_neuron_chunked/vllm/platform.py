@@ -146,7 +146,6 @@ def _engine_request(vllm_config, export: NeuronConfig) -> EngineRequest:
     given_len = model_config.original_max_model_len
     return EngineRequest(
         max_model_len=None if given_len in (None, -1) else given_len,
-        derived_max_model_len=model_config.max_model_len,
         max_num_seqs=None
         if sched.max_num_seqs in default_seqs and sched.max_num_seqs > export.batch_size
         else sched.max_num_seqs,
