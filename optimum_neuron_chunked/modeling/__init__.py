@@ -7,11 +7,14 @@ from .decoder import DecoderModel
 from .family import SUPPORTED_ARCHITECTURES, FamilySpec, UnsupportedArchitectureError, family_spec
 
 
-def build_model(hf_config, config: NeuronConfig) -> DecoderModel:
-    """An empty decoder (zero KV cache, uninitialised weights) shaped by the export config."""
+def build_model(hf_config, config: NeuronConfig, layers=None) -> DecoderModel:
+    """An empty decoder (zero KV cache, uninitialised weights) shaped by the export config.
+
+    `layers` is the layer factory (parallel.py); plain torch layers by default.
+    """
     with torch.device("cpu"):
         return DecoderModel(
-            family_spec(hf_config), config.batch_size, config.sequence_length, torch_dtype(config)
+            family_spec(hf_config), config.batch_size, config.sequence_length, torch_dtype(config), layers
         )
 
 

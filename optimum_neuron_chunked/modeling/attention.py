@@ -17,6 +17,7 @@ from torch import nn
 
 from .family import FamilySpec
 from .layers import MASK_VALUE, RMSNorm, apply_rotary
+from .parallel import ShardLayout, TorchLayers
 
 
 def attention_mask(position_ids: torch.Tensor, window: int, sliding_window: int | None) -> torch.Tensor:
@@ -37,16 +38,20 @@ def real_token_mask(position_ids: torch.Tensor) -> torch.Tensor:
 
 
 class Attention(nn.Module):
-    def __init__(self, spec: FamilySpec, sliding_window: int | None, linear=nn.Linear):
+    """Heads held by this rank: all of them at tp 1 (see parallel.py for the split)."""
+
+    def __init__(
+        self, spec: FamilySpec, sliding_window: int | None, layout: ShardLayout, layers=TorchLayers()
+    ):
         super().__init__()
-        d = spec.head_dim
-        self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, d
+        d, hidden = spec.head_dim, spec.hidden_size
+        self.num_heads, self.num_kv_heads, self.head_dim = layout.heads_per_rank, layout.kv_heads_per_rank, d
         self.scale = spec.scale
         self.sliding_window = sliding_window
-        self.q_proj = linear(spec.hidden_size, spec.num_heads * d, bias=spec.qkv_bias)
-        self.k_proj = linear(spec.hidden_size, spec.num_kv_heads * d, bias=spec.qkv_bias)
-        self.v_proj = linear(spec.hidden_size, spec.num_kv_heads * d, bias=spec.qkv_bias)
-        self.o_proj = linear(spec.num_heads * d, spec.hidden_size, bias=spec.o_bias)
+        self.q_proj = layers.column(hidden, layout.num_heads * d, bias=spec.qkv_bias)
+        self.k_proj = layers.column(hidden, layout.kv_heads * d, bias=spec.qkv_bias)
+        self.v_proj = layers.column(hidden, layout.kv_heads * d, bias=spec.qkv_bias)
+        self.o_proj = layers.row(layout.num_heads * d, hidden, bias=spec.o_bias)
         if spec.qk_norm:
             self.q_norm = RMSNorm(d, spec.rms_norm_eps)
             self.k_norm = RMSNorm(d, spec.rms_norm_eps)
@@ -80,12 +85,14 @@ class Attention(nn.Module):
         keys = k_cache[seq_ids, :, :window]  # [N, Hkv, W, D]
         values = v_cache[seq_ids, :, :window]
 
+        # Grouped-query attention without expanding K/V: query heads k*G..k*G+G-1 share KV
+        # head k (transformers' repeat_kv order), so they are stacked along the query axis.
         groups = self.num_heads // self.num_kv_heads
-        keys = keys.repeat_interleave(groups, dim=1)  # [N, Hq, W, D]
-        values = values.repeat_interleave(groups, dim=1)
-        scores = torch.matmul(q, keys.transpose(2, 3)) * self.scale  # [N, Hq, T, W]
-        mask = attention_mask(position_ids, window, self.sliding_window)
+        q = q.reshape(n, self.num_kv_heads, groups * t, self.head_dim)
+        scores = torch.matmul(q, keys.transpose(2, 3)) * self.scale  # [N, Hkv, G*T, W]
+        scores = scores.view(n, self.num_kv_heads, groups, t, window)
+        mask = attention_mask(position_ids, window, self.sliding_window)[:, :, None]  # [N, 1, 1, T, W]
         scores = torch.where(mask, scores.float(), MASK_VALUE)
-        probs = torch.softmax(scores, dim=-1).to(q.dtype)
-        out = torch.matmul(probs, values)  # [N, Hq, T, D]
+        probs = torch.softmax(scores, dim=-1).to(q.dtype).view(n, self.num_kv_heads, groups * t, window)
+        out = torch.matmul(probs, values).view(n, self.num_heads, t, self.head_dim)
         return self.o_proj(out.transpose(1, 2).reshape(n, t, -1))

@@ -8,13 +8,14 @@ from torch import nn
 from .attention import Attention
 from .family import FamilySpec
 from .layers import MLP, RMSNorm, Rotary
+from .parallel import ShardLayout, TorchLayers, rank_shard, tp_checkpoint
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, spec: FamilySpec, layer_idx: int, linear=nn.Linear):
+    def __init__(self, spec: FamilySpec, layer_idx: int, layout: ShardLayout, layers):
         super().__init__()
-        self.self_attn = Attention(spec, spec.sliding_windows[layer_idx], linear)
-        self.mlp = MLP(spec.hidden_size, spec.intermediate_size, spec.mlp_bias, linear)
+        self.self_attn = Attention(spec, spec.sliding_windows[layer_idx], layout, layers)
+        self.mlp = MLP(spec.hidden_size, spec.intermediate_size, spec.mlp_bias, layers)
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.residual_multiplier = spec.residual_multiplier
@@ -26,10 +27,10 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderBody(nn.Module):
-    def __init__(self, spec: FamilySpec, linear=nn.Linear):
+    def __init__(self, spec: FamilySpec, layout: ShardLayout, layers):
         super().__init__()
-        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(spec, i, linear) for i in range(spec.num_layers))
+        self.embed_tokens = layers.embedding(spec.vocab_size, spec.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(spec, i, layout, layers) for i in range(spec.num_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.rotary_emb = Rotary(spec.head_dim)
 
@@ -38,17 +39,26 @@ class DecoderModel(nn.Module):
     """Weights (named as in the HF checkpoint) plus the KV cache buffers.
 
     KV cache: per layer k/v of shape [batch_size, kv_heads, sequence_length, head_dim]; a
-    request owns one row (its slot, `seq_id`) for its whole life.
+    request owns one row (its slot, `seq_id`) for its whole life. Under tensor parallelism
+    this is one rank's model: its weight shards and the KV heads it holds.
     """
 
-    def __init__(self, spec: FamilySpec, batch_size: int, sequence_length: int, dtype: torch.dtype):
+    def __init__(
+        self, spec: FamilySpec, batch_size: int, sequence_length: int, dtype: torch.dtype, layers=None
+    ):
         super().__init__()
+        layers = layers or TorchLayers()
         self.spec = spec
-        self.model = DecoderBody(spec)
-        self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
-        if spec.tie_word_embeddings:
+        self.layout = ShardLayout.of(spec, layers.tp_degree)
+        self.model = DecoderBody(spec, self.layout, layers)
+        self.lm_head = layers.column(
+            spec.hidden_size, self.layout.padded_vocab, bias=False, gather_output=True
+        )
+        # Sharded, the embedding splits the hidden dim and lm_head the vocabulary: not tied.
+        self.tied = spec.tie_word_embeddings and layers.tp_degree == 1
+        if self.tied:
             self.lm_head.weight = self.model.embed_tokens.weight
-        cache_shape = (batch_size, spec.num_kv_heads, sequence_length, spec.head_dim)
+        cache_shape = (batch_size, self.layout.kv_heads_per_rank, sequence_length, spec.head_dim)
         for i in range(spec.num_layers):
             self.register_buffer(f"k_cache_{i}", torch.zeros(cache_shape, dtype=dtype), persistent=False)
             self.register_buffer(f"v_cache_{i}", torch.zeros(cache_shape, dtype=dtype), persistent=False)
@@ -60,7 +70,7 @@ class DecoderModel(nn.Module):
         return list(self.state_dict(keep_vars=True).keys() - self._tied_names())
 
     def _tied_names(self) -> set[str]:
-        return {"lm_head.weight"} if self.spec.tie_word_embeddings else set()
+        return {"lm_head.weight"} if self.tied else set()
 
     def stored_weights(self) -> dict[str, torch.Tensor]:
         state = self.state_dict()
@@ -95,18 +105,30 @@ class DecoderModel(nn.Module):
         return self.model.norm(x)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float() / self.spec.logits_divisor
+        logits = self.lm_head(hidden)[..., : self.spec.vocab_size]  # drop the vocabulary padding
+        return logits.float() / self.spec.logits_divisor
 
-    def weights_from_hf(self, hf_model: nn.Module) -> dict[str, torch.Tensor]:
-        """State dict for this module taken from a transformers model of the same family."""
+    def full_weights_from_hf(self, hf_model: nn.Module) -> dict[str, torch.Tensor]:
+        """The unsharded checkpoint in this module's names, lm_head included even when tied."""
         hf_state = hf_model.state_dict()
         state = {}
-        for name in self.weight_names():
+        for name in self.weight_names() + ["lm_head.weight"]:
             if name.startswith("model.rotary_emb."):
                 state[name] = _rotary_buffer(hf_model, name.rsplit(".", 1)[1])
+            elif name == "lm_head.weight" and self.spec.tie_word_embeddings:
+                state[name] = hf_state["model.embed_tokens.weight"]
             else:
                 state[name] = hf_state[name]
         return state
+
+    def weights_from_hf(self, hf_model: nn.Module, rank: int = 0) -> dict[str, torch.Tensor]:
+        """State dict for this module (rank `rank`'s shard) from a transformers model of its family."""
+        return self.rank_weights(self.full_weights_from_hf(hf_model), rank)
+
+    def rank_weights(self, full: dict[str, torch.Tensor], rank: int = 0) -> dict[str, torch.Tensor]:
+        """This rank's shard of an unsharded checkpoint (the checkpoint itself at tp 1)."""
+        shard = rank_shard(tp_checkpoint(full, self.layout), self.layout.tp_degree, rank)
+        return {name: shard[name] for name in self.weight_names()}
 
 
 def _rotary_buffer(hf_model: nn.Module, which: str) -> torch.Tensor:

@@ -1,5 +1,5 @@
-"""Building blocks of the decoder. The neuron backend swaps the linear factories for
-NxD parallel layers; cpu and eager use plain torch layers."""
+"""Building blocks of the decoder. Linear layers come from a layer factory (parallel.py):
+plain torch layers for cpu and eager, sharded ones under tensor parallelism."""
 
 from __future__ import annotations
 
@@ -47,11 +47,11 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 
 class MLP(nn.Module):
-    def __init__(self, hidden: int, intermediate: int, bias: bool, linear=nn.Linear):
+    def __init__(self, hidden: int, intermediate: int, bias: bool, layers):
         super().__init__()
-        self.gate_proj = linear(hidden, intermediate, bias=bias)
-        self.up_proj = linear(hidden, intermediate, bias=bias)
-        self.down_proj = linear(intermediate, hidden, bias=bias)
+        self.gate_proj = layers.column(hidden, intermediate, bias=bias)
+        self.up_proj = layers.column(hidden, intermediate, bias=bias)
+        self.down_proj = layers.row(intermediate, hidden, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))

@@ -1,0 +1,189 @@
+"""Tensor parallelism: how a decoder's weights split across `tp_degree` ranks, and the layer
+factories that build the same model code with plain torch layers (tp 1) or sharded layers.
+
+Sharding (Megatron style, as neuronx-distributed's parallel layers do it):
+- column-parallel (q/k/v, gate/up, lm_head): rank r holds rows [r*out/tp, (r+1)*out/tp);
+  each rank computes its own heads / intermediate slice, no communication;
+- row-parallel (o_proj, down_proj): rank r holds input columns of the same slice; partial
+  outputs are summed across ranks (all-reduce), the bias is added once after the sum;
+- embedding: split along the hidden dimension, outputs gathered;
+- lm_head: vocabulary padded to a multiple of tp_degree, logits gathered then trimmed.
+
+KV heads: split across ranks when tp_degree divides them; when there are fewer KV heads
+than ranks (and tp_degree is a multiple of them) each is replicated so every rank holds one;
+otherwise the model is converted to multi-head attention (every query head gets its own
+copy of its KV head). A rank's query heads always use KV heads held by that rank.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ..config import NeuronConfigError
+from .family import FamilySpec
+
+# Weight name suffix -> dimension split across ranks (absent: replicated on every rank).
+PARTITION_DIMS = {
+    "q_proj.weight": 0,
+    "q_proj.bias": 0,
+    "k_proj.weight": 0,
+    "k_proj.bias": 0,
+    "v_proj.weight": 0,
+    "v_proj.bias": 0,
+    "o_proj.weight": 1,
+    "gate_proj.weight": 0,
+    "gate_proj.bias": 0,
+    "up_proj.weight": 0,
+    "up_proj.bias": 0,
+    "down_proj.weight": 1,
+    "embed_tokens.weight": 1,
+    "lm_head.weight": 0,
+}
+
+
+@dataclass(frozen=True)
+class ShardLayout:
+    tp_degree: int
+    num_heads: int
+    num_kv_heads: int  # in the checkpoint
+    kv_heads: int  # held by all ranks together, after replication
+    head_dim: int
+    vocab_size: int
+    padded_vocab: int
+
+    @classmethod
+    def of(cls, spec: FamilySpec, tp_degree: int) -> ShardLayout:
+        tp, heads, kv = tp_degree, spec.num_heads, spec.num_kv_heads
+        _check_divisible("num_attention_heads", heads, tp)
+        _check_divisible("intermediate_size", spec.intermediate_size, tp)
+        _check_divisible("hidden_size", spec.hidden_size, tp)
+        if kv % tp == 0:
+            kv_heads = kv
+        elif tp % kv == 0:
+            kv_heads = tp
+        else:
+            kv_heads = heads
+        padded_vocab = -(-spec.vocab_size // tp) * tp
+        return cls(tp, heads, kv, kv_heads, spec.head_dim, spec.vocab_size, padded_vocab)
+
+    @property
+    def heads_per_rank(self) -> int:
+        return self.num_heads // self.tp_degree
+
+    @property
+    def kv_heads_per_rank(self) -> int:
+        return self.kv_heads // self.tp_degree
+
+    def kv_source(self) -> torch.Tensor:
+        """[kv_heads]: the checkpoint KV head each held KV head copies."""
+        queries_per_held = self.num_heads // self.kv_heads
+        queries_per_source = self.num_heads // self.num_kv_heads
+        return torch.arange(self.kv_heads) * queries_per_held // queries_per_source
+
+
+def _check_divisible(what: str, value: int, tp: int) -> None:
+    if value % tp:
+        options = [d for d in range(1, value + 1) if value % d == 0 and d <= 64]
+        raise NeuronConfigError(
+            f"{what} ({value}) is not divisible by --tensor_parallel_size {tp}: "
+            f"choose a tensor parallel size among {options}."
+        )
+
+
+def tp_checkpoint(full: dict[str, torch.Tensor], layout: ShardLayout) -> dict[str, torch.Tensor]:
+    """The tp-1 checkpoint with KV heads replicated and the vocabulary padded, so that every
+    partitioned weight splits into tp_degree equal contiguous slices."""
+    out = dict(full)
+    source = layout.kv_source()
+    for name, tensor in full.items():
+        if name.endswith(("k_proj.weight", "k_proj.bias", "v_proj.weight", "v_proj.bias")):
+            per_head = tensor.view(layout.num_kv_heads, layout.head_dim, *tensor.shape[1:])
+            out[name] = per_head[source].reshape(layout.kv_heads * layout.head_dim, *tensor.shape[1:])
+    lm_head = out["lm_head.weight"]
+    missing = layout.padded_vocab - lm_head.shape[0]
+    if missing:
+        out["lm_head.weight"] = torch.cat([lm_head, lm_head.new_zeros(missing, lm_head.shape[1])])
+    return out
+
+
+def partition_dim(name: str) -> int | None:
+    for suffix, dim in PARTITION_DIMS.items():
+        if name.endswith(suffix):
+            return dim
+    return None
+
+
+def rank_shard(tp_state: dict[str, torch.Tensor], tp_degree: int, rank: int) -> dict[str, torch.Tensor]:
+    """Rank `rank`'s slice of a `tp_checkpoint` (replicated weights are shared, not copied)."""
+    shard = {}
+    for name, tensor in tp_state.items():
+        dim = partition_dim(name)
+        shard[name] = tensor if dim is None else tensor.chunk(tp_degree, dim=dim)[rank].contiguous()
+    return shard
+
+
+class TorchLayers:
+    """tp 1: plain torch layers (cpu and eager backends)."""
+
+    tp_degree = 1
+
+    def column(self, in_features: int, out_features: int, bias: bool, gather_output: bool = False):
+        return nn.Linear(in_features, out_features, bias=bias)
+
+    def row(self, in_features: int, out_features: int, bias: bool):
+        return nn.Linear(in_features, out_features, bias=bias)
+
+    def embedding(self, vocab_size: int, hidden_size: int):
+        return nn.Embedding(vocab_size, hidden_size)
+
+
+class DistLayers:
+    """Sharded layers over torch.distributed (e.g. gloo on CPU): the sharding arithmetic of
+    the neuron backend, runnable without a device. Sizes given are global, as in NxD."""
+
+    def __init__(self, tp_degree: int):
+        self.tp_degree = tp_degree
+
+    def column(self, in_features: int, out_features: int, bias: bool, gather_output: bool = False):
+        return _ColumnParallel(in_features, out_features // self.tp_degree, bias, gather_output)
+
+    def row(self, in_features: int, out_features: int, bias: bool):
+        return _RowParallel(in_features // self.tp_degree, out_features, bias)
+
+    def embedding(self, vocab_size: int, hidden_size: int):
+        return _EmbeddingParallel(vocab_size, hidden_size // self.tp_degree)
+
+
+def _all_gather_last(x: torch.Tensor) -> torch.Tensor:
+    import torch.distributed as dist
+
+    parts = [torch.empty_like(x) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, x.contiguous())
+    return torch.cat(parts, dim=-1)
+
+
+class _ColumnParallel(nn.Linear):
+    def __init__(self, in_features: int, local_out: int, bias: bool, gather_output: bool):
+        super().__init__(in_features, local_out, bias=bias)
+        self.gather_output = gather_output
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = super().forward(x)
+        return _all_gather_last(y) if self.gather_output else y
+
+
+class _RowParallel(nn.Linear):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        import torch.distributed as dist
+
+        y = nn.functional.linear(x, self.weight)
+        dist.all_reduce(y)
+        return y if self.bias is None else y + self.bias
+
+
+class _EmbeddingParallel(nn.Embedding):
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return _all_gather_last(super().forward(ids))

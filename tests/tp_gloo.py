@@ -1,0 +1,83 @@
+"""Run every graph of a config through a model built with a layer factory: once at tp 1 in
+the test process, once sharded across gloo ranks (torch.distributed on CPU)."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from optimum_neuron_chunked.config import NeuronConfig
+from optimum_neuron_chunked.graphs import GraphRunner, graph_module, graph_specs
+from optimum_neuron_chunked.modeling import build_model
+from optimum_neuron_chunked.modeling.parallel import DistLayers
+from optimum_neuron_chunked.modeling.sampler import sampling_params
+
+SEQ, CHUNK, BUCKETS = 64, 16, (32, 64)
+PROMPTS = {0: 40, 1: 13}  # slot -> prompt length: spans both buckets and a partial chunk
+
+
+def configs() -> dict[str, NeuronConfig]:
+    common = dict(batch_size=2, sequence_length=SEQ, context_buckets=BUCKETS, backend="eager")
+    return {"std": NeuronConfig(**common), "chunked": NeuronConfig(**common, prefill_chunk_size=CHUNK)}
+
+
+def graph_outputs(checkpoint: str, config: NeuronConfig, layers=None, rank: int = 0) -> dict:
+    """Graph name -> logits of each call, plus the on-device sampled tokens of TG calls."""
+    model = build_model(AutoConfig.from_pretrained(checkpoint), config, layers)
+    model.load_weights(model.weights_from_hf(AutoModelForCausalLM.from_pretrained(checkpoint), rank))
+    calls: dict[str, list] = {}
+
+    def recorded(name, graph):
+        def call(*inputs):
+            out = graph(*inputs)
+            calls.setdefault(name, []).append(
+                tuple(o.clone() for o in out) if isinstance(out, tuple) else out.clone()
+            )
+            return out
+
+        return call
+
+    graphs = {s.name: recorded(s.name, graph_module(model.eval(), s, config)) for s in graph_specs(config)}
+    runner = GraphRunner(config, graphs)
+    generator = torch.Generator().manual_seed(0)
+    tokens = {}
+    with torch.no_grad():
+        for slot, n in PROMPTS.items():
+            prompt = torch.randint(4, 300, (n,), generator=generator)
+            if config.chunked:
+                for start in range(0, n, CHUNK):
+                    logits = runner.prefill(prompt[start : start + CHUNK], start, slot)
+            else:
+                logits = runner.prefill(prompt, 0, slot)
+            tokens[slot] = int(logits.argmax())
+        lengths = dict(PROMPTS)
+        params = torch.tensor([sampling_params(top_k=8, temperature=0.8)] * 2)
+        for step in range(4):  # both slots, then slot 1 alone (a padded row)
+            slots = [0, 1] if step < 3 else [1]
+            ids = torch.tensor([tokens[s] for s in slots])
+            pos = torch.tensor([lengths[s] for s in slots])
+            rand = torch.rand(len(slots), generator=generator)
+            out, _ = runner.decode(ids, pos, torch.tensor(slots), params[: len(slots)], rand)
+            for s, t in zip(slots, out.tolist(), strict=True):
+                tokens[s], lengths[s] = t, lengths[s] + 1
+    return calls
+
+
+def rank_main(rank: int, world: int, init_file: str, cases: dict, out_file: str) -> None:
+    """One gloo rank: every case (checkpoint, config) through the sharded model."""
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        results = {
+            key: graph_outputs(checkpoint, config, DistLayers(world), rank)
+            for key, (checkpoint, config) in cases.items()
+        }
+        if rank == 0:
+            torch.save(results, out_file + ".partial")
+            os.replace(out_file + ".partial", out_file)
+    finally:
+        dist.destroy_process_group()
