@@ -17,7 +17,7 @@ from torch import nn
 
 from .family import FamilySpec
 from .layers import MASK_VALUE, RMSNorm, apply_rotary
-from .parallel import ShardLayout, TorchLayers
+from .parallel import ShardLayout
 
 
 def attention_mask(position_ids: torch.Tensor, window: int, sliding_window: int | None) -> torch.Tensor:
@@ -40,9 +40,7 @@ def real_token_mask(position_ids: torch.Tensor) -> torch.Tensor:
 class Attention(nn.Module):
     """Heads held by this rank: all of them at tp 1 (see parallel.py for the split)."""
 
-    def __init__(
-        self, spec: FamilySpec, sliding_window: int | None, layout: ShardLayout, layers=TorchLayers()
-    ):
+    def __init__(self, spec: FamilySpec, sliding_window: int | None, layout: ShardLayout, layers):
         super().__init__()
         d, hidden = spec.head_dim, spec.hidden_size
         self.num_heads, self.num_kv_heads, self.head_dim = layout.heads_per_rank, layout.kv_heads_per_rank, d
