@@ -14,13 +14,12 @@ from pathlib import Path
 
 from rich.console import Console
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
-from safetensors.torch import save_file
 
 from optimum_neuron_chunked.backends import get_backend
 from optimum_neuron_chunked.config import NeuronConfig
 from optimum_neuron_chunked.graphs import graph_specs
-from optimum_neuron_chunked.loader import WEIGHTS_NAME
 from optimum_neuron_chunked.modeling import build_model, family_spec, torch_dtype
+from optimum_neuron_chunked.modeling.parallel import ShardLayout
 
 
 class ExportError(ValueError):
@@ -62,6 +61,7 @@ def export(
         model_type=spec.model_type,
     )
     _check_shapes(hf_config, config)
+    ShardLayout.of(spec, config.tp_degree)  # refuses a tp degree the heads cannot split by
     impl = get_backend(backend)
     staging = Path(tempfile.mkdtemp(prefix=f".{output.name}.partial-", dir=output.parent))
     try:
@@ -69,7 +69,7 @@ def export(
         decoder = build_model(hf_config, config)
         with console.status(f"loading weights of {model}"):
             decoder.load_weights(decoder.weights_from_hf(_load_hf_model(model, config)))
-        save_file(decoder.stored_weights(), staging / WEIGHTS_NAME)
+        impl.save_weights(decoder, config, staging)
         specs = graph_specs(config)
         with _progress(console, len(specs)) as on_graph:
             impl.compile(decoder, config, specs, staging, on_graph)

@@ -5,18 +5,14 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
 from transformers import AutoConfig, GenerationConfig
 
 from .backends import get_backend
 from .config import CONFIG_NAME, NeuronConfig, NeuronConfigError
 from .graphs import GraphRunner, graph_specs
-from .modeling import build_model
 from .modeling.sampler import sampling_params
 from .slots import SlotPool
 from .version import __version__
-
-WEIGHTS_NAME = "model.safetensors"
 
 
 class InvalidExportError(ValueError):
@@ -47,10 +43,7 @@ class NeuronModelForCausalLM:
         impl = get_backend(config.backend)
         specs = graph_specs(config)
         hf_config = AutoConfig.from_pretrained(model_dir)
-        model = build_model(hf_config, config)
-        model.load_weights(load_file(model_dir / WEIGHTS_NAME))
-        model.eval()
-        runner = GraphRunner(config, impl.load(model, config, specs, model_dir))
+        runner = GraphRunner(config, impl.load(hf_config, config, specs, model_dir))
         try:
             generation_config = GenerationConfig.from_pretrained(model_dir)
         except OSError:
@@ -121,9 +114,9 @@ def check_export(model_dir: str | Path, backend: str | None = None) -> NeuronCon
             f"{model_dir} was compiled for the {config.backend!r} backend, not {backend!r}: "
             f"re-export with --backend {backend}."
         )
-    specs = graph_specs(config)
-    files = get_backend(config.backend).graph_files(specs)
-    _check_complete(model_dir, [CONFIG_NAME, "config.json", WEIGHTS_NAME, *files])
+    impl = get_backend(config.backend)
+    files = impl.weight_files(config) + impl.graph_files(graph_specs(config))
+    _check_complete(model_dir, [CONFIG_NAME, "config.json", *files])
     return config
 
 

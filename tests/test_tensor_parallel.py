@@ -1,6 +1,7 @@
 """Tensor parallelism on CPU: the sharding arithmetic of the neuron backend, checked with
 torch.distributed (gloo, 2 processes). Every graph kind (CE, CP, TG) of every family at
-tp 2 must give the tp 1 logits, and the same on-device sampled tokens."""
+tp 2 must give the tp 1 logits, and the same on-device sampled tokens. The tp 2 ranks also
+write their KV cache functionally, as the neuron backend traces it; tp 1 writes in place."""
 
 from __future__ import annotations
 

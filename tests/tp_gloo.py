@@ -23,9 +23,11 @@ def configs() -> dict[str, NeuronConfig]:
     return {"std": NeuronConfig(**common), "chunked": NeuronConfig(**common, prefill_chunk_size=CHUNK)}
 
 
-def graph_outputs(checkpoint: str, config: NeuronConfig, layers=None, rank: int = 0) -> dict:
+def graph_outputs(
+    checkpoint: str, config: NeuronConfig, layers=None, rank: int = 0, functional_cache: bool = False
+) -> dict:
     """Graph name -> logits of each call, plus the on-device sampled tokens of TG calls."""
-    model = build_model(AutoConfig.from_pretrained(checkpoint), config, layers)
+    model = build_model(AutoConfig.from_pretrained(checkpoint), config, layers, functional_cache)
     model.load_weights(model.weights_from_hf(AutoModelForCausalLM.from_pretrained(checkpoint), rank))
     calls: dict[str, list] = {}
 
@@ -66,14 +68,15 @@ def graph_outputs(checkpoint: str, config: NeuronConfig, layers=None, rank: int 
 
 
 def rank_main(rank: int, world: int, init_file: str, cases: dict, out_file: str) -> None:
-    """One gloo rank: every case (checkpoint, config) through the sharded model."""
+    """One gloo rank: every case (checkpoint, config) through the sharded model, writing its
+    KV cache as the neuron backend traces it (functional updates)."""
     import torch.distributed as dist
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
         results = {
-            key: graph_outputs(checkpoint, config, DistLayers(world), rank)
+            key: graph_outputs(checkpoint, config, DistLayers(world), rank, functional_cache=True)
             for key, (checkpoint, config) in cases.items()
         }
         if rank == 0:

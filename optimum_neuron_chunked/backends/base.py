@@ -7,11 +7,15 @@ from collections.abc import Callable
 from contextlib import AbstractContextManager
 from pathlib import Path
 
+from safetensors.torch import load_file, save_file
+
 from ..config import NeuronConfig
 from ..graphs import GraphSpec
+from ..modeling import build_model
 from ..modeling.decoder import DecoderModel
 
 GRAPHS_DIR = "graphs"
+WEIGHTS_NAME = "model.safetensors"
 
 # Called around each graph's compilation (progress display); must return a context manager.
 OnGraph = Callable[[GraphSpec], AbstractContextManager]
@@ -37,10 +41,24 @@ class Backend(ABC):
 
     @abstractmethod
     def load(
-        self, model: DecoderModel, config: NeuronConfig, specs: list[GraphSpec], export_dir: Path
+        self, hf_config, config: NeuronConfig, specs: list[GraphSpec], export_dir: Path
     ) -> dict[str, Callable]:
-        """Graph callables by name, all bound to `model`'s weights and KV cache."""
+        """Graph callables by name, all bound to the same weights and KV cache."""
+
+    def save_weights(self, model: DecoderModel, config: NeuronConfig, out_dir: Path) -> None:
+        """Store the weights of `model` (unsharded, loaded from the checkpoint) into the export."""
+        save_file(model.stored_weights(), out_dir / WEIGHTS_NAME)
+
+    def weight_files(self, config: NeuronConfig) -> list[str]:
+        return [WEIGHTS_NAME]
 
     def graph_files(self, specs: list[GraphSpec]) -> list[str]:
         """Files (relative to the export folder) that a complete export of `specs` holds."""
         return []
+
+
+def load_torch_model(hf_config, config: NeuronConfig, export_dir: Path) -> DecoderModel:
+    """The decoder with the export's weights and a zero KV cache, in eval mode (cpu, eager)."""
+    model = build_model(hf_config, config)
+    model.load_weights(load_file(export_dir / WEIGHTS_NAME))
+    return model.eval()

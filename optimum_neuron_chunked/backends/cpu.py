@@ -15,7 +15,7 @@ import torch
 from ..config import NeuronConfig
 from ..graphs import GraphSpec, example_inputs, graph_module
 from ..modeling.decoder import DecoderModel
-from .base import GRAPHS_DIR, Backend, OnGraph
+from .base import GRAPHS_DIR, Backend, OnGraph, load_torch_model
 
 INDUCTOR_CONFIGS = {"aot_inductor.package_constants_in_so": False}
 
@@ -43,9 +43,9 @@ class CpuBackend(Backend):
                 )
 
     def load(
-        self, model: DecoderModel, config: NeuronConfig, specs: list[GraphSpec], export_dir: Path
+        self, hf_config, config: NeuronConfig, specs: list[GraphSpec], export_dir: Path
     ) -> dict[str, Callable]:
-        constants = model.constants()
+        constants = load_torch_model(hf_config, config, export_dir).constants()
         graphs = {}
         for spec, path in zip(specs, self.graph_files(specs), strict=True):
             compiled = torch._inductor.aoti_load_package(str(export_dir / path))

@@ -9,8 +9,7 @@ import torch
 
 from ..config import NeuronConfig
 from ..graphs import GraphSpec, graph_module
-from ..modeling.decoder import DecoderModel
-from .base import Backend, OnGraph
+from .base import Backend, OnGraph, load_torch_model
 
 
 class EagerBackend(Backend):
@@ -20,6 +19,7 @@ class EagerBackend(Backend):
         pass
 
     def load(
-        self, model: DecoderModel, config: NeuronConfig, specs: list[GraphSpec], export_dir: Path
+        self, hf_config, config: NeuronConfig, specs: list[GraphSpec], export_dir: Path
     ) -> dict[str, Callable]:
+        model = load_torch_model(hf_config, config, export_dir)
         return {spec.name: torch.inference_mode()(graph_module(model, spec, config)) for spec in specs}

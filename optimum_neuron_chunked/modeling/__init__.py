@@ -7,14 +7,15 @@ from .decoder import DecoderModel
 from .family import SUPPORTED_ARCHITECTURES, FamilySpec, UnsupportedArchitectureError, family_spec
 
 
-def build_model(hf_config, config: NeuronConfig, layers=None) -> DecoderModel:
+def build_model(hf_config, config: NeuronConfig, layers=None, functional_cache: bool = False) -> DecoderModel:
     """An empty decoder (zero KV cache, uninitialised weights) shaped by the export config.
 
     `layers` is the layer factory (parallel.py); plain torch layers by default.
     """
+    spec = family_spec(hf_config)
     with torch.device("cpu"):
         return DecoderModel(
-            family_spec(hf_config), config.batch_size, config.sequence_length, torch_dtype(config), layers
+            spec, config.batch_size, config.sequence_length, torch_dtype(config), layers, functional_cache
         )
 
 

@@ -37,11 +37,39 @@ def real_token_mask(position_ids: torch.Tensor) -> torch.Tensor:
     return mask
 
 
+def write_cache(
+    cache: torch.Tensor,  # [B, Hkv, S, D]
+    seq_ids: torch.Tensor,  # [N]
+    position_ids: torch.Tensor,  # [N, T]
+    values: torch.Tensor,  # [N, T, Hkv, D]
+    functional: bool,
+) -> torch.Tensor:
+    """cache[seq_ids, :, position_ids] = values. In place for torch backends (the compiled
+    graphs share the cache tensor); as a new tensor for XLA tracing, which turns a buffer
+    reassigned to it into aliased device state and does not support in-place updates."""
+    values = values.to(cache.dtype)
+    if not functional:
+        # Advanced indices on dims 0 and 2 put [N, T] first: values are [N, T, Hkv, D].
+        cache[seq_ids[:, None], :, position_ids] = values
+        return cache
+    heads = torch.arange(cache.shape[1], device=cache.device)
+    index = (seq_ids[:, None, None], heads[None, :, None], position_ids[:, None, :])  # -> [N, Hkv, T]
+    return torch.index_put(cache, index, values.transpose(1, 2))
+
+
 class Attention(nn.Module):
     """Heads held by this rank: all of them at tp 1 (see parallel.py for the split)."""
 
-    def __init__(self, spec: FamilySpec, sliding_window: int | None, layout: ShardLayout, layers):
+    def __init__(
+        self,
+        spec: FamilySpec,
+        sliding_window: int | None,
+        layout: ShardLayout,
+        layers,
+        functional_cache: bool,
+    ):
         super().__init__()
+        self.functional_cache = functional_cache
         d, hidden = spec.head_dim, spec.hidden_size
         self.num_heads, self.num_kv_heads, self.head_dim = layout.heads_per_rank, layout.kv_heads_per_rank, d
         self.scale = spec.scale
@@ -65,7 +93,8 @@ class Attention(nn.Module):
         k_cache: torch.Tensor,  # [B, Hkv, S, D]
         v_cache: torch.Tensor,  # [B, Hkv, S, D]
         window: int,
-    ) -> torch.Tensor:
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """-> (output [N, T, H], k_cache, v_cache): the caches written, in place or anew."""
         n, t, _ = x.shape
         q = self.q_proj(x).view(n, t, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(n, t, self.num_kv_heads, self.head_dim)
@@ -76,10 +105,8 @@ class Attention(nn.Module):
         q = apply_rotary(q.transpose(1, 2), cos, sin)  # [N, Hq, T, D]
         k = apply_rotary(k.transpose(1, 2), cos, sin)  # [N, Hkv, T, D]
 
-        # Scatter: advanced indices on dims 0 and 2 put [N, T] first -> values [N, T, Hkv, D].
-        rows = seq_ids[:, None]
-        k_cache[rows, :, position_ids] = k.transpose(1, 2).to(k_cache.dtype)
-        v_cache[rows, :, position_ids] = v.to(v_cache.dtype)
+        k_cache = write_cache(k_cache, seq_ids, position_ids, k.transpose(1, 2), self.functional_cache)
+        v_cache = write_cache(v_cache, seq_ids, position_ids, v, self.functional_cache)
         keys = k_cache[seq_ids, :, :window]  # [N, Hkv, W, D]
         values = v_cache[seq_ids, :, :window]
 
@@ -93,4 +120,4 @@ class Attention(nn.Module):
         scores = torch.where(mask, scores.float(), MASK_VALUE)
         probs = torch.softmax(scores, dim=-1).to(q.dtype).view(n, self.num_kv_heads, groups * t, window)
         out = torch.matmul(probs, values).view(n, self.num_heads, t, self.head_dim)
-        return self.o_proj(out.transpose(1, 2).reshape(n, t, -1))
+        return self.o_proj(out.transpose(1, 2).reshape(n, t, -1)), k_cache, v_cache

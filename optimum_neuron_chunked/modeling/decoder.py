@@ -12,25 +12,29 @@ from .parallel import ShardLayout, TorchLayers, rank_shard, tp_checkpoint
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, spec: FamilySpec, layer_idx: int, layout: ShardLayout, layers):
+    def __init__(self, spec: FamilySpec, layer_idx: int, layout: ShardLayout, layers, functional_cache: bool):
         super().__init__()
-        self.self_attn = Attention(spec, spec.sliding_windows[layer_idx], layout, layers)
+        self.self_attn = Attention(spec, spec.sliding_windows[layer_idx], layout, layers, functional_cache)
         self.mlp = MLP(spec.hidden_size, spec.intermediate_size, spec.mlp_bias, layers)
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.residual_multiplier = spec.residual_multiplier
 
     def forward(self, x, position_ids, seq_ids, cos_sin, k_cache, v_cache, window):
-        h = self.self_attn(self.input_layernorm(x), position_ids, seq_ids, cos_sin, k_cache, v_cache, window)
+        h, k_cache, v_cache = self.self_attn(
+            self.input_layernorm(x), position_ids, seq_ids, cos_sin, k_cache, v_cache, window
+        )
         x = x + h * self.residual_multiplier
-        return x + self.mlp(self.post_attention_layernorm(x)) * self.residual_multiplier
+        return x + self.mlp(self.post_attention_layernorm(x)) * self.residual_multiplier, k_cache, v_cache
 
 
 class DecoderBody(nn.Module):
-    def __init__(self, spec: FamilySpec, layout: ShardLayout, layers):
+    def __init__(self, spec: FamilySpec, layout: ShardLayout, layers, functional_cache: bool):
         super().__init__()
         self.embed_tokens = layers.embedding(spec.vocab_size, spec.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(spec, i, layout, layers) for i in range(spec.num_layers))
+        self.layers = nn.ModuleList(
+            DecoderLayer(spec, i, layout, layers, functional_cache) for i in range(spec.num_layers)
+        )
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.rotary_emb = Rotary(spec.head_dim)
 
@@ -41,16 +45,26 @@ class DecoderModel(nn.Module):
     KV cache: per layer k/v of shape [batch_size, kv_heads, sequence_length, head_dim]; a
     request owns one row (its slot, `seq_id`) for its whole life. Under tensor parallelism
     this is one rank's model: its weight shards and the KV heads it holds.
+
+    `functional_cache`: graphs write the cache into new tensors and reassign the buffers
+    (XLA tracing) instead of updating them in place (torch backends).
     """
 
     def __init__(
-        self, spec: FamilySpec, batch_size: int, sequence_length: int, dtype: torch.dtype, layers=None
+        self,
+        spec: FamilySpec,
+        batch_size: int,
+        sequence_length: int,
+        dtype: torch.dtype,
+        layers=None,
+        functional_cache: bool = False,
     ):
         super().__init__()
         layers = layers or TorchLayers()
         self.spec = spec
         self.layout = ShardLayout.of(spec, layers.tp_degree)
-        self.model = DecoderBody(spec, self.layout, layers)
+        self.functional_cache = functional_cache
+        self.model = DecoderBody(spec, self.layout, layers, functional_cache)
         self.lm_head = layers.column(
             spec.hidden_size, self.layout.padded_vocab, bias=False, gather_output=True
         )
@@ -101,7 +115,10 @@ class DecoderModel(nn.Module):
         cos_sin = self.model.rotary_emb.cos_sin(position_ids, x.dtype)
         for i, layer in enumerate(self.model.layers):
             k_cache, v_cache = getattr(self, f"k_cache_{i}"), getattr(self, f"v_cache_{i}")
-            x = layer(x, position_ids, seq_ids, cos_sin, k_cache, v_cache, window)
+            x, k_cache, v_cache = layer(x, position_ids, seq_ids, cos_sin, k_cache, v_cache, window)
+            if self.functional_cache:
+                setattr(self, f"k_cache_{i}", k_cache)
+                setattr(self, f"v_cache_{i}", v_cache)
         return self.model.norm(x)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
