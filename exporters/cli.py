@@ -47,6 +47,13 @@ def add_export_arguments(parser: argparse.ArgumentParser) -> None:
         "--tensor_parallel_size", "--tensor-parallel-size", type=int, default=1, dest="tp_degree"
     )
     parser.add_argument(
+        "--instance_type",
+        "--instance-type",
+        choices=("trn1", "inf2", "trn2"),
+        default=None,
+        help="Neuron backend: the instance the graphs are compiled for (default: this host's).",
+    )
+    parser.add_argument(
         "--max-topk",
         "--max_topk",
         type=int,
@@ -67,6 +74,7 @@ def add_export_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run_export(args: argparse.Namespace) -> int:
     from rich.console import Console
+    from rich.markup import escape
 
     from optimum_neuron_chunked.backends import BackendUnavailableError
     from optimum_neuron_chunked.config import NeuronConfigError
@@ -87,13 +95,14 @@ def run_export(args: argparse.Namespace) -> int:
             dtype=args.dtype,
             on_device_sampling=args.on_device_sampling,
             tp_degree=args.tp_degree,
+            instance_type=args.instance_type,
             max_topk=args.max_topk,
             context_buckets=buckets,
             overwrite=args.overwrite,
             console=console,
         )
     except (ExportError, NeuronConfigError, UnsupportedArchitectureError, BackendUnavailableError) as e:
-        console.print(f"[red]error[/]: {e}")
+        console.print(f"[red]error[/]: {escape(str(e))}")
         return 2
     return 0
 

@@ -16,6 +16,7 @@ from rich.console import Console
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
 from optimum_neuron_chunked.backends import get_backend
+from optimum_neuron_chunked.backends.neuron.target import resolve_instance_type
 from optimum_neuron_chunked.config import NeuronConfig
 from optimum_neuron_chunked.graphs import graph_specs
 from optimum_neuron_chunked.modeling import build_model, family_spec, torch_dtype
@@ -37,6 +38,7 @@ def export(
     dtype: str = "float32",
     on_device_sampling: bool = True,
     tp_degree: int = 1,
+    instance_type: str | None = None,
     max_topk: int = 256,
     context_buckets: tuple[int, ...] = (),
     overwrite: bool = False,
@@ -46,6 +48,8 @@ def export(
     console = console or Console(stderr=True)
     output = Path(output).resolve()
     _check_output(output, overwrite)
+    impl = get_backend(backend)
+    impl.check_available()
     hf_config = _load_hf_config(model)
     spec = family_spec(hf_config)
     config = NeuronConfig(
@@ -57,12 +61,12 @@ def export(
         on_device_sampling=on_device_sampling,
         max_topk=max_topk,
         backend=backend,
+        instance_type=resolve_instance_type(instance_type) if backend == "neuron" else "",
         context_buckets=tuple(context_buckets),
         model_type=spec.model_type,
     )
     _check_shapes(hf_config, config)
     ShardLayout.of(spec, config.tp_degree)  # refuses a tp degree the heads cannot split by
-    impl = get_backend(backend)
     staging = Path(tempfile.mkdtemp(prefix=f".{output.name}.partial-", dir=output.parent))
     try:
         started = time.perf_counter()
@@ -122,8 +126,6 @@ def _check_shapes(hf_config, config: NeuronConfig) -> None:
             f"--sequence_length {config.sequence_length} exceeds the model's max_position_embeddings "
             f"({max_positions}): pass --sequence_length <= {max_positions}."
         )
-    if config.tp_degree > 1 and config.backend != "neuron":
-        raise ExportError(f"--tensor_parallel_size {config.tp_degree} needs --backend neuron.")
 
 
 def _load_hf_model(model: str, config: NeuronConfig):

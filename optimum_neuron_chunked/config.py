@@ -38,6 +38,7 @@ class NeuronConfig:
     on_device_sampling: bool = True
     max_topk: int = 256
     backend: str = "cpu"
+    instance_type: str = ""  # neuron backend: trn1 | inf2 | trn2 (the compile target)
     context_buckets: tuple[int, ...] = ()
     model_type: str = ""
     package_version: str = __version__
@@ -74,6 +75,16 @@ class NeuronConfig:
             fail(f"dtype {self.dtype!r} is not supported: choose one of {', '.join(DTYPES)}.")
         if self.backend not in BACKENDS:
             fail(f"backend {self.backend!r} is not supported: choose one of {', '.join(BACKENDS)}.")
+        if (self.backend == "neuron") != bool(self.instance_type):
+            fail(
+                "instance_type goes with the neuron backend and only with it: pass --instance_type "
+                f"trn1|inf2|trn2 with --backend neuron (got backend {self.backend!r}, instance_type "
+                f"{self.instance_type!r})."
+            )
+        if self.tp_degree > 1 and self.backend != "neuron":
+            fail(
+                f"--tensor_parallel_size {self.tp_degree} needs --backend neuron (cpu and eager run on one process)."
+            )
         if self.max_topk < 1:
             fail(f"max_topk must be >= 1, got {self.max_topk}.")
         if self.context_buckets[-1] != self.sequence_length:

@@ -235,7 +235,16 @@ def test_cpu_export_missing_a_graph_is_refused(tmp_path):
         NeuronModelForCausalLM.from_pretrained(copy)
 
 
-def test_neuron_backend_without_sdk_says_so(tmp_path):
+@pytest.mark.parametrize(
+    "extra",
+    [
+        [],
+        ["--tensor_parallel_size", "2", "--instance_type", "trn2", "--prefill-chunk-size", "16"],
+        ["--tensor_parallel_size", "2", "--instance_type", "inf2"],
+    ],
+    ids=["defaults", "tp2-trn2-chunked", "tp2-inf2-std"],
+)
+def test_neuron_backend_without_sdk_says_so(tmp_path, extra):
     done = cli(
         "--model",
         str(checkpoint_path("llama")),
@@ -245,10 +254,12 @@ def test_neuron_backend_without_sdk_says_so(tmp_path):
         "64",
         "--backend",
         "neuron",
+        *extra,
         str(tmp_path / "out"),
     )
     assert done.returncode == 2
     assert "Neuron SDK" in done.stderr and "Traceback" not in done.stderr
+    assert "optimum-neuron-chunked[neuron]" in " ".join(done.stderr.split())
     assert list(tmp_path.iterdir()) == []
 
 

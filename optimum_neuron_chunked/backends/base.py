@@ -45,6 +45,10 @@ class Backend(ABC):
     ) -> dict[str, Callable]:
         """Graph callables by name, all bound to the same weights and KV cache."""
 
+    def check_available(self) -> None:
+        """Raise BackendUnavailableError, saying what is missing, if this host cannot compile."""
+        return None
+
     def save_weights(self, model: DecoderModel, config: NeuronConfig, out_dir: Path) -> None:
         """Store the weights of `model` (unsharded, loaded from the checkpoint) into the export."""
         save_file(model.stored_weights(), out_dir / WEIGHTS_NAME)

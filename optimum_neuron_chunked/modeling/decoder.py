@@ -68,8 +68,8 @@ class DecoderModel(nn.Module):
         self.lm_head = layers.column(
             spec.hidden_size, self.layout.padded_vocab, bias=False, gather_output=True
         )
-        # Sharded, the embedding splits the hidden dim and lm_head the vocabulary: not tied.
-        self.tied = spec.tie_word_embeddings and layers.tp_degree == 1
+        # Parallel layers split the embedding by hidden dim and lm_head by vocabulary: not tied.
+        self.tied = spec.tie_word_embeddings and isinstance(layers, TorchLayers)
         if self.tied:
             self.lm_head.weight = self.model.embed_tokens.weight
         cache_shape = (batch_size, self.layout.kv_heads_per_rank, sequence_length, spec.head_dim)
@@ -124,6 +124,11 @@ class DecoderModel(nn.Module):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head(hidden)[..., : self.spec.vocab_size]  # drop the vocabulary padding
         return logits.float() / self.spec.logits_divisor
+
+    def unsharded_weights(self) -> dict[str, torch.Tensor]:
+        """The checkpoint held by a tp-1 model, lm_head included even when tied."""
+        state = self.state_dict()
+        return {name: state[name] for name in [*self.weight_names(), *self._tied_names()]}
 
     def full_weights_from_hf(self, hf_model: nn.Module) -> dict[str, torch.Tensor]:
         """The unsharded checkpoint in this module's names, lm_head included even when tied."""

@@ -92,6 +92,8 @@ class NeuronChunkedPlatform(Platform):
                 f"{e}\n(optimum-neuron-chunked's vLLM platform serves export folders only; to serve "
                 "a plain checkpoint with another platform, deselect it with VLLM_PLUGINS=...)"
             ) from None
+        if export.backend == "neuron":
+            _select_neuron_cores(export)
         sched, cache = vllm_config.scheduler_config, vllm_config.cache_config
         limits = serving_limits(export, _engine_request(vllm_config, export))
         model_config.max_model_len = limits.max_model_len
@@ -155,6 +157,19 @@ def _engine_request(vllm_config, export: NeuronConfig) -> EngineRequest:
         long_prefill_token_threshold=sched.long_prefill_token_threshold,
         dtype=DTYPE_NAMES.get(model_config.dtype, str(model_config.dtype)),
     )
+
+
+def _select_neuron_cores(export: NeuronConfig) -> None:
+    """Refuse without a device; give the engine process (spawned, so it inherits the
+    environment) the NeuronCores of a tp_degree model before its runtime starts."""
+    from ..backends.neuron import TARGETS, require_neuron_sdk
+    from ..backends.neuron.target import host_core_count, require_neuron_device, visible_cores_env
+
+    require_neuron_sdk()
+    require_neuron_device()
+    available = host_core_count(TARGETS[export.instance_type])
+    current = os.environ.get("NEURON_RT_VISIBLE_CORES")
+    os.environ["NEURON_RT_VISIBLE_CORES"] = visible_cores_env(export.tp_degree, current, available)
 
 
 def _describe(config: NeuronConfig) -> str:

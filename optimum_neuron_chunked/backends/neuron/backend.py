@@ -1,0 +1,154 @@
+"""Compile the graph set into one NxD bundle; load it onto NeuronCores.
+
+Export folder:
+  graphs/nxd_model.pt                          every graph (one tag each), shared weights, the
+                                               KV cache as aliased device state
+  weights/tp{r}_sharded_checkpoint.safetensors rank r's weights (modeling/parallel.py sharding)
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from ...config import NeuronConfig
+from ...graphs import GraphSpec, example_inputs, graph_module
+from ...modeling import torch_dtype
+from ...modeling.decoder import DecoderModel
+from ...modeling.parallel import ShardLayout, rank_shard, tp_checkpoint
+from ..base import GRAPHS_DIR, Backend, OnGraph
+from .target import (
+    TARGETS,
+    compiler_args,
+    require_neuron_device,
+    require_neuron_sdk,
+)
+
+BUNDLE = f"{GRAPHS_DIR}/nxd_model.pt"
+PREFIX = "model."  # the bundle holds the decoder as its `model` submodule
+
+
+class NeuronBackend(Backend):
+    name = "neuron"
+
+    def check_available(self) -> None:
+        require_neuron_sdk()
+
+    def graph_files(self, specs: list[GraphSpec]) -> list[str]:
+        return [BUNDLE]
+
+    def weight_files(self, config: NeuronConfig) -> list[str]:
+        return [f"weights/tp{rank}_sharded_checkpoint.safetensors" for rank in range(config.tp_degree)]
+
+    def save_weights(self, model: DecoderModel, config: NeuronConfig, out_dir: Path) -> None:
+        layout = ShardLayout.of(model.spec, config.tp_degree)
+        tp_state = tp_checkpoint(model.unsharded_weights(), layout)
+        (out_dir / "weights").mkdir(exist_ok=True)
+        for rank, path in enumerate(self.weight_files(config)):
+            shard = rank_shard(tp_state, config.tp_degree, rank)
+            save_file({PREFIX + k: v.contiguous() for k, v in shard.items()}, out_dir / path)
+
+    def compile(
+        self,
+        model: DecoderModel,
+        config: NeuronConfig,
+        specs: list[GraphSpec],
+        out_dir: Path,
+        on_graph: OnGraph,
+    ) -> None:
+        require_neuron_sdk()
+        from neuronx_distributed import ModelBuilder, NxDParallelState
+
+        from .layers import NxdLayers
+
+        target = TARGETS[config.instance_type]
+        # Lets parallel_state pick the hardware of the target on a host without a device.
+        os.environ.setdefault("NEURON_PLATFORM_TARGET_OVERRIDE", target.compiler_target)
+        tp = config.tp_degree
+        with NxDParallelState(
+            world_size=tp, tensor_model_parallel_size=tp, lnc_size=target.logical_nc_config
+        ):
+            sharded = DecoderModel(
+                model.spec,
+                config.batch_size,
+                config.sequence_length,
+                torch_dtype(config),
+                NxdLayers(tp),
+                True,
+            )
+            sharded.load_weights(sharded.rank_weights(model.unsharded_weights(), 0))
+            bundle = GraphBundle(sharded.eval(), config, specs)
+            builder = ModelBuilder(bundle)
+            for spec in specs:
+                with on_graph(spec):
+                    bundle.select(spec.name)
+                    builder.trace(args=device_inputs(example_inputs(spec, config)), tag=spec.name)
+            with tempfile.TemporaryDirectory(prefix="nxd-compile-") as workdir:
+                nxd_model = builder.compile(
+                    priority_model_key=priority_graph(specs),
+                    compiler_workdir=workdir,
+                    compiler_args=compiler_args(target),
+                )
+        (out_dir / GRAPHS_DIR).mkdir(parents=True, exist_ok=True)
+        nxd_model.save(str(out_dir / BUNDLE))
+
+    def load(
+        self, hf_config, config: NeuronConfig, specs: list[GraphSpec], export_dir: Path
+    ) -> dict[str, Callable]:
+        require_neuron_sdk()
+        require_neuron_device()
+        from neuronx_distributed.trace.nxd_model.nxd_model import NxDModel
+
+        nxd_model = NxDModel.load(str(export_dir / BUNDLE))
+        # set_weights applies the priority graph's weight layout itself; the KV cache is
+        # zero-initialised device state shared by every graph.
+        nxd_model.set_weights([load_file(export_dir / path) for path in self.weight_files(config)])
+        nxd_model.to_neuron()
+        return {spec.name: NeuronGraph(nxd_model, spec.name) for spec in specs}
+
+
+def priority_graph(specs: list[GraphSpec]) -> str:
+    """The widest TG graph: decode is the hot path, its weight layout is imposed on the rest."""
+    return max((s for s in specs if s.kind == "tg"), key=lambda s: s.window).name
+
+
+def device_inputs(inputs) -> tuple[torch.Tensor, ...]:
+    """Integer inputs go to the device as int32 (token ids, positions, slots)."""
+    return tuple(x.to(torch.int32) if x.dtype == torch.int64 else x for x in inputs)
+
+
+class GraphBundle(nn.Module):
+    """One module for the whole graph set: ModelBuilder traces a module's forward once per
+    tag, so the graph to trace is selected before each trace. The graph modules are kept
+    out of the module tree: weights are registered once, under `model.`."""
+
+    def __init__(self, model: DecoderModel, config: NeuronConfig, specs: list[GraphSpec]):
+        super().__init__()
+        self.model = model
+        self._graphs = {spec.name: graph_module(model, spec, config) for spec in specs}
+        self._selected = specs[0].name
+
+    def select(self, name: str) -> None:
+        self._selected = name
+
+    def forward(self, input_ids, position_ids, seq_ids, sampling_params=None, rand=None):
+        inputs = (input_ids, position_ids, seq_ids)
+        if sampling_params is not None:
+            inputs += (sampling_params, rand)
+        return self._graphs[self._selected](*inputs)
+
+
+class NeuronGraph:
+    """One graph of a loaded bundle, called like the cpu and eager graphs."""
+
+    def __init__(self, nxd_model, name: str):
+        self.nxd_model, self.name = nxd_model, name
+
+    def __call__(self, *inputs: torch.Tensor):
+        return self.nxd_model.forward(*device_inputs(inputs), model_name=self.name)

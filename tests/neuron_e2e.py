@@ -1,0 +1,90 @@
+"""On a Neuron host: export a test checkpoint with the neuron backend, load it, generate and
+compare greedy tokens with transformers. One process per run: a Neuron runtime that loaded
+a model of one tp degree cannot load another in the same process.
+
+    python tests/neuron_e2e.py --family llama --tp 2 --chunk 32 [--vllm]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import torch  # noqa: E402
+from fixtures.export_models import checkpoint_path  # noqa: E402
+from transformers import AutoModelForCausalLM  # noqa: E402
+
+BATCH, SEQ = 2, 128
+
+
+def prompts(chunk: int) -> list[list[int]]:
+    lengths = [1, chunk - 1, chunk + 1, 3 * chunk + 5] if chunk else [1, 17, 64, 101]
+    return [[4 + (7 * i + n) % 300 for i in range(n)] for n in lengths]
+
+
+def hf_tokens(family: str, prompt: list[int], new: int) -> list[int]:
+    """A plain argmax loop: eos does not stop it, as with vLLM's ignore_eos."""
+    hf = AutoModelForCausalLM.from_pretrained(checkpoint_path(family), dtype=torch.float32).eval()
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        for _ in range(new):
+            ids = torch.cat([ids, hf(ids).logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+    return ids[0, len(prompt) :].tolist()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--family", default="llama")
+    parser.add_argument("--tp", type=int, default=2)
+    parser.add_argument("--chunk", type=int, default=32, help="0: standard export")
+    parser.add_argument("--vllm", action="store_true", help="generate through vllm.LLM instead")
+    parser.add_argument(
+        "--backend", default="neuron", help="eager/cpu (tp 1) to check this script off device"
+    )
+    args = parser.parse_args()
+    from exporters.neuron import export
+
+    new = 8
+    with tempfile.TemporaryDirectory() as tmp:
+        out = export(
+            str(checkpoint_path(args.family)),
+            Path(tmp) / "out",
+            batch_size=BATCH,
+            sequence_length=SEQ,
+            prefill_chunk_size=args.chunk,
+            backend=args.backend,
+            tp_degree=args.tp,
+            context_buckets=(64, 128),
+        )
+        if args.vllm:
+            from vllm import LLM, SamplingParams
+
+            llm = LLM(model=str(out), max_num_seqs=BATCH, max_model_len=SEQ)
+            params = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)
+            results = llm.generate([{"prompt_token_ids": p} for p in prompts(args.chunk)], params)
+            got = [r.outputs[0].token_ids for r in results]
+        else:
+            from optimum_neuron_chunked import NeuronModelForCausalLM
+
+            model = NeuronModelForCausalLM.from_pretrained(out)
+            got = [
+                model.generate(torch.tensor([p]), max_new_tokens=new, do_sample=False, eos_token_id=[])[
+                    0, len(p) :
+                ].tolist()
+                for p in prompts(args.chunk)
+            ]
+    failures = 0
+    for prompt, tokens in zip(prompts(args.chunk), got, strict=True):
+        expected = hf_tokens(args.family, prompt, new)
+        ok = list(tokens) == expected
+        failures += not ok
+        print(f"prompt {len(prompt):4d}: {'ok' if ok else 'MISMATCH'} {list(tokens)} vs HF {expected}")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,141 @@
+"""The neuron backend around the SDK: targets, cores, config rules, the traced bundle's
+module and weight names, and clear refusals on a host without the SDK or a device."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from fixtures.export_models import checkpoint_path
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from optimum_neuron_chunked.backends import BackendUnavailableError
+from optimum_neuron_chunked.backends.neuron import NeuronBackend, has_neuron_device
+from optimum_neuron_chunked.backends.neuron.backend import GraphBundle, priority_graph
+from optimum_neuron_chunked.backends.neuron.target import (
+    TARGETS,
+    compiler_args,
+    instance_type_of,
+    parse_visible_cores,
+    resolve_instance_type,
+    visible_cores_env,
+)
+from optimum_neuron_chunked.config import NeuronConfig, NeuronConfigError
+from optimum_neuron_chunked.graphs import example_inputs, graph_module, graph_specs
+from optimum_neuron_chunked.modeling import build_model
+from optimum_neuron_chunked.modeling.parallel import DistLayers
+
+needs_no_sdk = pytest.mark.skipif(has_neuron_device(), reason="checks the refusal on a host without Neuron")
+
+
+def test_compiler_targets():
+    assert "--target=trn1" in compiler_args(TARGETS["inf2"]) and "--lnc=1" in compiler_args(TARGETS["inf2"])
+    assert "--target=trn2" in compiler_args(TARGETS["trn2"]) and "--lnc=2" in compiler_args(TARGETS["trn2"])
+    assert instance_type_of("trn1.32xlarge\n") == "trn1"
+    assert instance_type_of("trn1n.32xlarge") == "trn1"
+    assert instance_type_of("inf2.48xlarge") == "inf2"
+    assert instance_type_of("m7i.large") is None
+    assert resolve_instance_type("trn2") == "trn2"
+
+
+@needs_no_sdk
+def test_instance_type_is_required_off_neuron_hosts():
+    with pytest.raises(BackendUnavailableError, match=r"pass --instance_type trn1\|inf2\|trn2"):
+        resolve_instance_type(None)
+
+
+def test_visible_cores():
+    assert parse_visible_cores("0,2,5-6") == [0, 2, 5, 6]
+    assert visible_cores_env(2, None, available=8) == "0-1"
+    assert visible_cores_env(2, "4-7", available=8) == "4-7"
+    with pytest.raises(BackendUnavailableError, match="gives 1 NeuronCores, the export needs tp_degree=2"):
+        visible_cores_env(2, "3", available=8)
+    with pytest.raises(BackendUnavailableError, match="has 2 NeuronCores, the export needs tp_degree=8"):
+        visible_cores_env(8, None, available=2)
+
+
+@pytest.mark.parametrize(
+    "fields,message",
+    [
+        (dict(backend="cpu", instance_type="trn1"), "instance_type goes with the neuron backend"),
+        (dict(backend="neuron"), "pass --instance_type trn1|inf2|trn2"),
+        (dict(backend="eager", tp_degree=2), "--tensor_parallel_size 2 needs --backend neuron"),
+    ],
+)
+def test_config_rules(fields, message):
+    with pytest.raises(NeuronConfigError, match=message.replace("|", r"\|")):
+        NeuronConfig(batch_size=2, sequence_length=64, **fields)
+
+
+def neuron_config(tp: int = 2) -> NeuronConfig:
+    return NeuronConfig(
+        batch_size=2,
+        sequence_length=64,
+        prefill_chunk_size=16,
+        context_buckets=(32, 64),
+        backend="neuron",
+        instance_type="trn1",
+        tp_degree=tp,
+    )
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_weight_shards_match_the_bundle_names(tmp_path, family):
+    """The shards set_weights receives carry exactly the parameter names of the traced bundle."""
+    from safetensors.torch import load_file
+
+    config = neuron_config()
+    path = checkpoint_path(family)
+    full = build_model(AutoConfig.from_pretrained(path), NeuronConfig(batch_size=2, sequence_length=64))
+    full.load_weights(full.weights_from_hf(AutoModelForCausalLM.from_pretrained(path)))
+    NeuronBackend().save_weights(full, config, tmp_path)
+    sharded = build_model(AutoConfig.from_pretrained(path), config, DistLayers(2), functional_cache=True)
+    bundle = GraphBundle(sharded, config, graph_specs(config))
+    expected = {name: t.shape for name, t in bundle.state_dict().items() if "_cache_" not in name}
+    for rank, file in enumerate(NeuronBackend().weight_files(config)):
+        shard = load_file(tmp_path / file)
+        assert {name: t.shape for name, t in shard.items()} == expected, f"rank {rank}"
+
+
+def test_bundle_runs_the_selected_graph():
+    config = neuron_config(tp=1)
+    path = checkpoint_path("llama")
+    hf = AutoModelForCausalLM.from_pretrained(path)
+    specs = graph_specs(config)
+    assert priority_graph(specs) == "tg_w64"
+
+    def fresh():
+        model = build_model(AutoConfig.from_pretrained(path), config, functional_cache=True)
+        model.load_weights(model.weights_from_hf(hf))
+        return model.eval()
+
+    bundle = GraphBundle(fresh(), config, specs)
+    assert all(not name.startswith("_graphs") for name in bundle.state_dict())
+    for spec in specs:
+        inputs = example_inputs(spec, config)
+        bundle.select(spec.name)
+        with torch.no_grad():
+            got = bundle(*inputs)
+            want = graph_module(fresh(), spec, config)(*inputs)
+        for a, b in zip(
+            got if isinstance(got, tuple) else [got], want if isinstance(want, tuple) else [want], strict=True
+        ):
+            torch.testing.assert_close(a, b)
+
+
+@needs_no_sdk
+def test_loading_a_neuron_export_without_the_sdk_says_so(tmp_path):
+    from optimum_neuron_chunked import NeuronModelForCausalLM
+
+    out = tmp_path / "export"
+    out.mkdir()
+    config = neuron_config()
+    config.save(out)
+    AutoConfig.from_pretrained(checkpoint_path("llama")).save_pretrained(out)
+    for file in NeuronBackend().weight_files(config) + ["graphs/nxd_model.pt"]:
+        (out / file).parent.mkdir(exist_ok=True)
+        (out / file).write_bytes(b"")
+    assert json.loads((out / "neuron_config.json").read_text())["instance_type"] == "trn1"
+    with pytest.raises(BackendUnavailableError, match="Neuron SDK"):
+        NeuronModelForCausalLM.from_pretrained(out)
