@@ -39,6 +39,7 @@ export-report: install
 bench: install
 	$(PY) benchmark/serve_bench.py
 	$(PY) benchmark/long_context.py
+	$(PY) benchmark/profile_decode.py
 
 bench-w3: install
 	$(PY) benchmark/long_context.py

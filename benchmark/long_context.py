@@ -149,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
             f"| {r['prefill_s']:.2f} | {r['prefill_extra_rss_mib']:.0f} | {dec} | {gbs} |"
         )
     plot(rows, args.results / f"w3-{tag}-memory.png")
-    md += ["", f"![memory](w3-{tag}-memory.png)"]
+    md += ["", f"![memory and decode time](w3-{tag}-memory.png)"]
     (args.results / f"w3-{tag}.md").write_text("\n".join(md) + "\n")
     print("\n".join(md))
     return 0
@@ -161,17 +161,22 @@ def plot(rows: list[dict], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
     for kind in ("CE", "CP"):
         rs = [r for r in rows if r["graph"] == kind]
         axes[0].plot([r["seq"] for r in rs], [r["export_peak_rss_mib"] for r in rs], "o-", label=kind)
         axes[1].plot([r["seq"] for r in rs], [r["prefill_extra_rss_mib"] for r in rs], "o-", label=kind)
+        for r in rs:
+            ctx = sorted(r["decode_step_ms"])
+            style = "o-" if kind == "CE" else "s--"
+            axes[2].plot(ctx, [r["decode_step_ms"][c] for c in ctx], style, label=f"{kind} S={r['seq']}")
     axes[0].set_title("export (compile) peak RSS, MiB")
     axes[1].set_title("RSS added by a prefill of S-1 tokens, MiB")
+    axes[2].set_title(f"decode step ms ({BATCH} rows) vs context (one bucket = S)")
     for ax in axes:
-        ax.set_xlabel("sequence length S")
+        ax.set_xlabel("sequence length S" if ax is not axes[2] else "context length")
         ax.set_xscale("log", base=2)
-        ax.legend()
+        ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

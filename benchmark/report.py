@@ -132,7 +132,8 @@ def write_report(report: dict, results_dir: Path, tag: str) -> list[Path]:
         f"# serve_bench {tag}",
         "",
         f"Model {setup['model']}, B={setup['batch']}, S={setup['seq']}, C={setup['chunk']}, backend {setup['backend']}; "
-        f"W1 {setup['w1']}; W2 {setup['w2']}; {report['repeats']} repeat(s), median ± half-range.",
+        f"W1 {setup['w1']}; W2 {setup['w2']}; W1 {report['repeats']} run(s), W2 "
+        f"{report.get('w2_repeats', report['repeats'])} run(s); median ± half-range.",
         "",
     ]
     md_path = stem.with_suffix(".md")

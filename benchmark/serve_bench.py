@@ -36,6 +36,7 @@ REPO = HERE.parent
 sys.path[:0] = [str(REPO), str(REPO / "tests"), str(HERE)]
 
 from client import mixed_load_stall, throughput  # noqa: E402
+from fixtures.export_models import code_key  # noqa: E402
 from metrics import summarize_load, summarize_stall  # noqa: E402
 from vllm_server import Server  # noqa: E402
 
@@ -100,7 +101,8 @@ def exports(setup: Setup, work: Path) -> tuple[Path, dict[str, Path], dict]:
     ckpt = build_checkpoint("bench", work / "checkpoint", config={**COMMON, **setup.model})
     folders, info = {}, {}
     for kind, chunk in (("std", 0), ("chunked", setup.chunk)):
-        out = work / f"{kind}-{setup.batch}x{setup.seq}x{chunk}-{setup.backend}"
+        # keyed by the graph code too: a cached export of older model code is not reused
+        out = work / f"{kind}-{setup.batch}x{setup.seq}x{chunk}-{setup.backend}-{code_key()}"
         started = time.perf_counter()
         if not (out / "neuron_config.json").is_file():
             export(str(ckpt), out, batch_size=setup.batch, sequence_length=setup.seq,
@@ -162,7 +164,9 @@ class PeakRss:
         return round(self.peak / 2**20, 1)
 
 
-def run_contender(name: str, setup: Setup, ckpt: Path, folders: dict, work: Path, repeats: int) -> dict:
+def run_contender(
+    name: str, setup: Setup, ckpt: Path, folders: dict, work: Path, repeats: int, w2_repeats: int
+) -> dict:
     server = server_for(name, setup, ckpt, folders, work / f"{name}.log")
     started = time.perf_counter()
     try:
@@ -174,9 +178,11 @@ def run_contender(name: str, setup: Setup, ckpt: Path, folders: dict, work: Path
     rss = PeakRss(server.proc.pid)
     try:
         model = httpx.get(f"{server.url}/v1/models").json()["data"][0]["id"]
-        for _ in range(repeats):
+        for i in range(repeats):
             streams, long = asyncio.run(mixed_load_stall(server.url, model, **setup.w1))
             result["w1"].append(summarize_stall(streams, long) | {"timeline": timeline(streams, long)})
+            if i >= w2_repeats:
+                continue
             traces, wall = asyncio.run(throughput(server.url, model, **setup.w2))
             result["w2"].append(
                 summarize_load(traces, wall) | {"itl_all": [g for t in traces for g in t.gaps]}
@@ -207,6 +213,9 @@ def main(argv: list[str] | None = None) -> int:
         "--quick", action="store_true", help="tiny model, eager backend, seconds per contender"
     )
     parser.add_argument("--repeats", type=int, default=None, help="runs per workload (default 3, quick 1)")
+    parser.add_argument(
+        "--w2-repeats", type=int, default=None, help="W2 runs (default: --repeats; W2 takes minutes a run)"
+    )
     parser.add_argument("--contenders", default=None, help="comma-separated subset")
     parser.add_argument("--results", type=Path, default=HERE / "results")
     parser.add_argument(
@@ -219,8 +228,15 @@ def main(argv: list[str] | None = None) -> int:
     work = args.work / ("quick" if args.quick else "full")
     work.mkdir(parents=True, exist_ok=True)
     ckpt, folders, export_info = exports(setup, work)
-    results = {name: run_contender(name, setup, ckpt, folders, work, repeats) for name in names}
-    report = {"setup": asdict(setup), "repeats": repeats, "exports": export_info, "contenders": results}
+    w2_repeats = min(args.w2_repeats or repeats, repeats)
+    results = {name: run_contender(name, setup, ckpt, folders, work, repeats, w2_repeats) for name in names}
+    report = {
+        "setup": asdict(setup),
+        "repeats": repeats,
+        "w2_repeats": w2_repeats,
+        "exports": export_info,
+        "contenders": results,
+    }
     from report import write_report
 
     paths = write_report(
