@@ -18,6 +18,7 @@ from optimum_neuron_chunked.backends.neuron.target import (
     compiler_args,
     instance_type_of,
     parse_visible_cores,
+    require_neuron_device,
     resolve_instance_type,
     visible_cores_env,
 )
@@ -139,3 +140,27 @@ def test_loading_a_neuron_export_without_the_sdk_says_so(tmp_path):
     assert json.loads((out / "neuron_config.json").read_text())["instance_type"] == "trn1"
     with pytest.raises(BackendUnavailableError, match="Neuron SDK"):
         NeuronModelForCausalLM.from_pretrained(out)
+
+
+def test_sdk_imports_stay_lazy():
+    code = (
+        "import sys, optimum_neuron_chunked.backends.neuron, exporters.neuron, optimum_neuron_chunked.vllm.platform; "
+        "print(sorted(m for m in sys.modules if m.startswith(('neuronx_distributed', 'torch_neuronx'))))"
+    )
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "[]"
+
+
+@needs_no_sdk
+def test_platform_refuses_a_neuron_export_off_neuron_hosts():
+    from optimum_neuron_chunked.vllm.platform import _select_neuron_cores
+
+    with pytest.raises(BackendUnavailableError, match="Neuron SDK"):
+        _select_neuron_cores(neuron_config())
+    with pytest.raises(
+        BackendUnavailableError, match=r"no Neuron device \(/dev/neuron\*\): run it on a trn1"
+    ):
+        require_neuron_device()

@@ -107,11 +107,31 @@ class Attention(nn.Module):
 
         k_cache = write_cache(k_cache, seq_ids, position_ids, k.transpose(1, 2), self.functional_cache)
         v_cache = write_cache(v_cache, seq_ids, position_ids, v, self.functional_cache)
-        keys = k_cache[seq_ids, :, :window]  # [N, Hkv, W, D]
-        values = v_cache[seq_ids, :, :window]
+        if n == k_cache.shape[0]:
+            out = self._attend_in_slot_order(q, k_cache, v_cache, seq_ids, position_ids, window)
+        else:
+            keys, values = k_cache[seq_ids, :, :window], v_cache[seq_ids, :, :window]  # [N, Hkv, W, D]
+            out = self._attend(q, keys, values, position_ids, window)
+        return self.o_proj(out.transpose(1, 2).reshape(n, t, -1)), k_cache, v_cache
 
-        # Grouped-query attention without expanding K/V: query heads k*G..k*G+G-1 share KV
-        # head k (transformers' repeat_kv order), so they are stacked along the query axis.
+    def _attend_in_slot_order(self, q, k_cache, v_cache, seq_ids, position_ids, window) -> torch.Tensor:
+        """A step with one row per slot (TG) attends over views of the cache: gathering every
+        row's window would copy the whole live cache each step. Rows are moved to their slots
+        and back; a slot with no row attends to whatever it holds, and the result is dropped.
+        Padded rows repeat a real row, so duplicate seq_ids copy identical values."""
+        slots = k_cache.shape[0]
+        q_slots = q.new_zeros(slots, *q.shape[1:]).index_copy(0, seq_ids, q)
+        pos_slots = position_ids.new_zeros(slots, position_ids.shape[1]).index_copy(0, seq_ids, position_ids)
+        keys, values = k_cache[:, :, :window], v_cache[:, :, :window]
+        return self._attend(q_slots, keys, values, pos_slots, window).index_select(0, seq_ids)
+
+    def _attend(self, q, keys, values, position_ids, window) -> torch.Tensor:
+        """q [N, Hq, T, D] over keys/values [N, Hkv, W, D] -> [N, Hq, T, D].
+
+        Grouped-query attention without expanding K/V: query heads k*G..k*G+G-1 share KV
+        head k (transformers' repeat_kv order), so they are stacked along the query axis.
+        """
+        n, _, t, _ = q.shape
         groups = self.num_heads // self.num_kv_heads
         q = q.reshape(n, self.num_kv_heads, groups * t, self.head_dim)
         scores = torch.matmul(q, keys.transpose(2, 3)) * self.scale  # [N, Hkv, G*T, W]
@@ -119,5 +139,4 @@ class Attention(nn.Module):
         mask = attention_mask(position_ids, window, self.sliding_window)[:, :, None]  # [N, 1, 1, T, W]
         scores = torch.where(mask, scores.float(), MASK_VALUE)
         probs = torch.softmax(scores, dim=-1).to(q.dtype).view(n, self.num_kv_heads, groups * t, window)
-        out = torch.matmul(probs, values).view(n, self.num_heads, t, self.head_dim)
-        return self.o_proj(out.transpose(1, 2).reshape(n, t, -1)), k_cache, v_cache
+        return torch.matmul(probs, values).view(n, self.num_heads, t, self.head_dim)
