@@ -2,7 +2,7 @@
 
 For each sequence length S (C=256): export a standard (CE) and a chunked (CP) model with one
 context bucket (S) in a child process - compile time and the child's peak RSS - then load it
-and time a prefill of S-1 tokens (the peak RSS it adds), and one decode step at several
+and time a prefill of S-1 tokens (the peak RSS it adds, sampled while it runs), and one decode step at several
 context lengths. The roofline divides the bytes a decode step must read (weights + live KV of
 the batch) by its time and compares with this machine's measured copy bandwidth.
 
@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import platform
 import subprocess
 import sys
@@ -64,10 +65,11 @@ def run_figures(out: Path) -> dict:
     seq = model.neuron_config.sequence_length
     ids = torch.randint(4, 400, (seq - 1,))
     rss0 = psutil.Process().memory_info().rss
-    started = time.perf_counter()
-    model.prefill(ids, seq_id=0)
-    prefill_s = time.perf_counter() - started
-    prefill_extra_mib = (psutil.Process().memory_info().rss - rss0) / 2**20
+    with PeakSampler() as peak:
+        started = time.perf_counter()
+        model.prefill(ids, seq_id=0)
+        prefill_s = time.perf_counter() - started
+    prefill_extra_mib = (peak.rss - rss0) / 2**20
     decode = {}
     for ctx in sorted({seq // 8, seq // 2, seq - 2}):
         pos = torch.full((BATCH,), ctx)
@@ -87,6 +89,30 @@ def run_figures(out: Path) -> dict:
         "decode_step_ms": {c: t * 1e3 for c, t in decode.items()},
         "decode_gb_s": roofline,
     }
+
+
+class PeakSampler:
+    """Peak RSS of this process while the block runs, sampled every 10 ms from a child
+    process (a compiled graph call may hold the GIL for the whole prefill): the transient
+    score tensors of a prefill are freed before it returns."""
+
+    WATCH = (
+        "import select, sys, psutil\n"
+        "p, peak = psutil.Process(int(sys.argv[1])), 0\n"
+        "while not select.select([sys.stdin], [], [], 0.01)[0]:\n"
+        "    peak = max(peak, p.memory_info().rss)\n"
+        "print(peak)\n"
+    )
+
+    def __enter__(self):
+        cmd = [sys.executable, "-c", self.WATCH, str(os.getpid())]
+        self._proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        time.sleep(0.2)  # let it start sampling
+        return self
+
+    def __exit__(self, *exc):
+        out, _ = self._proc.communicate("stop\n")
+        self.rss = int(out.strip() or 0)
 
 
 def copy_bandwidth_gb_s() -> float:
@@ -139,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     md = [f"# W3 long context ({args.backend}, B={BATCH}, C={CHUNK}) {tag}", "",
           f"Machine copy bandwidth (read+write): {bandwidth:.1f} GB/s", "",
-          "| S | graph | export s | export peak RSS MiB | graphs MiB | prefill S-1 s | prefill +RSS MiB | decode ms (ctx) | decode GB/s (ctx) |",
+          "| S | graph | export s | export peak RSS MiB | graphs MiB | prefill S-1 s | prefill peak +RSS MiB | decode ms (ctx) | decode GB/s (ctx) |",
           "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for r in rows:
         dec = ", ".join(f"{v:.1f} ({c})" for c, v in r["decode_step_ms"].items())
@@ -171,7 +197,7 @@ def plot(rows: list[dict], path: Path) -> None:
             style = "o-" if kind == "CE" else "s--"
             axes[2].plot(ctx, [r["decode_step_ms"][c] for c in ctx], style, label=f"{kind} S={r['seq']}")
     axes[0].set_title("export (compile) peak RSS, MiB")
-    axes[1].set_title("RSS added by a prefill of S-1 tokens, MiB")
+    axes[1].set_title("peak RSS added by a prefill of S-1 tokens, MiB")
     axes[2].set_title(f"decode step ms ({BATCH} rows) vs context (one bucket = S)")
     for ax in axes:
         ax.set_xlabel("sequence length S" if ax is not axes[2] else "context length")
