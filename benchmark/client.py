@@ -43,10 +43,11 @@ def prompt_ids(n: int, rng: random.Random) -> list[int]:
 
 
 async def mixed_load_stall(
-    url: str, model: str, streams: int, long_prompt: int, stream_tokens: int, warmup_s: float
+    url: str, model: str, streams: int, long_prompt: int, stream_tokens: int, warmup_s: float, seed: int = 1
 ) -> tuple[list[Trace], Trace]:
-    """W1: `streams` requests decode steadily; after warmup_s a long prompt arrives."""
-    rng = random.Random(1)
+    """W1: `streams` requests decode steadily; after warmup_s a long prompt arrives (tokens
+    drawn from `seed`: a fresh seed per repeat keeps prefix caches out of the measurement)."""
+    rng = random.Random(seed)
     async with httpx.AsyncClient(base_url=url, timeout=None) as http:
         running = [
             asyncio.create_task(stream(http, model, f"s{i}", prompt_ids(32, rng), stream_tokens))
@@ -58,11 +59,19 @@ async def mixed_load_stall(
 
 
 async def throughput(
-    url: str, model: str, requests: int, lengths: tuple[int, int], out_tokens: int, concurrency: int
+    url: str,
+    model: str,
+    requests: int,
+    lengths: tuple[int, int],
+    out_tokens: int,
+    concurrency: int,
+    seed: int = 2,
 ) -> tuple[list[Trace], float]:
-    """W2: `requests` prompts of random lengths, `concurrency` in flight at a time."""
-    rng = random.Random(2)
-    prompts = [prompt_ids(rng.randint(*lengths), rng) for _ in range(requests)]
+    """W2: `requests` prompts of random lengths, `concurrency` in flight at a time. The
+    lengths are the same for every seed; the tokens differ, so that a repeat never finds
+    its prompts in a prefix cache."""
+    lengths_rng, tokens_rng = random.Random(2), random.Random(seed)
+    prompts = [prompt_ids(lengths_rng.randint(*lengths), tokens_rng) for _ in range(requests)]
     gate = asyncio.Semaphore(concurrency)
     async with httpx.AsyncClient(base_url=url, timeout=None) as http:
 

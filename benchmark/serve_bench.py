@@ -127,7 +127,8 @@ def server_for(name: str, setup: Setup, ckpt: Path, folders: dict[str, Path], lo
         budget = str(setup.seq + setup.batch)
         whole = ["--max-num-batched-tokens", budget, "--long-prefill-token-threshold", str(setup.seq)]
         return Server(folders["chunked"], log, *limits, *whole)
-    native = [*limits, "--dtype", "float32", "--gpu-memory-utilization", "0.2"]
+    # Prefix caching off, like our static cache: measure the engines, not a cache hit.
+    native = [*limits, "--dtype", "float32", "--gpu-memory-utilization", "0.2", "--no-enable-prefix-caching"]
     env = {"VLLM_PLUGINS": "", "VLLM_CPU_KVCACHE_SPACE": "2"}
     if name == "native-budget":
         native += [
@@ -179,11 +180,11 @@ def run_contender(
     try:
         model = httpx.get(f"{server.url}/v1/models").json()["data"][0]["id"]
         for i in range(repeats):
-            streams, long = asyncio.run(mixed_load_stall(server.url, model, **setup.w1))
+            streams, long = asyncio.run(mixed_load_stall(server.url, model, **setup.w1, seed=100 + i))
             result["w1"].append(summarize_stall(streams, long) | {"timeline": timeline(streams, long)})
             if i >= w2_repeats:
                 continue
-            traces, wall = asyncio.run(throughput(server.url, model, **setup.w2))
+            traces, wall = asyncio.run(throughput(server.url, model, **setup.w2, seed=200 + i))
             result["w2"].append(
                 summarize_load(traces, wall) | {"itl_all": [g for t in traces for g in t.gaps]}
             )
