@@ -219,6 +219,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--contenders", default=None, help="comma-separated subset")
     parser.add_argument("--results", type=Path, default=HERE / "results")
+    parser.add_argument("--tag", default="", help="suffix of the results files (keeps another run's files)")
     parser.add_argument(
         "--work", type=Path, default=Path.home() / ".cache" / "optimum-neuron-chunked" / "bench"
     )
@@ -240,9 +241,8 @@ def main(argv: list[str] | None = None) -> int:
     }
     from report import write_report
 
-    paths = write_report(
-        report, args.results, f"{'quick-' if args.quick else ''}{datetime.date.today()}-{platform.node()}"
-    )
+    tag = f"{'quick-' if args.quick else ''}{datetime.date.today()}-{platform.node()}"
+    paths = write_report(report, args.results, tag + (f"-{args.tag}" if args.tag else ""))
     print("\n".join(str(p) for p in paths))
     return 0 if all("error" not in r for r in results.values()) else 1
 
