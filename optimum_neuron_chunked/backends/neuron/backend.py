@@ -80,7 +80,7 @@ class NeuronBackend(Backend):
                 config.sequence_length,
                 torch_dtype(config),
                 NxdLayers(tp),
-                True,
+                functional_cache=True,
             )
             sharded.load_weights(sharded.rank_weights(model.unsharded_weights(), 0))
             bundle = GraphBundle(sharded.eval(), config, specs)
