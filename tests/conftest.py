@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import glob
+import sys
 
 import pytest
 import torch
@@ -50,3 +51,15 @@ def neuron_model(export_dir):
     from optimum_neuron_chunked import NeuronModelForCausalLM
 
     return NeuronModelForCausalLM.from_pretrained(export_dir)
+
+
+def pytest_terminal_summary(terminalreporter):
+    """The HLO census of every graph the XLA tests lowered, so that changes show in CI logs."""
+    census = getattr(sys.modules.get("test_xla"), "CENSUS", None)
+    if not census:
+        return
+    ops = ["instructions", "sort", "scatter", "gather", "dot", "reduce", "s64 values"]
+    terminalreporter.section("HLO census (graphs as the neuron backend traces them)")
+    terminalreporter.write_line(f"{'graph':<34}" + "".join(f"{op:>13}" for op in ops))
+    for name, report in sorted(census.items()):
+        terminalreporter.write_line(f"{name:<34}" + "".join(f"{report.census[op]:>13}" for op in ops))

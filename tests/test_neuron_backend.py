@@ -25,7 +25,7 @@ from optimum_neuron_chunked.backends.neuron.target import (
 from optimum_neuron_chunked.config import NeuronConfig, NeuronConfigError
 from optimum_neuron_chunked.graphs import example_inputs, graph_module, graph_specs
 from optimum_neuron_chunked.modeling import build_model
-from optimum_neuron_chunked.modeling.parallel import DistLayers
+from optimum_neuron_chunked.modeling.parallel import DistLayers, TorchLayers
 
 needs_no_sdk = pytest.mark.skipif(has_neuron_device(), reason="checks the refusal on a host without Neuron")
 
@@ -164,3 +164,46 @@ def test_platform_refuses_a_neuron_export_off_neuron_hosts():
         BackendUnavailableError, match=r"no Neuron device \(/dev/neuron\*\): run it on a trn1"
     ):
         require_neuron_device()
+
+
+class AliasingLayers:
+    """Layers that also register their weight as `master_weight` (the same Parameter), as
+    neuronx-distributed's parallel layers do when built inside NxDParallelState. Like NxD's
+    layers, they are not plain torch layers, so lm_head is not tied to the embedding."""
+
+    tp_degree = 1
+
+    def column(self, in_features, out_features, bias, gather_output=False):
+        return _with_master_weight(TorchLayers().column(in_features, out_features, bias))
+
+    def row(self, in_features, out_features, bias):
+        return _with_master_weight(TorchLayers().row(in_features, out_features, bias))
+
+    def embedding(self, vocab_size, hidden_size):
+        return _with_master_weight(TorchLayers().embedding(vocab_size, hidden_size))
+
+
+def _with_master_weight(layer):
+    layer.register_parameter("master_weight", layer.weight)
+    return layer
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_weights_are_named_once_when_layers_alias_them(family):
+    path = checkpoint_path(family)
+    config = NeuronConfig(batch_size=2, sequence_length=64)
+    hf_config = AutoConfig.from_pretrained(path)
+    plain = build_model(hf_config, config)
+    plain.load_weights(plain.weights_from_hf(AutoModelForCausalLM.from_pretrained(path)))
+    aliased = build_model(hf_config, config, AliasingLayers(), functional_cache=True)
+    assert any(name.endswith("master_weight") for name in aliased.state_dict())
+    full = plain.unsharded_weights()  # lm_head included even when tied
+    assert sorted(aliased.weight_names()) == sorted(full)
+    aliased.load_weights(aliased.rank_weights(full, 0))
+    assert sorted(aliased.stored_weights()) == sorted(full)
+    ids = torch.tensor([[5, 6, 7]])
+    with torch.no_grad():
+        torch.testing.assert_close(
+            aliased.hidden_states(ids, torch.arange(3)[None], torch.tensor([0]), 64),
+            plain.hidden_states(ids, torch.arange(3)[None], torch.tensor([0]), 64),
+        )

@@ -80,8 +80,20 @@ class DecoderModel(nn.Module):
         self.model.rotary_emb.float()  # rotary angles stay fp32, as in transformers
 
     def weight_names(self) -> list[str]:
-        """Names of the stored weights (a tied lm_head is stored once, as the embedding)."""
-        return list(self.state_dict(keep_vars=True).keys() - self._tied_names())
+        """Names of the stored weights: every tensor once, under the first name it has."""
+        aliases = self._alias_names()
+        return [name for name in self.state_dict(keep_vars=True) if name not in aliases]
+
+    def _alias_names(self) -> set[str]:
+        """Further names of a tensor that already has one: a tied lm_head (the embedding's
+        weight), and the `master_weight` that neuronx-distributed's parallel layers register
+        as the same Parameter as `weight` when built inside NxDParallelState (AOT tracing)."""
+        seen, aliases = set(), set()
+        for name, tensor in self.state_dict(keep_vars=True).items():
+            if id(tensor) in seen:
+                aliases.add(name)
+            seen.add(id(tensor))
+        return aliases
 
     def _tied_names(self) -> set[str]:
         return {"lm_head.weight"} if self.tied else set()
@@ -92,7 +104,7 @@ class DecoderModel(nn.Module):
 
     def load_weights(self, state: dict[str, torch.Tensor]) -> None:
         missing, unexpected = self.load_state_dict(state, strict=False)
-        missing = set(missing) - self._tied_names()
+        missing = set(missing) - self._alias_names()
         if missing or unexpected:
             raise ValueError(
                 f"weights do not match the model: missing {sorted(missing)}, unexpected {unexpected}"
@@ -110,7 +122,13 @@ class DecoderModel(nn.Module):
     def hidden_states(
         self, input_ids: torch.Tensor, position_ids: torch.Tensor, seq_ids: torch.Tensor, window: int
     ) -> torch.Tensor:
-        """[N, T] tokens at [N, T] positions of slots [N] -> final-norm hidden states [N, T, H]."""
+        """[N, T] tokens at [N, T] positions of slots [N] -> final-norm hidden states [N, T, H].
+
+        Integer inputs may arrive as int32 (graphs.INDEX_DTYPE): they are widened here, once,
+        because index_put/index_copy want int64 indices and XLA refuses to mix S32 with the
+        S64 of torch.arange (the head index of the functional cache write).
+        """
+        input_ids, position_ids, seq_ids = input_ids.long(), position_ids.long(), seq_ids.long()
         x = self.model.embed_tokens(input_ids) * self.spec.embedding_multiplier
         cos_sin = self.model.rotary_emb.cos_sin(position_ids, x.dtype)
         for i, layer in enumerate(self.model.layers):

@@ -88,7 +88,7 @@ class NeuronBackend(Backend):
             for spec in specs:
                 with on_graph(spec):
                     bundle.select(spec.name)
-                    builder.trace(args=device_inputs(example_inputs(spec, config)), tag=spec.name)
+                    builder.trace(args=example_inputs(spec, config), tag=spec.name)
             with tempfile.TemporaryDirectory(prefix="nxd-compile-") as workdir:
                 nxd_model = builder.compile(
                     priority_model_key=priority_graph(specs),
@@ -116,11 +116,6 @@ class NeuronBackend(Backend):
 def priority_graph(specs: list[GraphSpec]) -> str:
     """The widest TG graph: decode is the hot path, its weight layout is imposed on the rest."""
     return max((s for s in specs if s.kind == "tg"), key=lambda s: s.window).name
-
-
-def device_inputs(inputs) -> tuple[torch.Tensor, ...]:
-    """Integer inputs go to the device as int32 (token ids, positions, slots)."""
-    return tuple(x.to(torch.int32) if x.dtype == torch.int64 else x for x in inputs)
 
 
 class GraphBundle(nn.Module):
@@ -151,4 +146,5 @@ class NeuronGraph:
         self.nxd_model, self.name = nxd_model, name
 
     def __call__(self, *inputs: torch.Tensor):
-        return self.nxd_model.forward(*device_inputs(inputs), model_name=self.name)
+        # GraphRunner already types inputs as traced (graphs.INDEX_DTYPE for integers).
+        return self.nxd_model.forward(*inputs, model_name=self.name)

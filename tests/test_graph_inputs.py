@@ -1,0 +1,69 @@
+"""Graph inputs as every backend feeds them: integers as graphs.INDEX_DTYPE (int32, what the
+Neuron runtime takes), for every graph kind and both cache-write paths (in place for cpu and
+eager, functional as the neuron backend traces it)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from fixtures.export_models import checkpoint_path
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from optimum_neuron_chunked.config import NeuronConfig
+from optimum_neuron_chunked.graphs import INDEX_DTYPE, GraphRunner, example_inputs, graph_module, graph_specs
+from optimum_neuron_chunked.modeling import build_model
+from optimum_neuron_chunked.modeling.sampler import sampling_params
+
+
+def as_tuple(outputs) -> tuple:
+    return outputs if isinstance(outputs, tuple) else (outputs,)
+
+
+def configs() -> list[NeuronConfig]:
+    return [
+        NeuronConfig(batch_size=2, sequence_length=64, prefill_chunk_size=16, context_buckets=(32, 64)),
+        NeuronConfig(batch_size=2, sequence_length=64, context_buckets=(32, 64)),
+    ]
+
+
+def model(config: NeuronConfig, functional_cache: bool):
+    path = checkpoint_path("llama")
+    m = build_model(AutoConfig.from_pretrained(path), config, functional_cache=functional_cache)
+    m.load_weights(m.weights_from_hf(AutoModelForCausalLM.from_pretrained(path)))
+    return m.eval()
+
+
+@pytest.mark.parametrize("config", configs(), ids=["chunked", "standard"])
+@pytest.mark.parametrize("functional_cache", [False, True], ids=["in-place", "functional"])
+def test_every_graph_takes_int32_inputs(config, functional_cache):
+    int32_model, int64_model = model(config, functional_cache), model(config, functional_cache)
+    for spec in graph_specs(config):
+        inputs = example_inputs(spec, config)
+        assert [x.dtype for x in inputs[:3]] == [INDEX_DTYPE] * 3
+        widened = [x.long() if x.dtype == INDEX_DTYPE else x for x in inputs]
+        with torch.no_grad():
+            got = graph_module(int32_model, spec, config)(*inputs)
+            want = graph_module(int64_model, spec, config)(*widened)
+        for a, b in zip(as_tuple(got), as_tuple(want), strict=True):
+            torch.testing.assert_close(a, b)
+
+
+def test_the_runner_feeds_int32():
+    config = configs()[0]
+    seen = []
+
+    def record(kind):
+        def graph(*inputs):
+            seen.append((kind, [x.dtype for x in inputs[:3]]))
+            v = 8
+            return (
+                torch.zeros(1, v) if kind == "cp" else (torch.zeros(2, dtype=torch.long), torch.zeros(2, v))
+            )
+
+        return graph
+
+    runner = GraphRunner(config, {s.name: record(s.kind) for s in graph_specs(config)})
+    runner.prefill(torch.tensor([3, 4, 5]), 0, 1)
+    params = torch.tensor([sampling_params(temperature=0.0)])
+    runner.decode(torch.tensor([3]), torch.tensor([3]), torch.tensor([1]), params, torch.zeros(1))
+    assert seen == [("cp", [INDEX_DTYPE] * 3), ("tg", [INDEX_DTYPE] * 3)]

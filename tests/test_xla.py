@@ -1,0 +1,169 @@
+"""The Neuron gate: every graph kind of every family, traced as the neuron backend traces it,
+runs on torch-xla's CPU device with the graphs' int32 inputs, equals eager, falls back to
+the host for nothing and lowers to static HLO with no custom-call, host transfer or loop.
+
+Run with `make test-xla` (the `.venv-xla` environment); skipped where torch-xla is absent.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("torch_xla", reason="XLA checks run in .venv-xla: make test-xla")
+
+import torch  # noqa: E402
+from fixtures.export_models import BUCKETS, CHUNK, SEQUENCE_LENGTH, checkpoint_path  # noqa: E402
+from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig  # noqa: E402
+from xla_device import HloReport, XlaGraphs, fallback_ops, reset_counters  # noqa: E402
+
+from optimum_neuron_chunked.checkpoints import FAMILIES  # noqa: E402
+from optimum_neuron_chunked.config import NeuronConfig  # noqa: E402
+from optimum_neuron_chunked.graphs import GraphRunner, graph_module, graph_specs  # noqa: E402
+from optimum_neuron_chunked.loader import NeuronModelForCausalLM  # noqa: E402
+from optimum_neuron_chunked.modeling import build_model  # noqa: E402
+from optimum_neuron_chunked.modeling.sampler import sampling_params  # noqa: E402
+
+pytestmark = pytest.mark.xla
+
+TOLERANCE = 1e-4  # fp32 logits and KV cache, XLA vs eager
+NEW_TOKENS = 8
+CENSUS: dict[str, HloReport] = {}  # printed at the end of the session (conftest)
+
+
+def export_config(chunked: bool, dtype: str = "float32") -> NeuronConfig:
+    return NeuronConfig(
+        batch_size=2,
+        sequence_length=SEQUENCE_LENGTH,
+        prefill_chunk_size=CHUNK if chunked else 0,
+        context_buckets=BUCKETS,
+        dtype=dtype,
+    )
+
+
+def tokens(n: int, seed: int) -> torch.Tensor:
+    return torch.randint(4, 380, (n,), generator=torch.Generator().manual_seed(seed))
+
+
+class Pair:
+    """The same weights twice: the neuron backend's bundle on XLA and the eager backend's
+    graphs (in-place cache) on CPU, each behind its own GraphRunner (the one padding rule)."""
+
+    def __init__(self, family: str, config: NeuronConfig):
+        path = checkpoint_path(family)
+        self.hf_config = AutoConfig.from_pretrained(path)
+        hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        self.eager_model = build_model(self.hf_config, config)
+        weights = self.eager_model.weights_from_hf(hf)
+        self.eager_model.load_weights(weights)
+        self.eager_model.eval()
+        xla_model = build_model(self.hf_config, config, functional_cache=True)
+        xla_model.load_weights(weights)
+        self.xla = XlaGraphs(xla_model, config)
+        eager_graphs = {s.name: graph_module(self.eager_model, s, config) for s in graph_specs(config)}
+        self.eager = GraphRunner(config, eager_graphs)
+        self.device = GraphRunner(config, self.xla.callables())
+        self.path = path
+
+    def prefill(self, ids: torch.Tensor, start: int, slot: int) -> None:
+        with torch.no_grad():
+            want = self.eager.prefill(ids, start, slot)
+        got = self.device.prefill(ids, start, slot)
+        torch.testing.assert_close(got, want, atol=TOLERANCE, rtol=0)
+
+    def decode(self, ids, positions, slots, params, rand) -> None:
+        with torch.no_grad():
+            want_tokens, want_logits = self.eager.decode(ids, positions, slots, params, rand)
+        got_tokens, got_logits = self.device.decode(ids, positions, slots, params, rand)
+        torch.testing.assert_close(got_logits, want_logits, atol=TOLERANCE, rtol=0)
+        assert got_tokens.tolist() == want_tokens.tolist()
+
+    def assert_caches_equal(self) -> None:
+        got = self.xla.caches()
+        for name, tensor in got.items():
+            torch.testing.assert_close(tensor, getattr(self.eager_model, name), atol=TOLERANCE, rtol=0)
+
+
+SAMPLING = torch.tensor(
+    [sampling_params(temperature=0.0), sampling_params(top_k=5, top_p=0.9, temperature=0.8)]
+)
+RAND = torch.tensor([0.5, 0.3])
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_chunked_graphs_on_xla_equal_eager(family):
+    pair = Pair(family, export_config(chunked=True))
+    reset_counters()
+    a, b = tokens(3 * CHUNK - 10, seed=1), tokens(CHUNK - 12, seed=2)
+    pair.prefill(a[:CHUNK], 0, slot=0)  # a full chunk, bucket 64
+    pair.prefill(a[CHUNK : 2 * CHUNK], CHUNK, slot=0)  # the second chunk reads the first from the cache
+    pair.prefill(a[2 * CHUNK :], 2 * CHUNK, slot=0)  # a partial chunk crossing into bucket 128
+    pair.prefill(b, 0, slot=1)  # another slot
+    # TG: a greedy row and a top-k/top-p/temperature row, sampled on device
+    pair.decode(torch.tensor([7, 9]), torch.tensor([len(a), len(b)]), torch.tensor([0, 1]), SAMPLING, RAND)
+    # TG with one real row, padded to the batch by repeating it
+    pair.decode(torch.tensor([11]), torch.tensor([len(b) + 1]), torch.tensor([1]), SAMPLING[1:], RAND[1:])
+    pair.assert_caches_equal()
+    assert fallback_ops() == []
+    check_hlo(pair, family, "chunked")
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_standard_graphs_on_xla_equal_eager(family):
+    pair = Pair(family, export_config(chunked=False))
+    reset_counters()
+    a, b = tokens(40, seed=3), tokens(100, seed=4)
+    pair.prefill(a, 0, slot=1)  # CE over bucket 64
+    pair.prefill(b, 0, slot=0)  # CE over bucket 128
+    pair.decode(torch.tensor([5, 6]), torch.tensor([len(b), len(a)]), torch.tensor([0, 1]), SAMPLING, RAND)
+    # TG over bucket 64: one real row (slot 1) padded to the batch
+    pair.decode(torch.tensor([8]), torch.tensor([len(a) + 1]), torch.tensor([1]), SAMPLING[:1], RAND[:1])
+    pair.assert_caches_equal()
+    assert fallback_ops() == []
+    check_hlo(pair, family, "standard")
+
+
+def check_hlo(pair: Pair, family: str, kind: str) -> None:
+    assert set(pair.xla.hlo) == {s.name for s in graph_specs(pair.device.config)}, "every graph ran"
+    for name, report in pair.xla.hlo.items():
+        assert report.forbidden == [], f"{name}: {report.forbidden}"
+        assert report.dynamic_shapes == [], f"{name}: {report.dynamic_shapes[:5]}"
+        assert report.census["instructions"] > 0
+        CENSUS[f"{family} {kind} {name}"] = report
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_bf16_graphs_on_xla_sample_the_eager_tokens(family):
+    """bf16 rounds differently on XLA and eager: tokens must agree where eager's top-2 margin
+    is wider than bf16's resolution at that magnitude."""
+    config = export_config(chunked=True, dtype="bfloat16")
+    pair = Pair(family, config)
+    ids = tokens(2 * CHUNK + 3, seed=5)
+    checked = 0
+    for start in range(0, len(ids), CHUNK):
+        chunk = ids[start : start + CHUNK]
+        with torch.no_grad():
+            want = pair.eager.prefill(chunk, start, 0)
+        got = pair.device.prefill(chunk, start, 0)
+        top2 = want.topk(2).values
+        if top2[0] - top2[1] > 2 * 2**-7 * top2[0].abs():
+            assert got.argmax() == want.argmax()
+            checked += 1
+    assert checked, "no chunk had a margin wide enough to compare"
+    assert fallback_ops() == []
+
+
+@pytest.mark.parametrize("chunked", [True, False], ids=["chunked", "standard"])
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_generate_on_xla_equals_transformers(family, chunked):
+    """The loader's generate() with every graph executing on the XLA device."""
+    config = export_config(chunked)
+    pair = Pair(family, config)
+    model = NeuronModelForCausalLM(
+        pair.path, pair.hf_config, config, pair.device, GenerationConfig.from_pretrained(pair.path)
+    )
+    hf = AutoModelForCausalLM.from_pretrained(pair.path, dtype=torch.float32).eval()
+    for length in (CHUNK + 5, 2):
+        ids = tokens(length, seed=length)[None]
+        with torch.no_grad():
+            expected = hf.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False)
+        assert model.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False).tolist() == expected.tolist()
