@@ -37,6 +37,17 @@ def test_single_token_prompt_is_a_prefill_not_a_decode():
     assert plan.decodes == () and plan.chunks[0].samples
 
 
+def test_one_token_recompute_piece_that_does_not_sample_is_prefill():
+    """After a reset vLLM recomputes prompt + outputs from position 0; under a small budget a
+    one-token piece can sit past the prompt but before the last known token."""
+    plan = plan_step([work("b", 1, 5, 1, prompt=4, known=9)], chunk_size=32, batch_size=2)
+    assert plan.decodes == ()
+    assert [(c.start, len(c.token_ids), c.samples) for c in plan.chunks] == [(5, 1, False)]
+    assert plan.sampling_req_ids == ()
+    plan = plan_step([work("b", 1, 8, 1, prompt=4, known=9)], chunk_size=32, batch_size=2)
+    assert [(d.position, d.req_id) for d in plan.decodes] == [(8, "b")] and plan.chunks == ()
+
+
 def test_standard_export_takes_whole_prompts_only():
     plan = plan_step([work("a", 0, 0, 90, prompt=90)], chunk_size=0, batch_size=4)
     assert len(plan.chunks) == 1 and len(plan.chunks[0].token_ids) == 90

@@ -34,7 +34,11 @@ class ScheduledWork:
 
     @property
     def is_decode(self) -> bool:
-        return len(self.token_ids) == 1 and self.start >= self.num_prompt_tokens
+        """One generated token that samples: TG's work. Derived from `samples`, the one
+        predicate: a one-token piece that does not reach the end of the known tokens (vLLM
+        recomputing a request from position 0 after a reset) is prefill, whatever its position;
+        a one-token prompt is prefill too."""
+        return len(self.token_ids) == 1 and self.samples and self.start >= self.num_prompt_tokens
 
     @property
     def samples(self) -> bool:
