@@ -39,8 +39,10 @@ $(VENV_XLA)/.installed: pyproject.toml
 
 install-xla: $(VENV_XLA)/.installed
 
-test: install
+# Everything CI runs: the main suite (vLLM, torch 2.13, transformers 5), then the Neuron gate.
+test: install install-xla
 	$(PY) -m pytest $(PYTEST_ARGS)
+	$(MAKE) test-xla
 
 # XLA graph checks, then the vLLM-free tests under transformers 4.x (eager exports only).
 test-xla: install-xla

@@ -66,7 +66,7 @@ class Engine:
             self.tokens[req_id] += out.sampled_token_ids[index]
         if so.total_num_scheduled_tokens == 0:
             return ""
-        plan = self.worker.runner.history[-1]
+        plan = self.worker.runner.last_plan
         decodes = "+".join(d.req_id for d in plan.decodes)
         return f"{decodes} | {describe_chunks(plan)}".strip()
 
@@ -163,3 +163,45 @@ def test_a_budget_above_the_chunk_runs_chunks_back_to_back_in_one_step(export_di
         engine.step()
     hf = hf_reference("llama")
     assert engine.tokens == {"a": hf_greedy(hf, a, 4), "b": hf_greedy(hf, b, 2)}
+
+
+def budget_engine(export_dir, budget: int) -> Engine:
+    from vllm.config import ModelConfig, SchedulerConfig, VllmConfig
+
+    model = ModelConfig(model=str(export_dir), dtype="float32", seed=0)
+    sched = SchedulerConfig(
+        max_model_len=128,
+        is_encoder_decoder=False,
+        max_num_batched_tokens=budget,
+        long_prefill_token_threshold=budget,
+        max_num_seqs=min(2, budget),  # vLLM wants a budget of at least one token per sequence
+    )
+    return Engine(export_dir, VllmConfig(model_config=model, scheduler_config=sched))
+
+
+@pytest.mark.parametrize("export_dir", export_params([EXPORT]), indirect=True)
+@pytest.mark.parametrize("budget", [1, 2, 32])
+@pytest.mark.parametrize("reset_after", ["a-decoding-b-prefilling", "both-decoding"])
+def test_recompute_after_a_reset_gives_the_transformers_tokens(export_dir, hf_reference, budget, reset_after):
+    """reset_prefix_cache(reset_running_requests=True) preempts every running request; vLLM
+    then recomputes prompt + outputs from position 0, in pieces the budget allows. Pieces
+    that do not reach the last known token must not sample (nor run as decodes)."""
+    engine = budget_engine(export_dir, budget)
+    a, b = prompt(5, seed=18), prompt(100, seed=19)
+    engine.add("a", a, max_tokens=12)
+    engine.add("b", b, max_tokens=10)
+
+    def ready() -> bool:
+        if reset_after == "both-decoding":
+            return len(engine.tokens["a"]) >= 3 and len(engine.tokens["b"]) >= 2
+        b_request = engine.scheduler.requests["b"]
+        return len(engine.tokens["a"]) >= 1 and 0 < b_request.num_computed_tokens < len(b)
+
+    while not ready():
+        engine.step()
+    assert engine.scheduler.reset_prefix_cache(reset_running_requests=True)
+    while engine.scheduler.has_requests():
+        engine.step()
+    hf = hf_reference("llama")
+    assert engine.tokens == {"a": hf_greedy(hf, a, 12), "b": hf_greedy(hf, b, 10)}
+    assert engine.free_slots == min(2, budget)  # every slot back

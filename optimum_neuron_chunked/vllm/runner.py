@@ -40,7 +40,9 @@ class StepRunner:
         self.sampler = Sampler(logprobs_mode=vllm_config.model_config.logprobs_mode)
         self.vocab_size = vllm_config.model_config.get_vocab_size()
         self.rng = torch.Generator().manual_seed(vllm_config.model_config.seed or 0)
-        self.history: list[StepPlan] = []  # what each step ran (tests and debugging)
+        # What the last step ran (step tables, debugging); older plans are not kept, so a
+        # long-running server holds no per-step state.
+        self.last_plan: StepPlan | None = None
         self._pending: tuple[SchedulerOutput, StepResult] | None = None
 
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput | None:
@@ -50,7 +52,7 @@ class StepRunner:
         plan = plan_step(
             self.batch.scheduled_work(so), self.config.prefill_chunk_size, self.config.batch_size
         )
-        self.history.append(plan)
+        self.last_plan = plan
         logger.debug("step: %s", describe(plan))
         result = StepResult(plan)
         self._run_decodes(result)
