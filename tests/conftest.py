@@ -60,6 +60,7 @@ def pytest_terminal_summary(terminalreporter):
         return
     ops = ["instructions", "sort", "scatter", "gather", "dot", "reduce", "s64 values"]
     terminalreporter.section("HLO census (graphs as the neuron backend traces them)")
-    terminalreporter.write_line(f"{'graph':<34}" + "".join(f"{op:>13}" for op in ops))
+    terminalreporter.write_line(f"{'graph':<30}" + "".join(f"{op:>13}" for op in [*ops, "widest sort"]))
     for name, report in sorted(census.items()):
-        terminalreporter.write_line(f"{name:<34}" + "".join(f"{report.census[op]:>13}" for op in ops))
+        counts = [report.census[op] for op in ops] + [report.widest_sort]
+        terminalreporter.write_line(f"{name:<30}" + "".join(f"{c:>13}" for c in counts))

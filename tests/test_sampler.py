@@ -44,3 +44,19 @@ def test_same_random_numbers_same_tokens():
     rand = torch.rand(4, generator=torch.Generator().manual_seed(3))
     p = params(4, top_k=20, top_p=0.9, temperature=0.8)
     assert torch.equal(sample(logits, p, rand, 32), sample(logits, p, rand.clone(), 32))
+
+
+def test_staged_topk_equals_topk():
+    from optimum_neuron_chunked.modeling.sampler import stage_groups, staged_topk
+
+    for vocab, k in [(50, 16), (512, 8), (1000, 7), (32000, 256), (151936, 64)]:
+        logits = torch.randn(3, vocab, generator=torch.Generator().manual_seed(vocab))
+        want_values, want_ids = torch.topk(logits, k)
+        values, ids = staged_topk(logits, k)
+        assert torch.equal(values, want_values) and torch.equal(ids, want_ids), (vocab, k)
+    assert (
+        stage_groups(20, 16) == 1
+        and stage_groups(50, 16) == 2
+        and stage_groups(512, 8) == 8
+        and stage_groups(151936, 64) == 49
+    )

@@ -44,6 +44,7 @@ class HloReport:
     forbidden: list[str] = field(default_factory=list)
     dynamic_shapes: list[str] = field(default_factory=list)
     census: Counter = field(default_factory=Counter)
+    widest_sort: int = 0  # length of the longest sorted dimension (top-k lowers to sort)
 
     @classmethod
     def of(cls, graph: str, hlo: str) -> HloReport:
@@ -54,6 +55,9 @@ class HloReport:
                 report.dynamic_shapes.append(f"{opcode} {shape}")
             if opcode in CENSUS_OPS:
                 report.census[opcode] += 1
+            if opcode == "sort":
+                dims = re.search(r"\[([\d,]+)\]", shape).group(1).split(",")
+                report.widest_sort = max(report.widest_sort, int(dims[-1]))
             if shape.startswith("s64["):
                 report.census["s64 values"] += 1
             report.census["instructions"] += 1

@@ -25,7 +25,7 @@ def sample(logits: torch.Tensor, params: torch.Tensor, rand: torch.Tensor, max_t
     """logits [N, V] float, params [N, 3], rand [N] uniform in [0, 1) -> tokens [N] int64."""
     greedy = torch.argmax(logits, dim=-1)
     k = min(max_topk, logits.shape[-1])
-    top_logits, top_ids = torch.topk(logits, k, dim=-1)  # sorted, descending
+    top_logits, top_ids = staged_topk(logits, k)  # sorted, descending
     top_k = params[:, TOP_K : TOP_K + 1]
     top_k = torch.where((top_k <= 0) | (top_k > k), torch.full_like(top_k, k), top_k)
     temperature = params[:, TEMPERATURE : TEMPERATURE + 1]
@@ -43,3 +43,32 @@ def sample(logits: torch.Tensor, params: torch.Tensor, rand: torch.Tensor, max_t
     sampled = torch.gather(top_ids, 1, index)[:, 0]
     is_greedy = (temperature[:, 0] <= 0) | (top_k[:, 0] == 1)
     return torch.where(is_greedy, greedy, sampled)
+
+
+def staged_topk(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """torch.topk(x, k) over the last dim of [N, V], without sorting all V entries at once.
+
+    On XLA, top-k lowers to a sort of the whole row (a 128k-entry sort per decode step for a
+    large vocabulary). Instead: the top k of each of G groups of the vocabulary, then the
+    top k of those G*k candidates - the two-level scheme neuronx-distributed's
+    operators/topk.py (Release 2.29) runs across tensor-parallel vocabulary shards. G is
+    chosen so both sorts are about sqrt(V * k) wide. Same values and ids as torch.topk.
+    """
+    n, v = x.shape
+    groups = stage_groups(v, k)
+    if groups == 1:
+        return torch.topk(x, k, dim=-1)
+    width = -(-v // groups)
+    padded = (
+        torch.cat([x, x.new_full((n, groups * width - v), MASK_VALUE)], dim=-1) if groups * width > v else x
+    )
+    values, ids = torch.topk(padded.view(n, groups, width), k, dim=-1)  # [N, G, k]
+    ids = ids + torch.arange(0, groups * width, width, device=x.device)[None, :, None]
+    values, picked = torch.topk(values.reshape(n, groups * k), k, dim=-1)
+    return values, torch.gather(ids.reshape(n, groups * k), 1, picked)
+
+
+def stage_groups(vocab: int, k: int) -> int:
+    """Groups of the first top-k stage: 1 (a plain top-k) unless splitting shortens the sort."""
+    groups = int(round((vocab / k) ** 0.5))
+    return groups if groups >= 2 and -(-vocab // groups) >= k else 1
