@@ -81,17 +81,19 @@ def neuron_config(tp: int = 2) -> NeuronConfig:
     )
 
 
+@pytest.mark.parametrize("tp", [1, 2])
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
-def test_weight_shards_match_the_bundle_names(tmp_path, family):
-    """The shards set_weights receives carry exactly the parameter names of the traced bundle."""
+def test_weight_shards_match_the_bundle_names(tmp_path, family, tp):
+    """The shards set_weights receives carry exactly the parameter names of the traced bundle
+    (at tp 1 too, where a tied lm_head's shard would share the embedding's storage)."""
     from safetensors.torch import load_file
 
-    config = neuron_config()
+    config = neuron_config(tp)
     path = checkpoint_path(family)
     full = build_model(AutoConfig.from_pretrained(path), NeuronConfig(batch_size=2, sequence_length=64))
     full.load_weights(full.weights_from_hf(AutoModelForCausalLM.from_pretrained(path)))
     NeuronBackend().save_weights(full, config, tmp_path)
-    sharded = build_model(AutoConfig.from_pretrained(path), config, DistLayers(2), functional_cache=True)
+    sharded = build_model(AutoConfig.from_pretrained(path), config, DistLayers(tp), functional_cache=True)
     bundle = GraphBundle(sharded, config, graph_specs(config))
     expected = {name: t.shape for name, t in bundle.state_dict().items() if "_cache_" not in name}
     for rank, file in enumerate(NeuronBackend().weight_files(config)):

@@ -86,8 +86,11 @@ class DecoderModel(nn.Module):
 
     def _alias_names(self) -> set[str]:
         """Further names of a tensor that already has one: a tied lm_head (the embedding's
-        weight), and the `master_weight` that neuronx-distributed's parallel layers register
-        as the same Parameter as `weight` when built inside NxDParallelState (AOT tracing)."""
+        weight), and the `master_weight` of neuronx-distributed's Column/RowParallelLinear
+        built inside NxDParallelState: in AOT mode `_initialize_parameter_cpu` returns the
+        weight itself and `init_weight_cpu` stores it as `self.master_weight`, so state_dict()
+        lists both names (parallel_layers/layers.py, Release 2.29 / 0.18.0). NxD loads
+        checkpoints by named_parameters(), which lists `weight` only."""
         seen, aliases = set(), set()
         for name, tensor in self.state_dict(keep_vars=True).items():
             if id(tensor) in seen:

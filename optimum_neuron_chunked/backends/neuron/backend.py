@@ -52,7 +52,7 @@ class NeuronBackend(Backend):
         (out_dir / "weights").mkdir(exist_ok=True)
         for rank, path in enumerate(self.weight_files(config)):
             shard = rank_shard(tp_state, config.tp_degree, rank)
-            save_file({PREFIX + k: v.contiguous() for k, v in shard.items()}, out_dir / path)
+            save_file({PREFIX + k: v for k, v in unshared(shard).items()}, out_dir / path)
 
     def compile(
         self,
@@ -111,6 +111,17 @@ class NeuronBackend(Backend):
         nxd_model.set_weights([load_file(export_dir / path) for path in self.weight_files(config)])
         nxd_model.to_neuron()
         return {spec.name: NeuronGraph(nxd_model, spec.name) for spec in specs}
+
+
+def unshared(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Contiguous tensors, each with its own storage: safetensors refuses shared ones, and at
+    tp 1 a tied lm_head's shard is the embedding's (NxD's layers are untied: each is stored)."""
+    seen, out = set(), {}
+    for name, tensor in state.items():
+        tensor = tensor.contiguous()
+        out[name] = tensor.clone() if tensor.untyped_storage().data_ptr() in seen else tensor
+        seen.add(tensor.untyped_storage().data_ptr())
+    return out
 
 
 def priority_graph(specs: list[GraphSpec]) -> str:
