@@ -15,6 +15,7 @@ from vllm.platforms import Platform, PlatformEnum
 
 from ..config import NeuronConfig
 from ..loader import InvalidExportError, check_export
+from .features import refuse_unsupported
 from .limits import EngineRequest, serving_limits
 
 logger = init_logger(f"vllm.{__name__}")  # under vLLM's configured logger
@@ -92,6 +93,7 @@ class NeuronChunkedPlatform(Platform):
                 f"{e}\n(optimum-neuron-chunked's vLLM platform serves export folders only; to serve "
                 "a plain checkpoint with another platform, deselect it with VLLM_PLUGINS=...)"
             ) from None
+        refuse_unsupported(vllm_config)
         if export.backend == "neuron":
             _select_neuron_cores(export)
         sched, cache = vllm_config.scheduler_config, vllm_config.cache_config

@@ -1,0 +1,63 @@
+"""vLLM features the runner cannot honour, refused at start-up with the flag that asks for them.
+
+A feature the worker would silently ignore (LoRA: base-model tokens) or fail on at the first
+request (speculative decoding: the engine dies) is refused before anything is loaded.
+Attribute names are VllmConfig's and flags are `vllm serve`'s, as of vLLM 0.32
+(vllm/config/vllm.py, vllm/engine/arg_utils.py).
+"""
+
+from __future__ import annotations
+
+from .limits import ServingConfigError
+
+# VllmConfig attribute -> (the flag that sets it, why it cannot be served)
+UNSUPPORTED_CONFIGS = {
+    "lora_config": (
+        "--enable-lora",
+        "the compiled graphs hold the base weights only: merge the adapter into the checkpoint "
+        "(peft's merge_and_unload) and export that",
+    ),
+    "speculative_config": (
+        "--speculative-config",
+        "the graphs compute one token per decode row and the runner proposes no draft tokens",
+    ),
+    "kv_transfer_config": (
+        "--kv-transfer-config",
+        "a KV connector would hand requests KV that the static per-slot cache never received",
+    ),
+    "ec_transfer_config": ("--ec-transfer-config", "the exported decoders take no encoder inputs"),
+    "watermark_config": ("--watermark-config", "the runner's samplers do not apply a watermark"),
+    "weight_transfer_config": (
+        "--weight-transfer-config",
+        "weights are bound to the compiled graphs at load: re-export to change them",
+    ),
+    "diffusion_config": ("--diffusion-config", "the exported models are autoregressive decoders"),
+    "engram_config": ("--engram-config", "the exported decoders have no engram memory"),
+}
+
+
+def refuse_unsupported(vllm_config) -> None:
+    """Raise ServingConfigError naming every flag given that this platform cannot honour."""
+    problems = [
+        f"{flag} is not supported: {why}."
+        for attr, (flag, why) in UNSUPPORTED_CONFIGS.items()
+        if getattr(vllm_config, attr, None) is not None
+    ]
+    parallel = vllm_config.parallel_config
+    for flag, size in (
+        ("--tensor-parallel-size", parallel.tensor_parallel_size),
+        ("--pipeline-parallel-size", parallel.pipeline_parallel_size),
+    ):
+        if size > 1:
+            problems.append(
+                f"{flag} {size} is not supported: the export decides tensor parallelism "
+                "(optimum-cli export neuron --tensor_parallel_size); serve with the default of 1."
+            )
+    quantization = vllm_config.model_config.quantization if vllm_config.model_config else None
+    if quantization is not None:
+        problems.append(
+            f"--quantization {quantization} is not supported: the export's dtype decides the weights; "
+            "drop the flag."
+        )
+    if problems:
+        raise ServingConfigError(" ".join(problems))

@@ -1,0 +1,45 @@
+"""vLLM features the runner cannot honour are refused when the engine is built, naming the flag;
+nothing is loaded and no engine is left behind."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import export_params
+
+EXPORT = "llama-2x4x32-eager"
+
+
+@pytest.mark.parametrize("export_dir", export_params([EXPORT]), indirect=True)
+@pytest.mark.parametrize(
+    "kwargs,flag",
+    [
+        (dict(enable_lora=True), "--enable-lora"),
+        (
+            dict(speculative_config={"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3}),
+            "--speculative-config",
+        ),
+        (
+            dict(kv_transfer_config={"kv_connector": "ExampleConnector", "kv_role": "kv_both"}),
+            "--kv-transfer-config",
+        ),
+        (dict(tensor_parallel_size=2), "--tensor-parallel-size 2"),
+    ],
+    ids=["lora", "speculative", "kv-transfer", "tensor-parallel"],
+)
+def test_unsupported_features_are_refused_at_start_up(export_dir, kwargs, flag):
+    from vllm import LLM
+
+    with pytest.raises(Exception, match=flag) as e:
+        LLM(model=str(export_dir), seed=0, **kwargs)
+    assert "not supported" in str(e.value)
+
+
+def test_every_refused_config_is_a_vllm_config_field():
+    """The list follows vLLM: a renamed field would silently stop being refused."""
+    import dataclasses
+
+    from vllm.config import VllmConfig
+
+    from optimum_neuron_chunked.vllm.features import UNSUPPORTED_CONFIGS
+
+    assert set(UNSUPPORTED_CONFIGS) <= {f.name for f in dataclasses.fields(VllmConfig)}
