@@ -8,6 +8,7 @@ structured output - is done by vLLM's own Sampler on the graph's logits, so it i
 
 from __future__ import annotations
 
+import msgspec
 import torch
 from vllm.sampling_params import SamplingParams
 from vllm.v1.outputs import LogprobsLists
@@ -19,25 +20,49 @@ from .batch import BatchState
 GREEDY_EPS = 1e-5  # vLLM's threshold: temperature below it is greedy
 
 
+# SamplingParams fields the TG graph's sampler implements (within max_topk for top_k).
+DEVICE_FIELDS = frozenset({"temperature", "top_k", "top_p"})
+# Fields that act after a token is sampled (stopping, detokenizing, output shape) or that vLLM
+# fills in itself: any value samples the same token.
+OUTPUT_FIELDS = frozenset(
+    {
+        "n",
+        "max_tokens",
+        "stop",
+        "stop_token_ids",
+        "ignore_eos",
+        "detokenize",
+        "skip_special_tokens",
+        "spaces_between_special_tokens",
+        "include_stop_str_in_output",
+        "output_kind",
+        "stream_interval",
+        "skip_clone",
+        "output_text_buffer_length",
+        "_eos_token_id",
+        "_all_stop_token_ids",
+        "skip_reading_prefix_cache",
+    }
+)
+_DEFAULTS = SamplingParams()
+
+
+def host_fields(params: SamplingParams) -> list[str]:
+    """Fields away from their default that on-device sampling does not implement: an
+    allow-list, so a field vLLM adds later is sampled on the host, never dropped."""
+    return [
+        f.name
+        for f in msgspec.structs.fields(SamplingParams)
+        if f.name not in DEVICE_FIELDS | OUTPUT_FIELDS
+        and getattr(params, f.name) != getattr(_DEFAULTS, f.name)
+    ]
+
+
 def on_device_eligible(params: SamplingParams, max_topk: int, vocab_size: int) -> bool:
     """True when on-device sampling gives exactly what `params` asks for."""
-    if params.temperature >= GREEDY_EPS:
-        top_k_covered = 0 < params.top_k <= max_topk or vocab_size <= max_topk
-        if not top_k_covered or params.min_p > 0 or params.seed is not None:
-            return False
-    return (
-        params.logprobs is None
-        and params.prompt_logprobs is None
-        and params.presence_penalty == 0
-        and params.frequency_penalty == 0
-        and params.repetition_penalty == 1
-        and params.min_tokens == 0
-        and not params.logit_bias
-        and not params.allowed_token_ids
-        and not params.bad_words_token_ids
-        and params.structured_outputs is None
-        and not params.extra_args
-    )
+    if params.temperature >= GREEDY_EPS and not (0 < params.top_k <= max_topk or vocab_size <= max_topk):
+        return False
+    return not host_fields(params)
 
 
 def device_sampling_inputs(
