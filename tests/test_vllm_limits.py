@@ -25,10 +25,20 @@ def request(**kw) -> EngineRequest:
 def test_omitted_flags_take_the_export_values():
     limits = serving_limits(CHUNKED, request())
     assert (limits.max_model_len, limits.max_num_seqs) == (1024, 4)
-    assert limits.max_num_batched_tokens == 128  # running decodes + the rest of one chunk
+    assert limits.max_num_batched_tokens == 256  # 3 other decodes + a full chunk, in whole chunks
     assert limits.long_prefill_token_threshold == 128
     assert limits.enable_chunked_prefill
     assert (limits.block_size, limits.num_blocks) == (1024, 5)
+
+
+def test_the_default_budget_always_fits_the_other_decodes_and_a_full_chunk():
+    from optimum_neuron_chunked.vllm.limits import full_chunk_budget
+
+    for chunk in (1, 2, 16, 32, 128, 256):
+        for seqs in (1, 2, 8, 31, 32, 33, 64, 256):
+            budget = full_chunk_budget(chunk, seqs)
+            assert budget >= seqs - 1 + chunk and budget % chunk == 0, (chunk, seqs)
+            assert budget < seqs - 1 + 2 * chunk  # the smallest such multiple
 
 
 def test_standard_export_schedules_whole_prompts():

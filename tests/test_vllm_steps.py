@@ -1,7 +1,8 @@
 """Step tables: vLLM's real V1 scheduler driving the real worker and runner, step by step.
 
 The export is llama-2x4x32-eager: 2 slots, chunk 32, so the platform derives a token budget
-of 32 tokens per step: the running decodes first, then the rest of one chunk.
+of 64 tokens per step (the other slot's decode plus a full chunk, rounded up to whole
+chunks) and caps one request's share at a chunk: every chunk is full but a prompt's last.
 """
 
 from __future__ import annotations
@@ -92,10 +93,10 @@ def test_decodes_continue_between_the_chunks_of_a_long_prompt(export_dir, engine
     assert table == [
         "| a[0:5]",
         "a |",
-        "a | b[0:31]",  # a's decode in every step, b's chunk takes the rest of the budget
-        "a | b[31:62]",
-        "a | b[62:93]",
-        "a | b[93:100]",
+        "a | b[0:32]",  # a's decode in every step beside a full chunk of b
+        "a | b[32:64]",
+        "a | b[64:96]",
+        "a | b[96:100]",
         "a+b |",
         "a+b |",
         "a |",
@@ -107,12 +108,13 @@ def test_decodes_continue_between_the_chunks_of_a_long_prompt(export_dir, engine
 
 
 @pytest.mark.parametrize("export_dir", export_params([EXPORT]), indirect=True)
-def test_a_prompt_alone_runs_one_full_chunk_per_step(export_dir, engine_factory, hf_reference):
+def test_a_prompt_alone_runs_full_chunks_back_to_back(export_dir, engine_factory, hf_reference):
+    """vLLM gives a request running alone the whole budget (the per-request cap does not
+    apply): two full chunks, never a one-token sliver."""
     engine = engine_factory()
     ids = prompt(70, seed=12)
     engine.add("a", ids, max_tokens=2)
-    assert engine.step() == "| a[0:32]"
-    assert engine.step() == "| a[32:64]"
+    assert engine.step() == "| a[0:32] a[32:64]"
     assert engine.step() == "| a[64:70]"
     assert engine.step() == "a |"
     engine.step()
@@ -130,7 +132,7 @@ def test_abort_mid_prefill_frees_the_slot_for_a_queued_request(export_dir, engin
     engine.abort("b")
     while engine.scheduler.has_requests():
         table.append(engine.step())
-    assert table[:4] == ["| a[0:6] b[0:26]", "a | b[26:57]", "a | c[0:31]", "a | c[31:40]"]
+    assert table[:4] == ["| a[0:6] b[0:32]", "a | b[32:64]", "a | c[0:32]", "a | c[32:40]"]
     assert "b" not in "".join(table[2:])
     hf = hf_reference("llama")
     assert engine.tokens["a"] == hf_greedy(hf, a, 8)

@@ -47,6 +47,15 @@ class ServingLimits:
     num_blocks: int  # one per slot + vLLM's null block
 
 
+def full_chunk_budget(chunk: int, max_num_seqs: int) -> int:
+    """The default token budget of a chunked export: every other slot's decode plus a full
+    chunk fit (decodes are scheduled first; a budget of C left C - decodes, down to one
+    token while the CP graph computes C), rounded up to whole chunks because vLLM gives a
+    request running alone the whole budget, ignoring long_prefill_token_threshold: it then
+    runs whole chunks back to back, never a sliver."""
+    return -(-(chunk + max_num_seqs - 1) // chunk) * chunk
+
+
 def serving_limits(config: NeuronConfig, request: EngineRequest) -> ServingLimits:
     if request.dtype != config.dtype:
         raise ServingConfigError(
@@ -70,7 +79,7 @@ def serving_limits(config: NeuronConfig, request: EngineRequest) -> ServingLimit
     if request.max_num_batched_tokens is not None:
         budget = request.max_num_batched_tokens
     else:
-        budget = max(chunk, max_num_seqs) if config.chunked else max_model_len + max_num_seqs
+        budget = full_chunk_budget(chunk, max_num_seqs) if config.chunked else max_model_len + max_num_seqs
     if not config.chunked and budget < max_model_len:
         raise ServingConfigError(
             f"--max-num-batched-tokens {budget} is below --max-model-len {max_model_len}: a standard "
