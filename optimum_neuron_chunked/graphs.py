@@ -76,7 +76,10 @@ class DecodeGraph(nn.Module):
         self.on_device_sampling, self.max_topk = on_device_sampling, max_topk
 
     def forward(self, input_ids, position_ids, seq_ids, sampling_params=None, rand=None):
-        hidden = self.model.hidden_states(input_ids, position_ids, seq_ids, self.window)
+        # B rows, one per slot: attention reads the cache in slot order (no gather)
+        hidden = self.model.hidden_states(
+            input_ids, position_ids, seq_ids, self.window, one_row_per_slot=True
+        )
         logits = self.model.logits(hidden[:, 0])
         if not self.on_device_sampling:
             return logits
@@ -162,6 +165,9 @@ class GraphRunner:
         n, batch = token_ids.shape[0], self.config.batch_size
         if not 0 < n <= batch:
             raise ValueError(f"a decode step takes 1 to {batch} rows, got {n}")
+        if len(set(seq_ids.tolist())) != n:
+            # two rows of one slot would write the same cache row; one would get the other's result
+            raise ValueError(f"a decode step takes distinct slots, got {seq_ids.tolist()}")
         window = self.config.bucket_for(int(positions.max()) + 1)
         inputs = [x.to(INDEX_DTYPE) for x in (token_ids[:, None], positions[:, None], seq_ids)]
         if self.config.on_device_sampling:

@@ -67,3 +67,13 @@ def test_the_runner_feeds_int32():
     params = torch.tensor([sampling_params(temperature=0.0)])
     runner.decode(torch.tensor([3]), torch.tensor([3]), torch.tensor([1]), params, torch.zeros(1))
     assert seen == [("cp", [INDEX_DTYPE] * 3), ("tg", [INDEX_DTYPE] * 3)]
+
+
+def test_a_decode_step_refuses_a_slot_twice():
+    config = configs()[0]
+    runner = GraphRunner(config, {})
+    params = torch.tensor([sampling_params(temperature=0.0)] * 2)
+    with pytest.raises(ValueError, match="distinct slots"):
+        runner.decode(
+            torch.tensor([3, 4]), torch.tensor([3, 5]), torch.tensor([1, 1]), params, torch.zeros(2)
+        )

@@ -10,7 +10,6 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from optimum_neuron_chunked.config import NeuronConfig
 from optimum_neuron_chunked.graphs import PrefillGraph, pad_repeat_last
 from optimum_neuron_chunked.modeling import build_model
-from optimum_neuron_chunked.modeling.attention import real_token_mask
 
 CHUNK, SEQ = 16, 64
 
@@ -37,11 +36,6 @@ def test_pad_repeat_last_repeats_the_last_entry():
     assert pad_repeat_last(x.T, 2 + 3, dim=0).flatten().tolist() == [5, 6, 7, 7, 7]
     with pytest.raises(ValueError):
         pad_repeat_last(x, 2, dim=1)
-
-
-def test_real_token_mask_marks_padded_repeats():
-    pos = pad_repeat_last(torch.arange(10, 13)[None], 6, dim=1)
-    assert real_token_mask(pos).tolist() == [[True, True, True, False, False, False]]
 
 
 def test_padded_copies_write_identical_kv(decoder):

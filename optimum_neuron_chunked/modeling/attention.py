@@ -30,13 +30,6 @@ def attention_mask(position_ids: torch.Tensor, window: int, sliding_window: int 
     return mask
 
 
-def real_token_mask(position_ids: torch.Tensor) -> torch.Tensor:
-    """[N, T] boolean: tokens whose position strictly increases are real; repeats are padding."""
-    mask = torch.ones_like(position_ids, dtype=torch.bool)
-    mask[:, 1:] = position_ids[:, 1:] > position_ids[:, :-1]
-    return mask
-
-
 def write_cache(
     cache: torch.Tensor,  # [B, Hkv, S, D]
     seq_ids: torch.Tensor,  # [N]
@@ -93,8 +86,12 @@ class Attention(nn.Module):
         k_cache: torch.Tensor,  # [B, Hkv, S, D]
         v_cache: torch.Tensor,  # [B, Hkv, S, D]
         window: int,
+        one_row_per_slot: bool,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """-> (output [N, T, H], k_cache, v_cache): the caches written, in place or anew."""
+        """-> (output [N, T, H], k_cache, v_cache): the caches written, in place or anew.
+
+        `one_row_per_slot` is the graph kind's choice (TG: N = batch_size rows), never
+        inferred from a shape, so a new graph cannot silently take the other path."""
         n, t, _ = x.shape
         q = self.q_proj(x).view(n, t, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(n, t, self.num_kv_heads, self.head_dim)
@@ -107,7 +104,7 @@ class Attention(nn.Module):
 
         k_cache = write_cache(k_cache, seq_ids, position_ids, k.transpose(1, 2), self.functional_cache)
         v_cache = write_cache(v_cache, seq_ids, position_ids, v, self.functional_cache)
-        if n == k_cache.shape[0]:
+        if one_row_per_slot:
             out = self._attend_in_slot_order(q, k_cache, v_cache, seq_ids, position_ids, window)
         else:
             keys, values = k_cache[seq_ids, :, :window], v_cache[seq_ids, :, :window]  # [N, Hkv, W, D]

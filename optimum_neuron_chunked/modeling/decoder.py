@@ -20,9 +20,16 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.residual_multiplier = spec.residual_multiplier
 
-    def forward(self, x, position_ids, seq_ids, cos_sin, k_cache, v_cache, window):
+    def forward(self, x, position_ids, seq_ids, cos_sin, k_cache, v_cache, window, one_row_per_slot):
         h, k_cache, v_cache = self.self_attn(
-            self.input_layernorm(x), position_ids, seq_ids, cos_sin, k_cache, v_cache, window
+            self.input_layernorm(x),
+            position_ids,
+            seq_ids,
+            cos_sin,
+            k_cache,
+            v_cache,
+            window,
+            one_row_per_slot,
         )
         x = x + h * self.residual_multiplier
         return x + self.mlp(self.post_attention_layernorm(x)) * self.residual_multiplier, k_cache, v_cache
@@ -123,7 +130,12 @@ class DecoderModel(nn.Module):
         return [f"{kv}_cache_{i}" for i in range(self.spec.num_layers) for kv in ("k", "v")]
 
     def hidden_states(
-        self, input_ids: torch.Tensor, position_ids: torch.Tensor, seq_ids: torch.Tensor, window: int
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        seq_ids: torch.Tensor,
+        window: int,
+        one_row_per_slot: bool = False,
     ) -> torch.Tensor:
         """[N, T] tokens at [N, T] positions of slots [N] -> final-norm hidden states [N, T, H].
 
@@ -136,7 +148,9 @@ class DecoderModel(nn.Module):
         cos_sin = self.model.rotary_emb.cos_sin(position_ids, x.dtype)
         for i, layer in enumerate(self.model.layers):
             k_cache, v_cache = getattr(self, f"k_cache_{i}"), getattr(self, f"v_cache_{i}")
-            x, k_cache, v_cache = layer(x, position_ids, seq_ids, cos_sin, k_cache, v_cache, window)
+            x, k_cache, v_cache = layer(
+                x, position_ids, seq_ids, cos_sin, k_cache, v_cache, window, one_row_per_slot
+            )
             if self.functional_cache:
                 setattr(self, f"k_cache_{i}", k_cache)
                 setattr(self, f"v_cache_{i}", v_cache)
