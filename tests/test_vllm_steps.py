@@ -43,13 +43,14 @@ class Engine:
         self.scheduler = Scheduler(config, kv, StructuredOutputManager(config), block_size=spec.block_size)
         self.tokens: dict[str, list[int]] = {}
 
-    def add(self, req_id: str, ids: torch.Tensor, max_tokens: int) -> None:
+    def add(self, req_id: str, ids: torch.Tensor, max_tokens: int, resumable: bool = False) -> None:
+        """A request; `resumable`: a streaming-input session, whose next input re-adds the id."""
         from vllm import SamplingParams
         from vllm.v1.request import Request
 
         params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-        self.scheduler.add_request(Request(req_id, ids.tolist(), params, None))
-        self.tokens[req_id] = []
+        self.scheduler.add_request(Request(req_id, ids.tolist(), params, None, resumable=resumable))
+        self.tokens.setdefault(req_id, [])
 
     def abort(self, req_id: str) -> None:
         from vllm.v1.request import RequestStatus
@@ -252,3 +253,36 @@ def test_the_runner_keeps_no_state_per_step(export_dir, engine_factory):
     assert grown < 128 * 1024, (
         f"{grown} bytes retained over 3000 steps: {after.compare_to(before, 'lineno')[:3]}"
     )
+
+
+@pytest.mark.parametrize("export_dir", export_params([EXPORT]), indirect=True)
+@pytest.mark.parametrize("second_input", ["while-decoding", "after-the-turn"])
+def test_a_streaming_input_session_continues_in_its_slot(export_dir, engine_factory, hf_reference, second_input):
+    """A streaming-input session (AsyncLLM.generate with an async generator of inputs) re-adds
+    its request id with each new input: vLLM keeps the KV block, drops the turn's last sampled
+    token and resends the request as new, its prompt now prompt + kept outputs + new input,
+    computed up to where the slot's cache is valid. Another request decodes meanwhile.
+    An input queued while the turn decodes is scheduled in the very next step."""
+    engine = engine_factory()
+    first, second, other = prompt(20, seed=20), prompt(40, seed=21), prompt(6, seed=22)
+    engine.add("s", first, max_tokens=4, resumable=True)
+    engine.add("o", other, max_tokens=30)
+    while len(engine.tokens["s"]) < (2 if second_input == "while-decoding" else 4):
+        engine.step()
+    if second_input == "after-the-turn":
+        engine.step()  # the session waits for input; o decodes alone
+    engine.add("s", second, max_tokens=5, resumable=True)
+    while len(engine.tokens["s"]) < 4:
+        engine.step()
+    turn1 = list(engine.tokens["s"])
+    while len(engine.tokens["s"]) < 9:
+        engine.step()
+    engine.add("s", torch.tensor([0]), max_tokens=1)  # AsyncLLM's end-of-inputs request
+    while engine.scheduler.has_requests():
+        engine.step()
+    hf = hf_reference("llama")
+    assert turn1 == hf_greedy(hf, first, 4)
+    context = torch.cat([first, torch.tensor(turn1[:-1]), second])
+    assert engine.tokens["s"][4:] == hf_greedy(hf, context, 5)
+    assert engine.tokens["o"] == hf_greedy(hf, other, 30)
+    assert engine.free_slots == 2

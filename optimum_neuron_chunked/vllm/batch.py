@@ -64,7 +64,7 @@ class BatchState:
         # Running but not scheduled this step (preempted): out of the batch, state kept.
         for req_id in batch.req_id_to_index.keys() - (so.num_scheduled_tokens.keys() - resumed):
             batch.remove_request(req_id)
-        to_add = [self._new_state(new) for new in so.scheduled_new_reqs]
+        to_add = [self._new_state(new) for new in so.scheduled_new_reqs]  # after the removals
         cached = so.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
             state = self.requests[req_id]
@@ -86,6 +86,8 @@ class BatchState:
         batch.refresh_metadata()  # every step: min_tokens bookkeeping lives there
 
     def _new_state(self, new) -> CachedRequestState:
+        if new.req_id in self.requests:
+            return self._continue_session(new)
         params = new.sampling_params
         generator = None
         if params is not None and params.sampling_type == SamplingType.RANDOM_SEED:
@@ -103,6 +105,22 @@ class BatchState:
             lora_request=new.lora_request,
         )
         self.requests[new.req_id] = state
+        return state
+
+    def _continue_session(self, new) -> CachedRequestState:
+        """A streaming-input session's next input: vLLM resends the request as new, its prompt
+        now the old prompt + the outputs it kept + the new input, computed up to where the
+        slot's cache is valid. As vLLM's GPU runner does (`_update_streaming_request`,
+        vllm/v1/worker/gpu_model_runner.py, 0.32), the state is updated in place - its
+        generator goes on - and re-enters the batch."""
+        self.input_batch.remove_request(new.req_id)  # scheduled the step before: still in it
+        state = self.requests[new.req_id]
+        state.prompt_token_ids = list(new.prompt_token_ids)
+        state.num_prompt_tokens = len(state.prompt_token_ids)
+        state.sampling_params = new.sampling_params
+        state.block_ids = new.block_ids
+        state.num_computed_tokens = new.num_computed_tokens
+        state.output_token_ids.clear()
         return state
 
     def scheduled_work(self, so: SchedulerOutput) -> list[ScheduledWork]:
