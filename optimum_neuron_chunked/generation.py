@@ -78,7 +78,9 @@ def _generate_tokens(model, prompts, max_new_tokens, row_params, eos_ids, genera
             ids = torch.tensor([tokens[i][-1] for i in live])
             positions = torch.tensor([len(prompts[i]) + len(tokens[i]) - 1 for i in live])
             slots = torch.tensor([seq_ids[i] for i in live])
-            sampled, _ = model.decode(ids, positions, slots, params[live], _rand(len(live), generator))
+            sampled, _ = model.decode(
+                ids, positions, slots, params[live], _rand(len(live), generator), need_logits=False
+            )
             for i, token in zip(live, sampled.tolist(), strict=True):
                 tokens[i].append(token)
             live = [i for i in live if not _finished(tokens[i], eos_ids, max_new_tokens)]

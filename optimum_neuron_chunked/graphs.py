@@ -7,7 +7,10 @@ that turns real inputs into those shapes.
 
 Prefill graphs return the logits of the last real token (host sampling); TG graphs sample
 on device and also return their logits, so a batch with a request that needs more than
-on-device sampling offers can be sampled on the host instead.
+on-device sampling offers can be sampled on the host instead. Graph outputs may stay on the
+device until `.cpu()` (the neuron backend runs TG asynchronously): a step sampled on device
+fetches its tokens only, never the [B, V] logits - one TG graph per bucket serves both cases,
+at no extra graph or compile time.
 
 Integer inputs (token ids, positions, slots) are `INDEX_DTYPE` on every backend: the Neuron
 runtime takes int32, and one input signature for all backends keeps the cpu and eager tests
@@ -160,8 +163,12 @@ class GraphRunner:
         seq_ids: torch.Tensor,  # [N]
         params: torch.Tensor,  # [N, 3]
         rand: torch.Tensor,  # [N]
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """One TG step for N <= batch_size slots -> (tokens [N], logits [N, V])."""
+        need_logits: bool = True,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One TG step for N <= batch_size slots -> (tokens [N], logits [N, V] or None).
+
+        Logits are fetched from the graph's outputs only if `need_logits` (or if the export
+        samples on the host, where the tokens come from them)."""
         n, batch = token_ids.shape[0], self.config.batch_size
         if not 0 < n <= batch:
             raise ValueError(f"a decode step takes 1 to {batch} rows, got {n}")
@@ -176,6 +183,6 @@ class GraphRunner:
         outputs = self.graphs[f"tg_w{window}"](*inputs)
         if self.config.on_device_sampling:
             tokens, logits = outputs
-            return tokens[:n].clone(), logits[:n].clone()
-        logits = outputs[:n].clone()
+            return tokens.cpu()[:n].clone(), logits.cpu()[:n].clone() if need_logits else None
+        logits = outputs.cpu()[:n].clone()
         return sample(logits, params.float(), rand.float(), self.config.max_topk), logits

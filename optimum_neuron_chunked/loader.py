@@ -87,14 +87,16 @@ class NeuronModelForCausalLM:
         seq_ids: torch.Tensor,
         params: torch.Tensor | None = None,
         rand: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """One token for each of N slots -> (sampled tokens [N], logits [N, V]); greedy by default."""
+        need_logits: bool = True,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One token for each of N slots -> (sampled tokens [N], logits [N, V] or None if not
+        `need_logits`); greedy by default."""
         n = input_ids.shape[0]
         if params is None:
             params = torch.tensor([sampling_params(temperature=0.0)] * n)
         if rand is None:
             rand = torch.zeros(n)
-        return self.runner.decode(input_ids, positions, seq_ids, params, rand)
+        return self.runner.decode(input_ids, positions, seq_ids, params, rand, need_logits)
 
     def generate(
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, **kwargs

@@ -77,3 +77,36 @@ def test_a_decode_step_refuses_a_slot_twice():
         runner.decode(
             torch.tensor([3, 4]), torch.tensor([3, 5]), torch.tensor([1, 1]), params, torch.zeros(2)
         )
+
+
+class DeviceBuffer:
+    """A graph output left on the device until `.cpu()` (the neuron backend's TG outputs)."""
+
+    def __init__(self, value: torch.Tensor, fetched: list[str], name: str):
+        self.value, self.fetched, self.name = value, fetched, name
+
+    def cpu(self) -> torch.Tensor:
+        self.fetched.append(self.name)
+        return self.value
+
+
+@pytest.mark.parametrize("need_logits", [False, True])
+def test_a_step_sampled_on_device_fetches_tokens_not_logits(need_logits):
+    config = configs()[0]
+    assert config.on_device_sampling
+    fetched: list[str] = []
+
+    def tg(*inputs):
+        tokens, logits = torch.tensor([7, 7]), torch.arange(16.0).reshape(2, 8)
+        return DeviceBuffer(tokens, fetched, "tokens"), DeviceBuffer(logits, fetched, "logits")
+
+    runner = GraphRunner(config, {s.name: tg for s in graph_specs(config) if s.kind == "tg"})
+    params = torch.tensor([sampling_params(temperature=0.0)])
+    tokens, logits = runner.decode(
+        torch.tensor([3]), torch.tensor([3]), torch.tensor([1]), params, torch.zeros(1), need_logits
+    )
+    assert tokens.tolist() == [7]
+    if need_logits:
+        assert fetched == ["tokens", "logits"] and logits.tolist() == [list(range(8))]
+    else:
+        assert fetched == ["tokens"] and logits is None

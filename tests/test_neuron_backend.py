@@ -214,3 +214,30 @@ def test_weights_are_named_once_when_layers_alias_them(family):
             aliased.hidden_states(ids, torch.arange(3)[None], torch.tensor([0]), 64),
             plain.hidden_states(ids, torch.arange(3)[None], torch.tensor([0]), 64),
         )
+
+
+class RankedNxDModel:
+    """NxDModel.forward's calling convention (NxD 0.18): default mode takes tensors; the other
+    modes take each input as one tensor per rank and return each output per rank."""
+
+    local_ranks_size = 2
+
+    def __init__(self):
+        self.calls = []
+
+    def forward(self, *args, model_name, forward_mode="default"):
+        self.calls.append((model_name, forward_mode))
+        if forward_mode == "default":
+            return args[0] + 1
+        assert all(len(per_rank) == self.local_ranks_size for per_rank in args)
+        return [[x + rank for rank in range(self.local_ranks_size)] for x in (args[0][0], args[1][0])]
+
+
+def test_tg_outputs_stay_on_the_device_until_fetched():
+    from optimum_neuron_chunked.backends.neuron.backend import NeuronGraph
+
+    nxd = RankedNxDModel()
+    tokens, logits = NeuronGraph(nxd, "tg_w64", lazy_outputs=True)(torch.tensor([1]), torch.tensor([2]))
+    assert (tokens.item(), logits.item()) == (1, 2)  # rank 0's outputs
+    assert NeuronGraph(nxd, "cp_w64")(torch.tensor([1])).item() == 2
+    assert nxd.calls == [("tg_w64", "async"), ("cp_w64", "default")]

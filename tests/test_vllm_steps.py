@@ -257,7 +257,9 @@ def test_the_runner_keeps_no_state_per_step(export_dir, engine_factory):
 
 @pytest.mark.parametrize("export_dir", export_params([EXPORT]), indirect=True)
 @pytest.mark.parametrize("second_input", ["while-decoding", "after-the-turn"])
-def test_a_streaming_input_session_continues_in_its_slot(export_dir, engine_factory, hf_reference, second_input):
+def test_a_streaming_input_session_continues_in_its_slot(
+    export_dir, engine_factory, hf_reference, second_input
+):
     """A streaming-input session (AsyncLLM.generate with an async generator of inputs) re-adds
     its request id with each new input: vLLM keeps the KV block, drops the turn's last sampled
     token and resends the request as new, its prompt now prompt + kept outputs + new input,

@@ -91,6 +91,7 @@ class StepRunner:
             torch.tensor([d.slot for d in decodes]),
             sampling,
             rand,
+            need_logits=not on_device,
         )
         for i, d in enumerate(decodes):
             if on_device:

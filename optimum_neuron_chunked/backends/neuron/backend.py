@@ -110,7 +110,8 @@ class NeuronBackend(Backend):
         # zero-initialised device state shared by every graph.
         nxd_model.set_weights([load_file(export_dir / path) for path in self.weight_files(config)])
         nxd_model.to_neuron()
-        return {spec.name: NeuronGraph(nxd_model, spec.name) for spec in specs}
+        lazy = {spec.name for spec in specs if spec.kind == "tg" and config.on_device_sampling}
+        return {spec.name: NeuronGraph(nxd_model, spec.name, spec.name in lazy) for spec in specs}
 
 
 def unshared(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -151,11 +152,23 @@ class GraphBundle(nn.Module):
 
 
 class NeuronGraph:
-    """One graph of a loaded bundle, called like the cpu and eager graphs."""
+    """One graph of a loaded bundle, called like the cpu and eager graphs.
 
-    def __init__(self, nxd_model, name: str):
-        self.nxd_model, self.name = nxd_model, name
+    `lazy_outputs`: run in NxD's "async" forward mode, whose outputs are references to
+    device buffers that `.cpu()` copies to the host (NxDModel.forward, neuronx_distributed/
+    trace/nxd_model/nxd_model.py, NxD 0.18): a TG step sampled on device fetches its tokens
+    and leaves the [B, V] logits on the device. That mode takes and returns inputs and outputs
+    per rank; every rank gets the same inputs and rank 0's outputs are returned."""
+
+    def __init__(self, nxd_model, name: str, lazy_outputs: bool = False):
+        self.nxd_model, self.name, self.lazy_outputs = nxd_model, name, lazy_outputs
 
     def __call__(self, *inputs: torch.Tensor):
         # GraphRunner already types inputs as traced (graphs.INDEX_DTYPE for integers).
-        return self.nxd_model.forward(*inputs, model_name=self.name)
+        if not self.lazy_outputs:
+            return self.nxd_model.forward(*inputs, model_name=self.name)
+        ranks = self.nxd_model.local_ranks_size
+        outputs = self.nxd_model.forward(
+            *[[x] * ranks for x in inputs], model_name=self.name, forward_mode="async"
+        )
+        return tuple(per_rank[0] for per_rank in outputs)
