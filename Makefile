@@ -23,7 +23,7 @@ $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e ".[cpu,dev]" --config-settings editable_mode=compat
+	$(PY) -m pip install -q -e ".[cpu,dev]"
 	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec || true
 	$(PY) -m optimum_neuron_chunked.vllm.dist_alias
 	$(PY) -c "import torch, transformers, vllm; assert torch.__version__.startswith('2.13.0')"

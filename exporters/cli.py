@@ -33,7 +33,12 @@ def add_export_arguments(parser: argparse.ArgumentParser) -> None:
         dest="prefill_chunk_size",
         help="Width C of the chunked-prefill graph; 0 (default) compiles the standard context-encoding graph.",
     )
-    parser.add_argument("--backend", choices=("cpu", "eager", "neuron"), default="cpu")
+    parser.add_argument(
+        "--backend",
+        choices=("cpu", "eager", "neuron"),
+        default=None,
+        help="What the graphs compile for (default: neuron where the Neuron SDK is importable, else cpu).",
+    )
     parser.add_argument(
         "--dtype", "--torch_dtype", choices=("float32", "bfloat16", "float16"), default="float32"
     )

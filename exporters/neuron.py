@@ -15,7 +15,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
-from optimum_neuron_chunked.backends import get_backend
+from optimum_neuron_chunked.backends import BACKENDS, default_backend, get_backend
 from optimum_neuron_chunked.backends.neuron.target import resolve_instance_type
 from optimum_neuron_chunked.config import NeuronConfig
 from optimum_neuron_chunked.graphs import graph_specs
@@ -34,7 +34,7 @@ def export(
     batch_size: int,
     sequence_length: int,
     prefill_chunk_size: int = 0,
-    backend: str = "cpu",
+    backend: str | None = None,
     dtype: str = "float32",
     on_device_sampling: bool = True,
     tp_degree: int = 1,
@@ -44,8 +44,13 @@ def export(
     overwrite: bool = False,
     console: Console | None = None,
 ) -> Path:
-    """Export `model` (local folder or hub id) into `output`; returns the output path."""
+    """Export `model` (local folder or hub id) into `output`; returns the output path.
+
+    `backend` None: neuron where the Neuron SDK is importable, cpu elsewhere (said on the console)."""
     console = console or Console(stderr=True)
+    if backend is None:
+        backend, why = default_backend()
+        console.print(f"backend: {backend} ({why}); choose with --backend {'|'.join(BACKENDS)}")
     output = Path(output).resolve()
     _check_output(output, overwrite)
     impl = get_backend(backend)

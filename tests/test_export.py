@@ -130,6 +130,41 @@ def test_cli_errors_name_the_fix_and_leave_nothing(tmp_path, args, message):
     assert list(tmp_path.iterdir()) == []
 
 
+def fake_neuron_sdk(folder: Path) -> Path:
+    """Importable, empty torch_neuronx and neuronx_distributed packages."""
+    for name in ("torch_neuronx", "neuronx_distributed"):
+        (folder / name).mkdir(parents=True)
+        (folder / name / "__init__.py").write_text("")
+    return folder
+
+
+@pytest.mark.parametrize("sdk", ["absent", "importable"])
+def test_the_backend_defaults_to_neuron_where_the_sdk_imports(tmp_path, monkeypatch, sdk):
+    from optimum_neuron_chunked.backends import default_backend
+    from optimum_neuron_chunked.backends.neuron import require_neuron_sdk
+
+    if sdk == "importable":
+        monkeypatch.syspath_prepend(str(fake_neuron_sdk(tmp_path / "sdk")))
+    else:
+        with pytest.raises(Exception, match="Neuron SDK"):
+            require_neuron_sdk()  # a host with the SDK cannot check the other branch
+    backend, why = default_backend()
+    assert backend == ("neuron" if sdk == "importable" else "cpu")
+    assert why.startswith(f"the Neuron SDK is {'importable' if sdk == 'importable' else 'not importable'}")
+
+
+@pytest.mark.parametrize("sdk", ["absent", "importable"])
+def test_the_cli_says_which_backend_it_chose_and_how_to_pick_another(tmp_path, monkeypatch, sdk):
+    if sdk == "importable":
+        monkeypatch.setenv("PYTHONPATH", str(fake_neuron_sdk(tmp_path / "sdk")))
+    base = ["--model", str(checkpoint_path("llama")), "--sequence_length", "64", "--batch_size", "0"]
+    done = cli(*base, str(tmp_path / "out"))  # no --backend; a batch size the config refuses
+    said = " ".join(done.stderr.split())
+    chosen = "neuron (the Neuron SDK is importable:" if sdk == "importable" else "cpu (the Neuron SDK is not"
+    assert f"backend: {chosen}" in said and "choose with --backend cpu|eager|neuron" in said, said
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+
+
 def test_unsupported_architecture_is_refused_by_name(tmp_path):
     from transformers import GPT2Config, GPT2LMHeadModel
 

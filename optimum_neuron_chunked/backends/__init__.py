@@ -1,5 +1,19 @@
 from .base import Backend, BackendUnavailableError
 
+BACKENDS = ("cpu", "eager", "neuron")
+
+
+def default_backend() -> tuple[str, str]:
+    """(backend, why): neuron where the Neuron SDK is importable (compile-only build hosts
+    too, as optimum-neuron's exporter), cpu elsewhere. Only checks importability: the SDK
+    itself is imported when the neuron backend compiles."""
+    from .neuron.target import SDK_MODULES, missing_sdk_modules
+
+    missing = missing_sdk_modules()
+    if not missing:
+        return "neuron", f"the Neuron SDK is importable: {', '.join(SDK_MODULES)}"
+    return "cpu", f"the Neuron SDK is not importable: {', '.join(missing)} missing"
+
 
 def get_backend(name: str) -> Backend:
     if name == "cpu":
@@ -17,4 +31,4 @@ def get_backend(name: str) -> Backend:
     raise ValueError(f"unknown backend {name!r}: choose cpu, eager or neuron")
 
 
-__all__ = ["Backend", "BackendUnavailableError", "get_backend"]
+__all__ = ["BACKENDS", "Backend", "BackendUnavailableError", "default_backend", "get_backend"]

@@ -42,8 +42,12 @@ def compiler_args(target: NeuronTarget) -> str:
     )
 
 
+def missing_sdk_modules() -> list[str]:
+    return [m for m in SDK_MODULES if importlib.util.find_spec(m) is None]
+
+
 def require_neuron_sdk() -> None:
-    missing = [m for m in SDK_MODULES if importlib.util.find_spec(m) is None]
+    missing = missing_sdk_modules()
     if missing:
         raise BackendUnavailableError(
             f"the neuron backend needs the Neuron SDK ({', '.join(missing)} not importable). On a "
