@@ -1,5 +1,9 @@
-"""The embedded default job: build a small local checkpoint, export it chunked, generate with
-the loader and with vLLM (the platform plugin), and compare with transformers.
+"""The embedded default job: what chunked prefill buys, on a small local checkpoint.
+
+Exports the same checkpoint twice - standard (one context-encoding graph per prompt) and
+chunked (prompts fed chunk by chunk) - then, through vLLM in this process, lets a few streams
+decode when a long prompt arrives, for each export. Prints how long the streams stalled and
+a per-step timeline, and checks every token against transformers (loader and vLLM).
 
 python -m optimum_neuron_chunked.demo [--out demo-out] [--backend cpu]
 """
@@ -7,83 +11,133 @@ python -m optimum_neuron_chunked.demo [--out demo-out] [--backend cpu]
 from __future__ import annotations
 
 import argparse
+import re
 import time
 from pathlib import Path
 
 import torch
 from rich.console import Console
+from rich.table import Table
+
+from .demo_stall import STREAMS, Run, long_prompt, run_scenario, stream_prompts
+
+BATCH, SEQUENCE, CHUNK = 4, 2048, 128
+BUCKETS = (512, SEQUENCE)  # short contexts attend over 512 positions; two graphs of each kind
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--out", default="demo-out", help="work folder (checkpoint + export)")
+    parser.add_argument("--out", default="demo-out", help="work folder (checkpoint + exports)")
     parser.add_argument("--backend", default="cpu", choices=("cpu", "eager"))
-    parser.add_argument("--prompt", default="once upon a time there was a small model")
-    parser.add_argument("--max-new-tokens", type=int, default=24)
+    parser.add_argument("--long-prompt", type=int, default=1900, help="tokens of the long prompt")
     args = parser.parse_args(argv)
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from exporters.neuron import export
-
     from .checkpoints import build_checkpoint
-    from .loader import NeuronModelForCausalLM
 
-    console = Console()
+    console = Console(width=110)
+    console.print(
+        "[bold]The demo model has random weights:[/] its text is noise. What is checked is that "
+        "every token equals transformers' greedy token on the same checkpoint."
+    )
     work = Path(args.out)
     checkpoint = build_checkpoint("demo", work / "checkpoint")
-    exported = work / f"export-{args.backend}-4x8x64"
-    if not (exported / "neuron_config.json").is_file():
-        export(
-            str(checkpoint),
-            exported,
-            batch_size=4,
-            sequence_length=512,
-            prefill_chunk_size=64,
-            backend=args.backend,
-            overwrite=True,
-        )
-    started = time.perf_counter()
+    exports = {
+        kind: export_once(checkpoint, work, kind, args.backend, console) for kind in ("standard", "chunked")
+    }
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+    reference = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+
+    long_ids = long_prompt(tokenizer, args.long_prompt)
+    stream_ids = stream_prompts(tokenizer)
+    ok = all(loader_matches(exports[k], reference, long_ids, k, console) for k in exports)
+    runs = [run_scenario(exports[k], long_ids, stream_ids, k) for k in exports]
+    expected = {"long": greedy(reference, long_ids, 4)}
+    expected |= {f"stream{i}": greedy(reference, ids, 48) for i, ids in enumerate(stream_ids)}
+    same = {run.export: run.outputs == expected for run in runs}
+    console.print(stall_table(runs, same, len(long_ids)))
+    scale = 40 / max(s.ms for run in runs for s in run.prefill_window())
+    for run in runs:
+        console.print(timeline(run, scale))
+    return 0 if ok and all(same.values()) else 1
+
+
+def export_once(checkpoint: Path, work: Path, kind: str, backend: str, console: Console) -> Path:
+    from exporters.neuron import export
+
+    chunk = CHUNK if kind == "chunked" else 0
+    out = work / f"export-{backend}-{kind}-{BATCH}x{SEQUENCE}x{chunk}-b{BUCKETS[0]}"
+    if not (out / "neuron_config.json").is_file():
+        started = time.perf_counter()
+        export(str(checkpoint), out, batch_size=BATCH, sequence_length=SEQUENCE,
+               prefill_chunk_size=chunk, context_buckets=BUCKETS, backend=backend, overwrite=True,
+               console=console)  # fmt: skip
+        console.print(f"exported {kind} ({backend}) in {time.perf_counter() - started:.0f}s: {out}")
+    return out
+
+
+def greedy(reference, ids: list[int], n: int) -> list[int]:
+    """transformers' greedy continuation that, like vLLM's ignore_eos, does not stop at eos."""
+    prompt = torch.tensor([ids])
+    out = reference.generate(prompt, max_new_tokens=n, min_new_tokens=n, do_sample=False)
+    return out[0, len(ids) :].tolist()
+
+
+def loader_matches(exported: Path, reference, ids: list[int], kind: str, console: Console) -> bool:
+    from .loader import NeuronModelForCausalLM
+
     model = NeuronModelForCausalLM.from_pretrained(exported)
-    console.print(f"loaded {exported} in {time.perf_counter() - started:.1f}s")
-
-    tokenizer = AutoTokenizer.from_pretrained(exported)
-    # A prompt longer than one chunk, so generation really runs chunk by chunk.
-    text = " ".join([args.prompt] * 12)
-    input_ids = tokenizer(text, return_tensors="pt").input_ids
-    started = time.perf_counter()
-    output = model.generate(input_ids, max_new_tokens=args.max_new_tokens, do_sample=False)
-    elapsed = time.perf_counter() - started
-    new = output[0, input_ids.shape[1] :]
-    console.print(f"prompt: {input_ids.shape[1]} tokens = {-(-input_ids.shape[1] // 64)} chunks of 64")
-    console.print(f"generated {len(new)} tokens in {elapsed:.2f}s: {tokenizer.decode(new)!r}")
-
-    reference = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
-    expected = reference.generate(input_ids, max_new_tokens=args.max_new_tokens, do_sample=False)
-    same = torch.equal(output, expected)
-    console.print(f"greedy tokens equal transformers': [{'green' if same else 'red'}]{same}[/]")
-    served = serve_with_vllm(exported, text, new.tolist(), args.max_new_tokens, console)
-    return 0 if same and served else 1
-
-
-def serve_with_vllm(exported: Path, text: str, expected: list[int], max_new_tokens: int, console) -> bool:
-    """The same export through vLLM (the platform plugin): 6 prompts on 4 slots, chunk by chunk."""
-    from vllm import LLM, SamplingParams
-
-    started = time.perf_counter()
-    llm = LLM(model=str(exported), seed=0)
-    console.print(f"vLLM engine up in {time.perf_counter() - started:.1f}s")
-    prompts = [text] + [" ".join(text.split()[: 5 * i + 1]) for i in range(1, 6)]
-    started = time.perf_counter()
-    outputs = llm.generate(prompts, SamplingParams(max_tokens=max_new_tokens, temperature=0.0))
-    console.print(f"vLLM: {len(prompts)} prompts in {time.perf_counter() - started:.2f}s")
-    first = list(outputs[0].outputs[0].token_ids)
-    same = first == expected[: len(first)] and len(first) > 0
-    console.print(f"vLLM greedy tokens equal transformers': [{'green' if same else 'red'}]{same}[/]")
-    llm.llm_engine.engine_core.shutdown()
+    prompt = torch.tensor([ids])
+    got = model.generate(prompt, max_new_tokens=8, do_sample=False)
+    same = torch.equal(got, reference.generate(prompt, max_new_tokens=8, do_sample=False))
+    console.print(f"loader, {kind}: greedy tokens equal transformers': {mark(same)}")
     return same
+
+
+def mark(ok: bool) -> str:
+    return "[green]True[/]" if ok else "[red]False[/]"
+
+
+def stall_table(runs: list[Run], same: dict[str, bool], long_tokens: int) -> Table:
+    table = Table(
+        title=f"{STREAMS} streams decoding when a {long_tokens}-token prompt arrives "
+        f"(vLLM in-process, {BATCH} slots, chunk {CHUNK})"
+    )
+    for column in (
+        "export",
+        "long-prompt TTFT",
+        "streams' longest gap",
+        "stream tokens meanwhile",
+        "vLLM == HF",
+    ):
+        table.add_column(column, justify="right")
+    for run in runs:
+        table.add_row(
+            run.export,
+            f"{run.long_ttft_ms():.0f} ms",
+            f"{run.longest_stream_gap_ms():.0f} ms",
+            str(run.stream_tokens_while_prefilling()),
+            mark(same[run.export]),
+        )
+    return table
+
+
+def timeline(run: Run, scale: float) -> Table:
+    """The steps around the long prompt's prefill, one row each, with a bar of its duration
+    (`scale` characters per ms, the same for every export)."""
+    window = run.steps[run.arrival - 1 : run.first_long_token() + 2]
+    table = Table(title=f"{run.export}: steps around the long prompt's prefill", show_edge=False)
+    for column in ("step", "ms", "ran", "stream tokens", ""):
+        table.add_column(column, no_wrap=True)
+    for i, s in enumerate(window, start=run.arrival - 1):
+        streams = sum(n for r, n in s.tokens.items() if r != "long")
+        what = re.sub(r"-[0-9a-f]{8}\[", "[", s.ran)  # vLLM's internal suffix of request ids
+        what += " <- first token" if i == run.first_long_token() else ""
+        table.add_row(str(i), f"{s.ms:.0f}", what, str(streams), "#" * max(1, round(s.ms * scale)))
+    return table
 
 
 if __name__ == "__main__":

@@ -119,5 +119,8 @@ def describe_chunks(plan: StepPlan) -> str:
 
 
 def describe(plan: StepPlan) -> str:
-    """'2 decodes + chunks a[0:32] b[32:40]' - the runner's debug log line."""
-    return f"{len(plan.decodes)} decodes + chunks {describe_chunks(plan) or '-'}"
+    """'2 decodes + a[0:32] b[32:40]' - the runner's debug log line."""
+    parts = [f"{len(plan.decodes)} decodes"] if plan.decodes else []
+    if plan.chunks:
+        parts.append(describe_chunks(plan))
+    return " + ".join(parts)

@@ -48,6 +48,7 @@ class StepRunner:
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput | None:
         self.batch.update(so)
         if so.total_num_scheduled_tokens == 0:
+            self.last_plan = None
             return EMPTY_MODEL_RUNNER_OUTPUT
         plan = plan_step(
             self.batch.scheduled_work(so), self.config.prefill_chunk_size, self.config.batch_size

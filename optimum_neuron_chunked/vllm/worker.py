@@ -9,6 +9,7 @@ from vllm.v1.worker.worker_base import CompilationTimes, WorkerBase
 
 from ..loader import NeuronModelForCausalLM
 from ..modeling import torch_dtype
+from .plan import describe
 from .runner import StepRunner
 
 logger = init_logger(f"vllm.{__name__}")  # under vLLM's configured logger
@@ -69,6 +70,11 @@ class NeuronChunkedWorker(WorkerBase):
 
     def sample_tokens(self, grammar_output):
         return self.runner.sample_tokens(grammar_output)
+
+    def last_step(self) -> str:
+        """What the last step ran, e.g. '3 decodes + long[0:128]' (collective_rpc)."""
+        plan = self.runner.last_plan
+        return describe(plan) if plan is not None else "-"
 
     def get_cache_block_size_bytes(self) -> int:
         return self.get_kv_cache_spec()[KV_LAYER].page_size_bytes
