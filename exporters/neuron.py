@@ -22,6 +22,8 @@ from optimum_neuron_chunked.graphs import graph_specs
 from optimum_neuron_chunked.modeling import build_model, family_spec, torch_dtype
 from optimum_neuron_chunked.modeling.parallel import ShardLayout
 
+from .model_card import write_model_card
+
 
 class ExportError(ValueError):
     """The export cannot proceed; the message says what to change."""
@@ -84,6 +86,7 @@ def export(
             impl.compile(decoder, config, specs, staging, on_graph)
         _save_hf_files(model, hf_config, staging)
         config.save(staging)
+        write_model_card(staging, model, config)
         if output.exists():
             shutil.rmtree(output)
         staging.rename(output)

@@ -20,6 +20,10 @@ class NeuronConfigError(ValueError):
     """An export configuration that cannot be compiled; the message says what to change."""
 
 
+class InvalidExportError(ValueError):
+    """A folder that is not a complete export of this package version for this backend."""
+
+
 @dataclass(frozen=True)
 class NeuronConfig:
     """Compiled shapes and options of one export.

@@ -7,16 +7,13 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, GenerationConfig
 
-from .backends import get_backend
-from .config import CONFIG_NAME, NeuronConfig, NeuronConfigError
+from .backends import export_files, get_backend
+from .config import CONFIG_NAME, InvalidExportError, NeuronConfig, NeuronConfigError
 from .graphs import GraphRunner, graph_specs
+from .hub import resolve_export
 from .modeling.sampler import sampling_params
 from .slots import SlotPool
 from .version import __version__
-
-
-class InvalidExportError(ValueError):
-    """A folder that is not a complete export of this package version for this backend."""
 
 
 class NeuronModelForCausalLM:
@@ -37,8 +34,11 @@ class NeuronModelForCausalLM:
         self.slots = SlotPool(config.batch_size)
 
     @classmethod
-    def from_pretrained(cls, model_dir: str | Path, backend: str | None = None) -> NeuronModelForCausalLM:
-        model_dir = Path(model_dir)
+    def from_pretrained(
+        cls, model_dir: str | Path, backend: str | None = None, revision: str | None = None
+    ) -> NeuronModelForCausalLM:
+        """An export folder, or the repo id of an export on the Hugging Face Hub (at `revision`)."""
+        model_dir = resolve_export(model_dir, revision)
         config = check_export(model_dir, backend)
         impl = get_backend(config.backend)
         specs = graph_specs(config)
@@ -116,9 +116,7 @@ def check_export(model_dir: str | Path, backend: str | None = None) -> NeuronCon
             f"{model_dir} was compiled for the {config.backend!r} backend, not {backend!r}: "
             f"re-export with --backend {backend}."
         )
-    impl = get_backend(config.backend)
-    files = impl.weight_files(config) + impl.graph_files(graph_specs(config))
-    _check_complete(model_dir, [CONFIG_NAME, "config.json", *files])
+    _check_complete(model_dir, [CONFIG_NAME, "config.json", *export_files(config)])
     return config
 
 

@@ -31,4 +31,12 @@ def get_backend(name: str) -> Backend:
     raise ValueError(f"unknown backend {name!r}: choose cpu, eager or neuron")
 
 
-__all__ = ["BACKENDS", "Backend", "BackendUnavailableError", "default_backend", "get_backend"]
+def export_files(config) -> list[str]:
+    """Weight and graph files (relative to the folder) of a complete export of `config`."""
+    from ..graphs import graph_specs
+
+    impl = get_backend(config.backend)
+    return impl.weight_files(config) + impl.graph_files(graph_specs(config))
+
+
+__all__ = ["BACKENDS", "Backend", "BackendUnavailableError", "default_backend", "export_files", "get_backend"]

@@ -7,13 +7,13 @@ platform only configures the engine around them.
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 import torch
 from vllm.logger import init_logger
 from vllm.platforms import Platform, PlatformEnum
 
 from ..config import NeuronConfig
+from ..hub import resolve_export
 from ..loader import InvalidExportError, check_export
 from .features import refuse_unsupported
 from .limits import EngineRequest, serving_limits
@@ -85,9 +85,8 @@ class NeuronChunkedPlatform(Platform):
         model_config = vllm_config.model_config
         if model_config is None:
             return
-        model_dir = Path(model_config.model)
         try:
-            export = check_export(model_dir)
+            export = check_export(resolve_export(model_config.model, model_config.revision))
         except InvalidExportError as e:
             raise InvalidExportError(
                 f"{e}\n(optimum-neuron-chunked's vLLM platform serves export folders only; to serve "
@@ -117,7 +116,7 @@ class NeuronChunkedPlatform(Platform):
         # A process forked after torch ran OpenMP work deadlocks in its first parallel op:
         # engine processes must be spawned (vLLM's CPU platform does the same).
         os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
-        logger.info("serving %s (%s) with %s", model_dir, _describe(export), limits)
+        logger.info("serving %s (%s) with %s", model_config.model, _describe(export), limits)
 
     @classmethod
     def validate_request(cls, processed_inputs, params) -> None:

@@ -24,7 +24,8 @@ class NeuronChunkedWorker(WorkerBase):
         self.device = torch.device("cpu")
 
     def load_model(self, *, load_dummy_weights: bool = False) -> None:
-        self.model = NeuronModelForCausalLM.from_pretrained(self.model_config.model)
+        mc = self.model_config
+        self.model = NeuronModelForCausalLM.from_pretrained(mc.model, revision=mc.revision)
         self.runner = StepRunner(self.model, self.vllm_config)
         logger.info("loaded %s; torch threads: %d", self.model_config.model, torch.get_num_threads())
 

@@ -1,0 +1,76 @@
+"""The model card (README.md) of an export: what was compiled, for which host, by which version,
+so a user browsing the Hub can tell where an export runs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from optimum_neuron_chunked.config import NeuronConfig
+from optimum_neuron_chunked.graphs import graph_specs
+from optimum_neuron_chunked.hub import is_repo_id
+
+HOSTS = {
+    "neuron": "AWS {instance_type} instances (Neuron SDK 2.27-2.29)",
+    "cpu": "the host CPU (AOTInductor; x86-64 Linux, torch {torch})",
+    "eager": "the host CPU (no compiled graphs; for tests)",
+}
+
+
+def model_card(model: str, config: NeuronConfig) -> str:
+    import torch
+
+    host = HOSTS[config.backend].format(instance_type=config.instance_type, torch=torch.__version__)
+    prefill = (
+        f"chunks of {config.prefill_chunk_size} tokens" if config.chunked else "whole prompts (standard)"
+    )
+    rows = {
+        "source model": model,
+        "runs on": host,
+        "backend": config.backend + (f" ({config.instance_type})" if config.instance_type else ""),
+        "graphs": ", ".join(s.name for s in graph_specs(config)),
+        "KV-cache slots (batch size)": config.batch_size,
+        "sequence length": config.sequence_length,
+        "prefill": prefill,
+        "context buckets": ", ".join(map(str, config.context_buckets)),
+        "dtype": config.dtype,
+        "tensor parallel degree": config.tp_degree,
+        "on-device sampling": f"top-k <= {config.max_topk}" if config.on_device_sampling else "off",
+        "optimum-neuron-chunked": config.package_version,
+    }
+    front = ["---", "library_name: optimum-neuron-chunked", "tags: [neuron, chunked-prefill]"]
+    if is_repo_id(model):
+        front.append(f"base_model: {model}")
+    table = "\n".join(f"| {k} | {v} |" for k, v in rows.items())
+    return (
+        "\n".join(front)
+        + f"""
+---
+
+# {Path(model).name}, compiled for {config.backend}
+
+An export of optimum-neuron-chunked {config.package_version}: compiled
+graphs, their weights and the model's tokenizer. It runs on {host}, with the same package
+version; it is not a checkpoint to fine-tune.
+
+| | |
+|---|---|
+{table}
+
+## Use
+
+```bash
+vllm serve <this repo id>      # with optimum-neuron-chunked installed: its vLLM platform
+```
+
+```python
+from optimum_neuron_chunked import NeuronModelForCausalLM
+model = NeuronModelForCausalLM.from_pretrained("<this repo id>")
+```
+
+Graph packages are native code that runs when loaded: load exports only from sources you trust.
+"""
+    )
+
+
+def write_model_card(out: Path, model: str, config: NeuronConfig) -> None:
+    (out / "README.md").write_text(model_card(model, config))
