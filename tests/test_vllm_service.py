@@ -180,3 +180,44 @@ def test_start_up_refusals_name_the_fix(export_dir, tmp_path, case, expected):
     assert srv.wait_exit() != 0
     output = srv.output()
     assert all(text in output for text in expected), output[-3000:]
+
+
+def test_structured_output_beside_unconstrained_requests(server, client, hf_reference):
+    """Grammars (vLLM's bitmask, applied by the host sampler) in the same batch as free requests:
+    each constrained answer obeys its grammar, the free ones equal transformers'."""
+    import json
+    import re
+
+    from openai import AsyncOpenAI
+
+    model, hf = served_model(client), hf_reference("llama")
+    free = [prompt(40, seed=60), prompt(5, seed=61)]
+    # Whitespace between JSON tokens is vLLM's engine-wide choice (structured_outputs_config):
+    # with random weights an object may never close, so the schema is an enum of JSON values.
+    values = ["small", "large", 7, True, None]
+    schema = {"enum": values}
+    constrained = [
+        {"regex": "(yes|no)-[0-9]{2}"},
+        {"choice": ["red", "green", "blue"]},
+        {"json": schema},
+    ]
+
+    async def all_at_once():
+        aclient = AsyncOpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0)
+
+        def call(ids, max_tokens, **extra):
+            return aclient.completions.create(
+                model=model, prompt=ids, max_tokens=max_tokens, temperature=0, extra_body=extra
+            )
+
+        calls = [call(p.tolist(), 8, return_token_ids=True, ignore_eos=True) for p in free]
+        calls += [
+            call(prompt(9, seed=62 + i).tolist(), 40, structured_outputs=c) for i, c in enumerate(constrained)
+        ]
+        return [r.choices[0] for r in await asyncio.gather(*calls)]
+
+    first, second, regex, choice, as_json = asyncio.run(all_at_once())
+    assert [list(first.token_ids), list(second.token_ids)] == [hf_greedy(hf, p, 8) for p in free]
+    assert re.fullmatch("(yes|no)-[0-9]{2}", regex.text), regex.text
+    assert choice.text in ("red", "green", "blue"), choice.text
+    assert json.loads(as_json.text) in values, as_json.text
