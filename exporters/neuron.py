@@ -15,10 +15,11 @@ from pathlib import Path
 from rich.console import Console
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
-from optimum_neuron_chunked.backends import BACKENDS, default_backend, get_backend
+from optimum_neuron_chunked.backends import BACKENDS, default_backend, export_files, get_backend
 from optimum_neuron_chunked.backends.neuron.target import resolve_instance_type
 from optimum_neuron_chunked.config import NeuronConfig
 from optimum_neuron_chunked.graphs import graph_specs
+from optimum_neuron_chunked.integrity import record_files
 from optimum_neuron_chunked.modeling import build_model, family_spec, torch_dtype
 from optimum_neuron_chunked.modeling.parallel import ShardLayout
 
@@ -85,7 +86,7 @@ def export(
         with _progress(console, len(specs)) as on_graph:
             impl.compile(decoder, config, specs, staging, on_graph)
         _save_hf_files(model, hf_config, staging)
-        config.save(staging)
+        config.save(staging, files=record_files(staging, export_files(config)))
         write_model_card(staging, model, config)
         if output.exists():
             shutil.rmtree(output)

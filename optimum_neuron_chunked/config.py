@@ -128,17 +128,19 @@ class NeuronConfig:
     @classmethod
     def from_dict(cls, d: dict) -> NeuronConfig:
         known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(d) - known)
+        unknown = sorted(set(d) - known - {"files"})  # file records: integrity.py
         if unknown:
             raise NeuronConfigError(
                 f"unknown fields in {CONFIG_NAME}: {unknown} (written by a newer version?)"
             )
-        d = dict(d)
+        d = {k: v for k, v in d.items() if k in known}
         d["context_buckets"] = tuple(d.get("context_buckets", ()))
         return cls(**d)
 
-    def save(self, directory: str | Path) -> None:
-        Path(directory, CONFIG_NAME).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+    def save(self, directory: str | Path, files: dict[str, dict] | None = None) -> None:
+        """Write neuron_config.json; `files`: the export's file records (integrity.py)."""
+        d = self.to_dict() | ({"files": files} if files else {})
+        Path(directory, CONFIG_NAME).write_text(json.dumps(d, indent=2) + "\n")
 
     @classmethod
     def load(cls, directory: str | Path) -> NeuronConfig:
@@ -148,7 +150,13 @@ class NeuronConfig:
                 f"{directory} is not an export: {CONFIG_NAME} is missing. "
                 "Create one with `optimum-cli export neuron --model M ... OUT`."
             )
-        return cls.from_dict(json.loads(path.read_text()))
+        try:
+            d = json.loads(path.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise NeuronConfigError(
+                f"{path} is damaged (not JSON: {e}). Copy it again from the original export, or export again."
+            ) from e
+        return cls.from_dict(d)
 
 
 def default_buckets(config: NeuronConfig) -> tuple[int, ...]:

@@ -11,6 +11,7 @@ from .backends import export_files, get_backend
 from .config import CONFIG_NAME, InvalidExportError, NeuronConfig, NeuronConfigError
 from .graphs import GraphRunner, graph_specs
 from .hub import resolve_export
+from .integrity import recorded_files, verify_files
 from .modeling.sampler import sampling_params
 from .slots import SlotPool
 from .version import __version__
@@ -35,11 +36,17 @@ class NeuronModelForCausalLM:
 
     @classmethod
     def from_pretrained(
-        cls, model_dir: str | Path, backend: str | None = None, revision: str | None = None
+        cls,
+        model_dir: str | Path,
+        backend: str | None = None,
+        revision: str | None = None,
+        verify_weights: bool = False,
     ) -> NeuronModelForCausalLM:
-        """An export folder, or the repo id of an export on the Hugging Face Hub (at `revision`)."""
+        """An export folder, or the repo id of an export on the Hugging Face Hub (at `revision`).
+
+        `verify_weights`: also check the weight files' SHA-256 (sizes and graphs always are)."""
         model_dir = resolve_export(model_dir, revision)
-        config = check_export(model_dir, backend)
+        config = check_export(model_dir, backend, verify_weights)
         impl = get_backend(config.backend)
         specs = graph_specs(config)
         hf_config = AutoConfig.from_pretrained(model_dir)
@@ -107,8 +114,11 @@ class NeuronModelForCausalLM:
         return generate(self, input_ids, attention_mask, **kwargs)
 
 
-def check_export(model_dir: str | Path, backend: str | None = None) -> NeuronConfig:
-    """The config of a complete export of this version (for `backend` if given), or InvalidExportError."""
+def check_export(
+    model_dir: str | Path, backend: str | None = None, verify_weights: bool = False
+) -> NeuronConfig:
+    """The config of a complete, undamaged export of this version (for `backend` if given), or
+    InvalidExportError naming what is wrong."""
     model_dir = Path(model_dir)
     config = _load_neuron_config(model_dir)
     if backend is not None and backend != config.backend:
@@ -116,7 +126,12 @@ def check_export(model_dir: str | Path, backend: str | None = None) -> NeuronCon
             f"{model_dir} was compiled for the {config.backend!r} backend, not {backend!r}: "
             f"re-export with --backend {backend}."
         )
+    impl = get_backend(config.backend)
     _check_complete(model_dir, [CONFIG_NAME, "config.json", *export_files(config)])
+    hashed = set(impl.graph_files(graph_specs(config)))
+    if verify_weights:
+        hashed |= set(impl.weight_files(config))
+    verify_files(model_dir, recorded_files(model_dir), hashed)
     return config
 
 

@@ -162,6 +162,7 @@ def test_metrics_are_served(server):
         ("max-num-seqs", ["--max-num-seqs 8", "batch_size 2"]),
         ("checkpoint", ["is not an export", "optimum-cli export neuron"]),
         ("incomplete", ["incomplete export", "model.safetensors"]),
+        ("damaged", ["model.safetensors is damaged", "Copy it again from the original export"]),
     ],
 )
 def test_start_up_refusals_name_the_fix(export_dir, tmp_path, case, expected):
@@ -175,7 +176,11 @@ def test_start_up_refusals_name_the_fix(export_dir, tmp_path, case, expected):
     else:
         model = tmp_path / "partial"
         shutil.copytree(export_dir, model)
-        (model / "model.safetensors").unlink()
+        weights = model / "model.safetensors"
+        if case == "incomplete":
+            weights.unlink()
+        else:  # an interrupted copy
+            weights.write_bytes(weights.read_bytes()[:1000])
     srv = Server(model, tmp_path / "serve.log", *args)
     assert srv.wait_exit() != 0
     output = srv.output()

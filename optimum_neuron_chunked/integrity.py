@@ -1,0 +1,60 @@
+"""What an export's weight and graph files were when written: the size and SHA-256 of each,
+recorded in neuron_config.json, so a truncated or corrupted copy (an interrupted transfer to
+another host) is named instead of loaded.
+
+Sizes are checked at every load. Graph files are hashed at every load too: they are native
+code or compiled programs that may crash the process if damaged, and small beside the
+weights. Weights are hashed on request (`from_pretrained(..., verify_weights=True)`): a
+damaged weight file loads and computes wrong tokens, and hashing tens of GB costs seconds.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+from .config import CONFIG_NAME, InvalidExportError
+
+FILES_KEY = "files"  # in neuron_config.json: {relative path: {"size": int, "sha256": str}}
+
+
+def sha256_of(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        while block := f.read(1 << 20):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def record_files(folder: Path, names: list[str]) -> dict[str, dict]:
+    return {
+        name: {"size": (folder / name).stat().st_size, "sha256": sha256_of(folder / name)} for name in names
+    }
+
+
+def recorded_files(folder: Path) -> dict[str, dict]:
+    """The records of an export (empty for one written before records existed)."""
+    return json.loads((folder / CONFIG_NAME).read_text()).get(FILES_KEY, {})
+
+
+def verify_files(folder: Path, records: dict[str, dict], hashed: set[str]) -> None:
+    """Every recorded file has its recorded size; those in `hashed` their recorded SHA-256."""
+    for name, record in records.items():
+        path = folder / name
+        size = path.stat().st_size if path.is_file() else None
+        if size != record["size"]:
+            found = "missing" if size is None else f"{size} bytes"
+            raise _damaged(
+                folder, name, f"{found}, {record['size']} when exported (truncated or incomplete copy?)"
+            )
+        if name in hashed and sha256_of(path) != record["sha256"]:
+            raise _damaged(
+                folder, name, "its SHA-256 differs from the one recorded at export (corrupted copy?)"
+            )
+
+
+def _damaged(folder: Path, name: str, what: str) -> InvalidExportError:
+    return InvalidExportError(
+        f"{folder / name} is damaged: {what}. Copy it again from the original export, or export again."
+    )

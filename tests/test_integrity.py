@@ -1,0 +1,77 @@
+"""Damaged exports fail loudly: a truncated or corrupted weight, graph or config file is named,
+with the fix, before anything is loaded from it."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from conftest import export_params
+from fixtures.export_models import CHUNKED_SHAPE
+
+from optimum_neuron_chunked import InvalidExportError, NeuronModelForCausalLM
+from optimum_neuron_chunked.config import CONFIG_NAME
+
+
+def truncate(path: Path) -> None:
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+def flip_a_byte(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def damaged_copy(export_dir: Path, tmp_path: Path) -> Path:
+    copy = tmp_path / "copy"
+    shutil.copytree(export_dir, copy)
+    return copy
+
+
+def message(excinfo) -> str:
+    return " ".join(str(excinfo.value).split())
+
+
+@pytest.mark.parametrize("export_dir", export_params(["llama-2x4x32-eager"]), indirect=True)
+def test_the_export_records_every_weight_and_graph_file(export_dir):
+    records = json.loads((export_dir / CONFIG_NAME).read_text())["files"]
+    assert list(records) == ["model.safetensors"]  # eager: weights only
+    assert records["model.safetensors"]["size"] == (export_dir / "model.safetensors").stat().st_size
+
+
+@pytest.mark.parametrize("export_dir", export_params(["llama-2x4x32-eager"]), indirect=True)
+def test_damaged_weights_are_named(export_dir, tmp_path):
+    copy = damaged_copy(export_dir, tmp_path)
+    flip_a_byte(copy / "model.safetensors")
+    NeuronModelForCausalLM.from_pretrained(copy)  # same size: loads unless asked to verify
+    with pytest.raises(InvalidExportError) as e:
+        NeuronModelForCausalLM.from_pretrained(copy, verify_weights=True)
+    assert f"{copy}/model.safetensors is damaged: its SHA-256 differs" in message(e)
+    truncate(copy / "model.safetensors")
+    with pytest.raises(InvalidExportError) as e:
+        NeuronModelForCausalLM.from_pretrained(copy)
+    assert "model.safetensors is damaged" in message(e) and "truncated or incomplete copy" in message(e)
+    assert "Copy it again from the original export, or export again." in message(e)
+
+
+@pytest.mark.parametrize("export_dir", export_params(["llama-2x4x32-eager"]), indirect=True)
+def test_a_damaged_neuron_config_is_named(export_dir, tmp_path):
+    copy = damaged_copy(export_dir, tmp_path)
+    truncate(copy / CONFIG_NAME)
+    with pytest.raises(InvalidExportError) as e:
+        NeuronModelForCausalLM.from_pretrained(copy)
+    assert f"{copy}/{CONFIG_NAME} is damaged (not JSON" in message(e)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("export_dir", export_params([f"llama-{CHUNKED_SHAPE}-cpu"]), indirect=True)
+@pytest.mark.parametrize("damage", [truncate, flip_a_byte])
+def test_damaged_graphs_are_named_at_every_load(export_dir, tmp_path, damage):
+    copy = damaged_copy(export_dir, tmp_path)
+    damage(copy / "graphs/tg_w64.pt2")
+    with pytest.raises(InvalidExportError) as e:
+        NeuronModelForCausalLM.from_pretrained(copy)
+    assert f"{copy}/graphs/tg_w64.pt2 is damaged" in message(e)
