@@ -53,6 +53,13 @@ def test_visible_cores():
     assert parse_visible_cores("0,2,5-6") == [0, 2, 5, 6]
     assert visible_cores_env(2, None, available=8) == "0-1"
     assert visible_cores_env(2, "4-7", available=8) == "4-7"
+    # data-parallel ranks on one host: rank r takes cores [r*tp, (r+1)*tp)
+    assert [visible_cores_env(2, None, 8, rank, 3) for rank in range(3)] == ["0-1", "2-3", "4-5"]
+    assert [visible_cores_env(2, "8-11", 16, rank, 2) for rank in range(2)] == ["8,9", "10,11"]
+    with pytest.raises(BackendUnavailableError, match=r"tp_degree=4 x 3 data-parallel ranks"):
+        visible_cores_env(4, None, 8, 2, 3)
+    with pytest.raises(BackendUnavailableError, match=r"gives 4 NeuronCores.*x 2 data-parallel ranks"):
+        visible_cores_env(4, "0-3", 8, 1, 2)
     with pytest.raises(BackendUnavailableError, match="gives 1 NeuronCores, the export needs tp_degree=2"):
         visible_cores_env(2, "3", available=8)
     with pytest.raises(BackendUnavailableError, match="has 2 NeuronCores, the export needs tp_degree=8"):
@@ -163,10 +170,12 @@ def test_sdk_imports_stay_lazy():
 @needs_vllm
 @needs_no_sdk
 def test_platform_refuses_a_neuron_export_off_neuron_hosts():
-    from optimum_neuron_chunked.vllm.platform import _select_neuron_cores
+    from vllm.config import ParallelConfig
+
+    from optimum_neuron_chunked.vllm.platform import neuron_cores
 
     with pytest.raises(BackendUnavailableError, match="Neuron SDK"):
-        _select_neuron_cores(neuron_config())
+        neuron_cores(neuron_config(), ParallelConfig())
     with pytest.raises(
         BackendUnavailableError, match=r"no Neuron device \(/dev/neuron\*\): run it on a trn1"
     ):

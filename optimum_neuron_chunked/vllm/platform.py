@@ -94,7 +94,7 @@ class NeuronChunkedPlatform(Platform):
             ) from None
         refuse_unsupported(vllm_config)
         if export.backend == "neuron":
-            _select_neuron_cores(export)
+            neuron_cores(export, vllm_config.parallel_config)  # each worker takes its own
         sched, cache = vllm_config.scheduler_config, vllm_config.cache_config
         limits = serving_limits(export, _engine_request(vllm_config, export))
         model_config.max_model_len = limits.max_model_len
@@ -160,17 +160,19 @@ def _engine_request(vllm_config, export: NeuronConfig) -> EngineRequest:
     )
 
 
-def _select_neuron_cores(export: NeuronConfig) -> None:
-    """Refuse without a device; give the engine process (spawned, so it inherits the
-    environment) the NeuronCores of a tp_degree model before its runtime starts."""
+def neuron_cores(export: NeuronConfig, parallel_config, dp_rank: int | None = None) -> str:
+    """NEURON_RT_VISIBLE_CORES of data-parallel rank `dp_rank` (default: the last of this host,
+    to check that they all fit). Refuses without the SDK or a device."""
     from ..backends.neuron import TARGETS, require_neuron_sdk
     from ..backends.neuron.target import host_core_count, require_neuron_device, visible_cores_env
 
     require_neuron_sdk()
     require_neuron_device()
+    dp_size = max(1, parallel_config.data_parallel_size_local)
+    rank = dp_size - 1 if dp_rank is None else dp_rank
     available = host_core_count(TARGETS[export.instance_type])
     current = os.environ.get("NEURON_RT_VISIBLE_CORES")
-    os.environ["NEURON_RT_VISIBLE_CORES"] = visible_cores_env(export.tp_degree, current, available)
+    return visible_cores_env(export.tp_degree, current, available, rank, dp_size)
 
 
 def _describe(config: NeuronConfig) -> str:

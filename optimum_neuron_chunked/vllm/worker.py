@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 from vllm.logger import init_logger
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheSpec
 from vllm.v1.worker.worker_base import CompilationTimes, WorkerBase
 
-from ..loader import NeuronModelForCausalLM
+from ..hub import resolve_export
+from ..loader import NeuronModelForCausalLM, check_export
 from ..modeling import torch_dtype
 from .plan import describe
+from .platform import neuron_cores
 from .runner import StepRunner
 
 logger = init_logger(f"vllm.{__name__}")  # under vLLM's configured logger
@@ -22,6 +26,14 @@ class NeuronChunkedWorker(WorkerBase):
 
     def init_device(self) -> None:
         self.device = torch.device("cpu")
+        export = check_export(resolve_export(self.model_config.model, self.model_config.revision))
+        if export.backend == "neuron":
+            # Before the Neuron runtime starts (load_model): data-parallel rank r (one engine
+            # core process each, vllm/v1/engine/core.py 0.32) takes its own NeuronCores.
+            parallel = self.parallel_config
+            rank = parallel.data_parallel_rank_local or 0
+            os.environ["NEURON_RT_VISIBLE_CORES"] = neuron_cores(export, parallel, rank)
+            logger.info("data-parallel rank %d: NeuronCores %s", rank, os.environ["NEURON_RT_VISIBLE_CORES"])
 
     def load_model(self, *, load_dummy_weights: bool = False) -> None:
         mc = self.model_config

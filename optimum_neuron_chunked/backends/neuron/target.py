@@ -111,24 +111,32 @@ def parse_visible_cores(value: str) -> list[int]:
     return cores
 
 
-def visible_cores_env(tp_degree: int, current: str | None, available: int) -> str:
-    """The NEURON_RT_VISIBLE_CORES a tp_degree model runs with: the user's choice if it holds
-    enough cores, else the first tp_degree cores of the host."""
+def visible_cores_env(
+    tp_degree: int, current: str | None, available: int, dp_rank: int = 0, dp_size: int = 1
+) -> str:
+    """The NEURON_RT_VISIBLE_CORES of data-parallel rank `dp_rank` (of `dp_size` on this host)
+    of a tp_degree model: rank r takes cores [r*tp, (r+1)*tp) of the user's choice if given,
+    else of the host."""
+    need = tp_degree * dp_size
+    ranks = f" x {dp_size} data-parallel ranks" if dp_size > 1 else ""
     if current:
         chosen = parse_visible_cores(current)
-        if len(chosen) < tp_degree:
+        if len(chosen) < need:
             raise BackendUnavailableError(
                 f"NEURON_RT_VISIBLE_CORES={current} gives {len(chosen)} NeuronCores, the export needs "
-                f"tp_degree={tp_degree}: widen it (e.g. 0-{tp_degree - 1}) or re-export with a smaller "
+                f"tp_degree={tp_degree}{ranks}: widen it (e.g. 0-{need - 1}) or re-export with a smaller "
                 "--tensor_parallel_size."
             )
-        return current
-    if available < tp_degree:
+        if dp_size == 1:
+            return current
+        return ",".join(map(str, chosen[dp_rank * tp_degree : (dp_rank + 1) * tp_degree]))
+    if available < need:
         raise BackendUnavailableError(
-            f"this host has {available} NeuronCores, the export needs tp_degree={tp_degree}: re-export "
-            "with a smaller --tensor_parallel_size or use a larger instance."
+            f"this host has {available} NeuronCores, the export needs tp_degree={tp_degree}{ranks}: "
+            "re-export with a smaller --tensor_parallel_size, serve fewer ranks, or use a larger instance."
         )
-    return f"0-{tp_degree - 1}"
+    first = dp_rank * tp_degree
+    return f"{first}-{first + tp_degree - 1}"
 
 
 def host_core_count(target: NeuronTarget) -> int:
