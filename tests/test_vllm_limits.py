@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from conftest import export_params
 
 from optimum_neuron_chunked.config import NeuronConfig
 from optimum_neuron_chunked.vllm.limits import EngineRequest, ServingConfigError, serving_limits
@@ -75,3 +76,33 @@ def test_refusals_name_the_flag_and_the_compiled_value(kw, flag, compiled):
     with pytest.raises(ServingConfigError) as e:
         serving_limits(CHUNKED, request(**kw))
     assert flag in str(e.value) and compiled in str(e.value)
+
+
+@pytest.mark.parametrize("export_dir", export_params(["llama-2x4x32-eager"]), indirect=True)
+@pytest.mark.parametrize(
+    "kwargs, budget",
+    [
+        ({}, 64),  # the export's default
+        ({"max_num_batched_tokens": 4096}, 64),  # equals vLLM's LLM-class default: read as not given
+        ({"additional_config": {"max_num_batched_tokens": 4096}}, 4096),  # forced exactly
+        ({"max_num_batched_tokens": 4096, "additional_config": {"max_num_batched_tokens": 2048}}, 2048),
+        ({"max_num_batched_tokens": 100}, 100),  # no default: kept as typed
+    ],
+)
+def test_budgets_through_vllm_llm(export_dir, kwargs, budget):
+    """What vllm.LLM's engine actually schedules with, for values equal to vLLM's defaults."""
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.usage.usage_lib import UsageContext
+
+    config = EngineArgs(model=str(export_dir), seed=0, **kwargs).create_engine_config(UsageContext.LLM_CLASS)
+    assert config.scheduler_config.max_num_batched_tokens == budget
+
+
+@pytest.mark.parametrize("export_dir", export_params(["llama-2x4x32-eager"]), indirect=True)
+def test_a_forced_value_is_still_checked_against_the_export(export_dir):
+    from vllm.engine.arg_utils import EngineArgs
+
+    with pytest.raises(Exception, match=r"--max-num-seqs 256 exceeds the compiled batch_size 2"):
+        EngineArgs(model=str(export_dir), additional_config={"max_num_seqs": 256}).create_engine_config()
+    with pytest.raises(Exception, match=r"max_num_seqs must be a positive integer"):
+        EngineArgs(model=str(export_dir), additional_config={"max_num_seqs": "4"}).create_engine_config()

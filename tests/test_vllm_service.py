@@ -226,3 +226,20 @@ def test_structured_output_beside_unconstrained_requests(server, client, hf_refe
     assert re.fullmatch("(yes|no)-[0-9]{2}", regex.text), regex.text
     assert choice.text in ("red", "green", "blue"), choice.text
     assert json.loads(as_json.text) in values, as_json.text
+
+
+@pytest.mark.slow
+def test_a_budget_equal_to_a_vllm_default_is_said_and_can_be_forced(export_dir, tmp_path):
+    typed = Server(export_dir, tmp_path / "typed.log", "--max-num-batched-tokens", "2048").wait_ready()
+    assert typed.stop() == []
+    said = " ".join(typed.output().split())
+    assert "--max-num-batched-tokens 2048 is one of vLLM's defaults, so it is read as not given" in said
+    assert (
+        "max_num_batched_tokens=64" in said
+        and "--additional-config '{\"max_num_batched_tokens\": 2048}'" in said
+    )
+    forced = Server(
+        export_dir, tmp_path / "forced.log", "--additional-config", '{"max_num_batched_tokens": 2048}'
+    ).wait_ready()
+    assert forced.stop() == []
+    assert "max_num_batched_tokens=2048" in forced.output()

@@ -16,7 +16,7 @@ from ..config import NeuronConfig
 from ..hub import resolve_export
 from ..loader import InvalidExportError, check_export
 from .features import refuse_unsupported
-from .limits import EngineRequest, serving_limits
+from .limits import EngineRequest, ServingConfigError, serving_limits
 
 logger = init_logger(f"vllm.{__name__}")  # under vLLM's configured logger
 
@@ -96,7 +96,9 @@ class NeuronChunkedPlatform(Platform):
         if export.backend == "neuron":
             neuron_cores(export, vllm_config.parallel_config)  # each worker takes its own
         sched, cache = vllm_config.scheduler_config, vllm_config.cache_config
-        limits = serving_limits(export, _engine_request(vllm_config, export))
+        request = _engine_request(vllm_config, export)
+        limits = serving_limits(export, request)
+        _warn_if_read_as_default(vllm_config, request, limits)
         model_config.max_model_len = limits.max_model_len
         sched.max_num_seqs = limits.max_num_seqs
         sched.max_num_batched_tokens = limits.max_num_batched_tokens
@@ -134,8 +136,17 @@ class NeuronChunkedPlatform(Platform):
             )
 
 
+# Values vLLM cannot tell from its defaults, given through --additional-config (honoured as given).
+EXACT_FLAGS = ("max_num_batched_tokens", "max_num_seqs")
+
+
 def _engine_request(vllm_config, export: NeuronConfig) -> EngineRequest:
-    """vLLM's arguments, with vLLM's own defaults read as 'not given' (the export decides)."""
+    """vLLM's arguments, with vLLM's own defaults read as 'not given' (the export decides).
+
+    vLLM fills its defaults before any platform hook sees the arguments (EngineArgs.
+    _set_default_max_num_seqs_and_batched_tokens_args, vllm/engine/arg_utils.py 0.32), so a
+    value typed equal to one of them cannot be told from no flag: it is said in the log,
+    and --additional-config '{"max_num_batched_tokens": N}' (or max_num_seqs) forces it."""
     from vllm.config import SchedulerConfig
     from vllm.engine.arg_utils import EngineArgs
 
@@ -144,20 +155,51 @@ def _engine_request(vllm_config, export: NeuronConfig) -> EngineRequest:
     tokens_defaults, seqs_defaults = EngineArgs.get_batch_defaults(world)
     default_seqs = {*seqs_defaults.values(), SchedulerConfig.DEFAULT_MAX_NUM_SEQS}
     default_tokens = {*tokens_defaults.values(), SchedulerConfig.DEFAULT_MAX_NUM_BATCHED_TOKENS}
-    # vLLM caps a default budget at max_num_seqs * max_model_len
+    # vLLM caps a default budget at max_num_seqs * max_model_len, default seqs at the budget
     default_tokens |= {sched.max_num_seqs * model_config.max_model_len}
+    default_seqs |= {min(seqs, sched.max_num_batched_tokens) for seqs in default_seqs}
+    exact = _exact_flags(vllm_config)
+    seqs = exact.get("max_num_seqs", sched.max_num_seqs)
+    if "max_num_seqs" not in exact and seqs in default_seqs and seqs > export.batch_size:
+        seqs = None
+    tokens = exact.get("max_num_batched_tokens", sched.max_num_batched_tokens)
+    if "max_num_batched_tokens" not in exact and tokens in default_tokens:
+        tokens = None
     given_len = model_config.original_max_model_len
     return EngineRequest(
         max_model_len=None if given_len in (None, -1) else given_len,
-        max_num_seqs=None
-        if sched.max_num_seqs in default_seqs and sched.max_num_seqs > export.batch_size
-        else sched.max_num_seqs,
-        max_num_batched_tokens=None
-        if sched.max_num_batched_tokens in default_tokens
-        else sched.max_num_batched_tokens,
+        max_num_seqs=seqs,
+        max_num_batched_tokens=tokens,
         long_prefill_token_threshold=sched.long_prefill_token_threshold,
         dtype=DTYPE_NAMES.get(model_config.dtype, str(model_config.dtype)),
     )
+
+
+def _exact_flags(vllm_config) -> dict[str, int]:
+    extra = vllm_config.additional_config if isinstance(vllm_config.additional_config, dict) else {}
+    exact = {}
+    for name in EXACT_FLAGS:
+        value = extra.get(name)
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+            raise ServingConfigError(f"--additional-config {name} must be a positive integer, got {value!r}.")
+        if value is not None:
+            exact[name] = value
+    return exact
+
+
+def _warn_if_read_as_default(vllm_config, request: EngineRequest, limits) -> None:
+    sched = vllm_config.scheduler_config
+    for name, seen, used in (
+        ("max_num_batched_tokens", sched.max_num_batched_tokens, limits.max_num_batched_tokens),
+        ("max_num_seqs", sched.max_num_seqs, limits.max_num_seqs),
+    ):
+        if getattr(request, name) is None and seen != used:
+            flag = "--" + name.replace("_", "-")
+            logger.info(  # every start without the flag says it too: not a warning
+                "%s %d is one of vLLM's defaults, so it is read as not given: serving with %d (the "
+                "export's). If you typed it, force it with --additional-config '{\"%s\": %d}'.",
+                flag, seen, used, name, seen,
+            )  # fmt: skip
 
 
 def neuron_cores(export: NeuronConfig, parallel_config, dp_rank: int | None = None) -> str:
