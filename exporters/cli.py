@@ -49,6 +49,14 @@ def add_export_arguments(parser: argparse.ArgumentParser) -> None:
         help="TG graphs return logits only; sampling happens on the host.",
     )
     parser.add_argument(
+        "--prompt-logprobs",
+        "--prompt_logprobs",
+        action="store_true",
+        dest="prompt_logprobs",
+        help="Prefill graphs return every position's logits, so vLLM can serve prompt_logprobs "
+        "(evaluation harnesses); costs a [C, V] (chunked) or [P, V] (standard) output per call.",
+    )
+    parser.add_argument(
         "--tensor_parallel_size", "--tensor-parallel-size", type=int, default=1, dest="tp_degree"
     )
     parser.add_argument(
@@ -99,6 +107,7 @@ def run_export(args: argparse.Namespace) -> int:
             backend=args.backend,
             dtype=args.dtype,
             on_device_sampling=args.on_device_sampling,
+            prompt_logprobs=args.prompt_logprobs,
             tp_degree=args.tp_degree,
             instance_type=args.instance_type,
             max_topk=args.max_topk,

@@ -41,6 +41,7 @@ class NeuronConfig:
     dtype: str = "float32"
     on_device_sampling: bool = True
     max_topk: int = 256
+    prompt_logits: bool = False  # prefill graphs return every position's logits (prompt logprobs)
     backend: str = "cpu"
     instance_type: str = ""  # neuron backend: trn1 | inf2 | trn2 (the compile target)
     context_buckets: tuple[int, ...] = ()

@@ -5,7 +5,8 @@ that turns real inputs into those shapes.
   cp_w{W}  [1, C]  one prefill chunk attending over context bucket W (chunked exports)
   tg_w{W}  [B, 1]  one decode step for up to B slots attending over context bucket W
 
-Prefill graphs return the logits of the last real token (host sampling); TG graphs sample
+Prefill graphs return the logits of the last real token (host sampling), or of every
+position when the export serves prompt logprobs (`prompt_logits`); TG graphs sample
 on device and also return their logits, so a batch with a request that needs more than
 on-device sampling offers can be sampled on the host instead. Graph outputs may stay on the
 device until `.cpu()` (the neuron backend runs TG asynchronously): a step sampled on device
@@ -56,14 +57,17 @@ def graph_specs(config: NeuronConfig) -> list[GraphSpec]:
 
 
 class PrefillGraph(nn.Module):
-    """CE or CP: [1, T] tokens -> logits [1, V] of the last real token."""
+    """CE or CP: [1, T] tokens -> logits [1, V] of the last real token, or [1, T, V] of every
+    position (`all_positions`)."""
 
-    def __init__(self, model: DecoderModel, window: int):
+    def __init__(self, model: DecoderModel, window: int, all_positions: bool = False):
         super().__init__()
-        self.model, self.window = model, window
+        self.model, self.window, self.all_positions = model, window, all_positions
 
     def forward(self, input_ids, position_ids, seq_ids):
         hidden = self.model.hidden_states(input_ids, position_ids, seq_ids, self.window)
+        if self.all_positions:
+            return self.model.logits(hidden)
         # Padding repeats the last real position, so the first argmax is the last real token.
         last = torch.argmax(position_ids, dim=1)
         rows = torch.arange(hidden.shape[0], device=hidden.device)
@@ -92,7 +96,7 @@ class DecodeGraph(nn.Module):
 def graph_module(model: DecoderModel, spec: GraphSpec, config: NeuronConfig) -> nn.Module:
     if spec.kind == "tg":
         return DecodeGraph(model, spec.window, config.on_device_sampling, config.max_topk)
-    return PrefillGraph(model, spec.window)
+    return PrefillGraph(model, spec.window, config.prompt_logits)
 
 
 def example_inputs(spec: GraphSpec, config: NeuronConfig) -> tuple[torch.Tensor, ...]:
@@ -140,6 +144,18 @@ class GraphRunner:
 
         Chunked exports take T <= prefill_chunk_size; standard ones take a whole prompt.
         """
+        logits = self._prefill(token_ids, start, seq_id)
+        return logits[0, token_ids.shape[0] - 1] if self.config.prompt_logits else logits[0]
+
+    def prefill_positions(self, token_ids: torch.Tensor, start: int, seq_id: int) -> torch.Tensor:
+        """Like `prefill`, but the logits after every token: [T, V] (exports with prompt_logits)."""
+        if not self.config.prompt_logits:
+            raise ValueError(
+                "this export returns the last position's logits only: re-export with --prompt-logprobs"
+            )
+        return self._prefill(token_ids, start, seq_id)[0, : token_ids.shape[0]]
+
+    def _prefill(self, token_ids: torch.Tensor, start: int, seq_id: int) -> torch.Tensor:
         t = token_ids.shape[0]
         end = start + t
         window = self.config.bucket_for(end)
@@ -153,8 +169,7 @@ class GraphRunner:
         ids = pad_repeat_last(token_ids.to(INDEX_DTYPE)[None], width, dim=1)
         pos = pad_repeat_last(positions[None], width, dim=1)
         seq = torch.tensor([seq_id], dtype=INDEX_DTYPE)
-        logits = self.graphs[f"{kind}_w{window}"](ids, pos, seq)
-        return logits[0].clone()
+        return self.graphs[f"{kind}_w{window}"](ids, pos, seq).clone()
 
     def decode(
         self,

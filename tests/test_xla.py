@@ -31,7 +31,7 @@ MAX_TOPK = 16  # well below the 512-token vocabulary, as 256 is below a real one
 CENSUS: dict[str, HloReport] = {}  # printed at the end of the session (conftest)
 
 
-def export_config(chunked: bool, dtype: str = "float32") -> NeuronConfig:
+def export_config(chunked: bool, dtype: str = "float32", prompt_logits: bool = False) -> NeuronConfig:
     return NeuronConfig(
         batch_size=2,
         sequence_length=SEQUENCE_LENGTH,
@@ -39,6 +39,7 @@ def export_config(chunked: bool, dtype: str = "float32") -> NeuronConfig:
         context_buckets=BUCKETS,
         dtype=dtype,
         max_topk=MAX_TOPK,
+        prompt_logits=prompt_logits,
     )
 
 
@@ -67,9 +68,10 @@ class Pair:
         self.path = path
 
     def prefill(self, ids: torch.Tensor, start: int, slot: int) -> None:
+        call = "prefill_positions" if self.eager.config.prompt_logits else "prefill"
         with torch.no_grad():
-            want = self.eager.prefill(ids, start, slot)
-        got = self.device.prefill(ids, start, slot)
+            want = getattr(self.eager, call)(ids, start, slot)
+        got = getattr(self.device, call)(ids, start, slot)
         torch.testing.assert_close(got, want, atol=TOLERANCE, rtol=0)
 
     def decode(self, ids, positions, slots, params, rand) -> None:
@@ -107,6 +109,27 @@ def test_chunked_graphs_on_xla_equal_eager(family):
     pair.assert_caches_equal()
     assert fallback_ops() == []
     check_hlo(pair, family, "chunked")
+
+
+@pytest.mark.parametrize("chunked", [True, False], ids=["chunked", "standard"])
+def test_prompt_logits_graphs_on_xla_equal_eager(chunked):
+    """Exports with --prompt-logprobs: prefill graphs return every position's logits."""
+    pair = Pair("llama", export_config(chunked=chunked, prompt_logits=True))
+    reset_counters()
+    a = tokens(CHUNK + 20, seed=5)
+    if chunked:
+        pair.prefill(a[:CHUNK], 0, slot=0)
+        pair.prefill(a[CHUNK:], CHUNK, slot=0)
+    else:
+        pair.prefill(a, 0, slot=0)
+    pair.decode(torch.tensor([7]), torch.tensor([len(a)]), torch.tensor([0]), SAMPLING[:1], RAND[:1])
+    pair.assert_caches_equal()
+    assert fallback_ops() == []
+    ran = {f"{'cp' if chunked else 'ce'}_w64", "tg_w64"}
+    for name in ran:
+        report = pair.xla.hlo[name]
+        assert report.forbidden == [] and report.dynamic_shapes == [], name
+        CENSUS[f"llama {'chunked' if chunked else 'standard'} prompt-logits {name}"] = report
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))

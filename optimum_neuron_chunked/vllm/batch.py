@@ -53,12 +53,15 @@ class BatchState:
             logitsprocs_need_output_token_ids=bool(custom),
         )
         self.requests: dict[str, CachedRequestState] = {}
+        # Requests whose prompt logprobs are still to come: how many each asked for.
+        self.prompt_logprobs: dict[str, int] = {}
 
     def update(self, so: SchedulerOutput) -> None:
         """Apply what the scheduler changed since the last step (finished, new, advanced)."""
         batch = self.input_batch
         for req_id in so.finished_req_ids:
             self.requests.pop(req_id, None)
+            self.prompt_logprobs.pop(req_id, None)
             batch.remove_request(req_id)
         resumed = so.scheduled_cached_reqs.resumed_req_ids
         # Running but not scheduled this step (preempted): out of the batch, state kept.
@@ -105,6 +108,9 @@ class BatchState:
             lora_request=new.lora_request,
         )
         self.requests[new.req_id] = state
+        if params is not None and params.prompt_logprobs is not None:
+            k = params.prompt_logprobs
+            self.prompt_logprobs[new.req_id] = self.input_batch.vocab_size if k == -1 else k
         return state
 
     def _continue_session(self, new) -> CachedRequestState:

@@ -31,6 +31,7 @@ class NeuronChunkedPlatform(Platform):
     dispatch_key = "CPU"
     dist_backend = "gloo"
     simple_compile_backend = "inductor"
+    serves_prompt_logprobs = False  # set from the export by check_and_update_config
 
     @property
     def supported_dtypes(self) -> list[torch.dtype]:
@@ -93,6 +94,8 @@ class NeuronChunkedPlatform(Platform):
                 "a plain checkpoint with another platform, deselect it with VLLM_PLUGINS=...)"
             ) from None
         refuse_unsupported(vllm_config)
+        # validate_request has no config: what the export serves is kept for this process.
+        cls.serves_prompt_logprobs = export.prompt_logits
         if export.backend == "neuron":
             neuron_cores(export, vllm_config.parallel_config)  # each worker takes its own
         sched, cache = vllm_config.scheduler_config, vllm_config.cache_config
@@ -124,10 +127,10 @@ class NeuronChunkedPlatform(Platform):
     def validate_request(cls, processed_inputs, params) -> None:
         from vllm.exceptions import VLLMValidationError
 
-        if getattr(params, "prompt_logprobs", None) is not None:
+        if getattr(params, "prompt_logprobs", None) is not None and not cls.serves_prompt_logprobs:
             raise VLLMValidationError(
-                "prompt_logprobs are not supported: the prefill graphs return the logits of the last "
-                "prompt token only.",
+                "prompt_logprobs are not served by this export: its prefill graphs return the logits "
+                "of the last prompt token only. Re-export with --prompt-logprobs to serve them.",
                 parameter="prompt_logprobs",
             )
         if isinstance(processed_inputs, dict) and processed_inputs.get("prompt_embeds") is not None:

@@ -12,12 +12,13 @@ import torch
 from vllm.config import VllmConfig
 from vllm.logger import init_logger
 from vllm.v1.core.sched.output import SchedulerOutput
-from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
+from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, LogprobsTensors, ModelRunnerOutput
 from vllm.v1.sample.sampler import Sampler
 
 from ..loader import NeuronModelForCausalLM
 from .batch import BatchState
 from .plan import StepPlan, describe, plan_step
+from .prompt_logprobs import add_chunk
 from .sampling import device_sampling_inputs, host_sample, on_device_eligible
 
 logger = init_logger(f"vllm.{__name__}")  # under vLLM's configured logger (VLLM_LOGGING_LEVEL)
@@ -30,6 +31,7 @@ class StepResult:
     plan: StepPlan
     host_logits: dict[str, torch.Tensor] = field(default_factory=dict)
     device_tokens: dict[str, int] = field(default_factory=dict)
+    prompt_logprobs: dict[str, LogprobsTensors | None] = field(default_factory=dict)
 
 
 class StepRunner:
@@ -37,7 +39,8 @@ class StepRunner:
         self.model = model
         self.config = model.neuron_config
         self.batch = BatchState(vllm_config)
-        self.sampler = Sampler(logprobs_mode=vllm_config.model_config.logprobs_mode)
+        self.logprobs_mode = vllm_config.model_config.logprobs_mode
+        self.sampler = Sampler(logprobs_mode=self.logprobs_mode)
         self.vocab_size = vllm_config.model_config.get_vocab_size()
         self.rng = torch.Generator().manual_seed(vllm_config.model_config.seed or 0)
         # What the last step ran (step tables, debugging); older plans are not kept, so a
@@ -75,6 +78,7 @@ class StepRunner:
             req_id_to_index=dict(ib.req_id_to_index),
             sampled_token_ids=[[tokens[r]] if r in tokens else [] for r in ib.req_ids],
             logprobs=logprobs,
+            prompt_logprobs_dict=result.prompt_logprobs,
         )
 
     def _run_decodes(self, result: StepResult) -> None:
@@ -102,6 +106,17 @@ class StepRunner:
 
     def _run_chunks(self, result: StepResult) -> None:
         for chunk in result.plan.chunks:
-            logits = self.model.runner.prefill(torch.tensor(chunk.token_ids), chunk.start, chunk.slot)
+            tokens = torch.tensor(chunk.token_ids)
+            wanted = self.batch.prompt_logprobs.get(chunk.req_id)
+            if wanted is None:
+                logits = self.model.runner.prefill(tokens, chunk.start, chunk.slot)
+            else:
+                rows = self.model.runner.prefill_positions(tokens, chunk.start, chunk.slot)
+                logits = rows[-1]
+                state = self.batch.requests[chunk.req_id]
+                done, tensors = add_chunk(state, wanted, chunk.start, rows, self.sampler, self.logprobs_mode)
+                if done:
+                    result.prompt_logprobs[chunk.req_id] = tensors
+                    del self.batch.prompt_logprobs[chunk.req_id]
             if chunk.samples:
                 result.host_logits[chunk.req_id] = logits
