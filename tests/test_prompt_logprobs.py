@@ -71,3 +71,22 @@ def test_vllm_serves_prompt_logprobs_equal_to_transformers(logits_export, hf_ref
     expected = sum(float(want[i - 1, int(scored[i])]) for i in range(len(scored))[continuation])
     assert abs(loglikelihood - expected) < 5e-4
     assert outputs[1].prompt_logprobs is None and len(outputs[1].outputs[0].token_ids) == 4
+
+
+@pytest.mark.slow
+def test_prompt_logprob_variants_the_runner_does_not_compute_are_refused(logits_export):
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(model=str(logits_export), seed=0)
+    try:
+        # vLLM itself refuses prompt_logprob_start without prompt_logprob_token_ids
+        for kw in (
+            dict(prompt_logprob_token_ids=[[5, 6]] * 9),
+            dict(prompt_logprob_token_ids=[[5]] * 6, prompt_logprob_start=3),
+        ):
+            with pytest.raises(Exception, match="prompt_logprob_token_ids"):  # by vLLM (V1 runner) or us
+                llm.generate([{"prompt_token_ids": list(range(4, 14))}], SamplingParams(max_tokens=1, **kw))
+        ok = llm.generate([{"prompt_token_ids": list(range(4, 14))}], SamplingParams(max_tokens=2))
+        assert len(ok[0].outputs[0].token_ids) == 2  # the engine serves on
+    finally:
+        llm.llm_engine.engine_core.shutdown()

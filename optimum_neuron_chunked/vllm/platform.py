@@ -133,6 +133,13 @@ class NeuronChunkedPlatform(Platform):
                 "of the last prompt token only. Re-export with --prompt-logprobs to serve them.",
                 parameter="prompt_logprobs",
             )
+        for name in ("prompt_logprob_token_ids", "prompt_logprob_start"):
+            if getattr(params, name, None) is not None:
+                raise VLLMValidationError(
+                    f"{name} is not supported: ask for prompt_logprobs (the top-k of every prompt "
+                    "position) instead.",
+                    parameter=name,
+                )
         if isinstance(processed_inputs, dict) and processed_inputs.get("prompt_embeds") is not None:
             raise VLLMValidationError(
                 "prompt embeddings are not supported: send token ids or text.", parameter="prompt_embeds"
