@@ -80,10 +80,16 @@ def export_once(checkpoint: Path, work: Path, kind: str, backend: str, console: 
 
 
 def greedy(reference, ids: list[int], n: int) -> list[int]:
-    """transformers' greedy continuation that, like vLLM's ignore_eos, does not stop at eos."""
-    prompt = torch.tensor([ids])
-    out = reference.generate(prompt, max_new_tokens=n, min_new_tokens=n, do_sample=False)
-    return out[0, len(ids) :].tolist()
+    """transformers' argmax continuation that, like vLLM's ignore_eos, neither stops at nor
+    avoids eos (generate's min_new_tokens would suppress it)."""
+    tokens, step, past = [], torch.tensor([ids]), None
+    with torch.no_grad():
+        for _ in range(n):
+            out = reference(step, past_key_values=past, use_cache=True)
+            past = out.past_key_values
+            tokens.append(int(out.logits[0, -1].argmax()))
+            step = torch.tensor([[tokens[-1]]])
+    return tokens
 
 
 def loader_matches(exported: Path, reference, ids: list[int], kind: str, console: Console) -> bool:

@@ -81,7 +81,9 @@ def run_scenario(exported: Path, long_ids: list[int], stream_ids: list[list[int]
     step(engine, run)  # warm: one decode step
     for _ in range(4):
         step(engine, run)
-    engine.add_request("long", {"prompt_token_ids": long_ids}, SamplingParams(temperature=0.0, max_tokens=4))
+    engine.add_request(
+        "long", {"prompt_token_ids": long_ids}, SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=4)
+    )
     run.arrival = len(run.steps)
     while engine.has_unfinished_requests():
         step(engine, run)
