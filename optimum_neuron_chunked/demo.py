@@ -38,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from .checkpoints import build_checkpoint
 
-    console = Console(width=110)
+    console = Console(width=120)
     console.print(
         "[bold]The demo model has random weights:[/] its text is noise. What is checked is that "
         "every token equals transformers' greedy token on the same checkpoint."
@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     expected |= {f"stream{i}": greedy(reference, ids, 48) for i, ids in enumerate(stream_ids)}
     same = {run.export: run.outputs == expected for run in runs}
     console.print(stall_table(runs, same, len(long_ids)))
-    scale = 40 / max(s.ms for run in runs for s in run.prefill_window())
+    scale = 30 / max(s.ms for run in runs for s in run.prefill_window())
     for run in runs:
         console.print(timeline(run, scale))
     return 0 if ok and all(same.values()) else 1
