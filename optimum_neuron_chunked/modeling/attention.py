@@ -60,9 +60,10 @@ class Attention(nn.Module):
         layout: ShardLayout,
         layers,
         functional_cache: bool,
+        use_rope: bool = True,
     ):
         super().__init__()
-        self.functional_cache = functional_cache
+        self.functional_cache, self.use_rope = functional_cache, use_rope
         d, hidden = spec.head_dim, spec.hidden_size
         self.num_heads, self.num_kv_heads, self.head_dim = layout.heads_per_rank, layout.kv_heads_per_rank, d
         self.scale = spec.scale
@@ -98,9 +99,9 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(n, t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        cos, sin = cos_sin
-        q = apply_rotary(q.transpose(1, 2), cos, sin)  # [N, Hq, T, D]
-        k = apply_rotary(k.transpose(1, 2), cos, sin)  # [N, Hkv, T, D]
+        q, k = q.transpose(1, 2), k.transpose(1, 2)  # [N, Hq, T, D], [N, Hkv, T, D]
+        if self.use_rope:
+            q, k = apply_rotary(q, *cos_sin), apply_rotary(k, *cos_sin)
 
         k_cache = write_cache(k_cache, seq_ids, position_ids, k.transpose(1, 2), self.functional_cache)
         v_cache = write_cache(v_cache, seq_ids, position_ids, v, self.functional_cache)

@@ -14,7 +14,9 @@ from .parallel import ShardLayout, TorchLayers, rank_shard, tp_checkpoint
 class DecoderLayer(nn.Module):
     def __init__(self, spec: FamilySpec, layer_idx: int, layout: ShardLayout, layers, functional_cache: bool):
         super().__init__()
-        self.self_attn = Attention(spec, spec.sliding_windows[layer_idx], layout, layers, functional_cache)
+        self.self_attn = Attention(
+            spec, spec.sliding_windows[layer_idx], layout, layers, functional_cache, spec.uses_rope(layer_idx)
+        )
         self.mlp = MLP(spec.hidden_size, spec.intermediate_size, spec.mlp_bias, layers)
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)

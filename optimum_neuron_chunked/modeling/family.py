@@ -11,6 +11,7 @@ SUPPORTED_ARCHITECTURES = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "granite": "GraniteForCausalLM",
+    "smollm3": "SmolLM3ForCausalLM",
 }
 
 
@@ -42,6 +43,10 @@ class FamilySpec:
     residual_multiplier: float = 1.0  # granite
     logits_divisor: float = 1.0  # granite: logits_scaling
     sliding_windows: tuple[int | None, ...] = ()  # per layer; None = full attention
+    rope_layers: tuple[bool, ...] = ()  # smollm3: per layer, False = no rotary (NoPE); () = all
+
+    def uses_rope(self, layer_idx: int) -> bool:
+        return not self.rope_layers or self.rope_layers[layer_idx]
 
     @property
     def scale(self) -> float:
@@ -83,6 +88,7 @@ def family_spec(config) -> FamilySpec:
         residual_multiplier=config.residual_multiplier if granite else 1.0,
         logits_divisor=config.logits_scaling if granite else 1.0,
         sliding_windows=_sliding_windows(config),
+        rope_layers=_rope_layers(config),
     )
 
 
@@ -90,8 +96,15 @@ def _sliding_windows(config) -> tuple[int | None, ...]:
     window = getattr(config, "sliding_window", None)
     layer_types = getattr(config, "layer_types", None)
     n = config.num_hidden_layers
-    if window is None:
+    # qwen2 and smollm3 slide only with use_sliding_window (their attention modules check it)
+    if window is None or not getattr(config, "use_sliding_window", True):
         return (None,) * n
     if layer_types is None:  # mistral: every layer slides
         return (window,) * n
     return tuple(window if t == "sliding_attention" else None for t in layer_types)
+
+
+def _rope_layers(config) -> tuple[bool, ...]:
+    """smollm3's no_rope_layers: 1 = the layer applies rotary (SmolLM3Attention.use_rope)."""
+    flags = getattr(config, "no_rope_layers", None) if config.model_type == "smollm3" else None
+    return tuple(bool(flags[i]) for i in range(config.num_hidden_layers)) if flags else ()
