@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from optimum_neuron_chunked.config import NeuronConfig, NeuronConfigError
@@ -58,3 +60,29 @@ def test_graph_sets():
         ("ce_w1024", 1, 1024),
         ("tg_w1024", 4, 1),
     ]
+
+
+def phi3_config(**kw):
+    from transformers import Phi3Config
+
+    return Phi3Config(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2, **kw)
+
+
+def test_rotary_variants_computed_at_run_time_are_refused_by_name():
+    from optimum_neuron_chunked.modeling import family_spec
+    from optimum_neuron_chunked.modeling.family import UnsupportedArchitectureError
+
+    assert family_spec(phi3_config()).fused_projections  # Phi-3-mini-4k style: served
+    # the form both transformers 4.57 (Phi3Config._rope_scaling_validation) and 5.x accept
+    longrope = {"type": "longrope", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8}
+    for kw, name in [
+        (
+            dict(
+                rope_scaling=longrope, max_position_embeddings=131072, original_max_position_embeddings=4096
+            ),
+            "rope_type 'longrope' (phi3)",
+        ),
+        (dict(partial_rotary_factor=0.75), "partial_rotary_factor 0.75 (phi3)"),
+    ]:
+        with pytest.raises(UnsupportedArchitectureError, match=re.escape(name)):
+            family_spec(phi3_config(**kw))

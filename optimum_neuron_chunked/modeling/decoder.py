@@ -170,6 +170,8 @@ class DecoderModel(nn.Module):
     def full_weights_from_hf(self, hf_model: nn.Module) -> dict[str, torch.Tensor]:
         """The unsharded checkpoint in this module's names, lm_head included even when tied."""
         hf_state = hf_model.state_dict()
+        if self.spec.fused_projections:
+            hf_state = split_fused_projections(hf_state, self.spec)
         state = {}
         for name in self.weight_names() + ["lm_head.weight"]:
             if name.startswith("model.rotary_emb."):
@@ -195,3 +197,23 @@ def _rotary_buffer(hf_model: nn.Module, which: str) -> torch.Tensor:
     if which == "inv_freq":
         return rotary.inv_freq.detach().clone()
     return torch.tensor(float(getattr(rotary, "attention_scaling", 1.0)))
+
+
+def split_fused_projections(hf_state: dict[str, torch.Tensor], spec: FamilySpec) -> dict[str, torch.Tensor]:
+    """phi3's qkv_proj ([q; k; v] rows) and gate_up_proj ([gate; up] rows, Phi3MLP chunks the
+    output in two) as the separate projections this decoder holds (and shards)."""
+    q_rows, kv_rows = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+    state = dict(hf_state)
+    for name in [n for n in hf_state if n.endswith(("qkv_proj.weight", "gate_up_proj.weight"))]:
+        fused, prefix = state.pop(name), name.rsplit(".", 2)[0]
+        if name.endswith("qkv_proj.weight"):
+            q, k, v = fused.split([q_rows, kv_rows, kv_rows])
+            state |= {
+                f"{prefix}.q_proj.weight": q,
+                f"{prefix}.k_proj.weight": k,
+                f"{prefix}.v_proj.weight": v,
+            }
+        else:
+            gate, up = fused.chunk(2)
+            state |= {f"{prefix}.gate_proj.weight": gate, f"{prefix}.up_proj.weight": up}
+    return state

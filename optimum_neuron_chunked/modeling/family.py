@@ -12,6 +12,7 @@ SUPPORTED_ARCHITECTURES = {
     "qwen3": "Qwen3ForCausalLM",
     "granite": "GraniteForCausalLM",
     "smollm3": "SmolLM3ForCausalLM",
+    "phi3": "Phi3ForCausalLM",
 }
 
 
@@ -44,6 +45,7 @@ class FamilySpec:
     logits_divisor: float = 1.0  # granite: logits_scaling
     sliding_windows: tuple[int | None, ...] = ()  # per layer; None = full attention
     rope_layers: tuple[bool, ...] = ()  # smollm3: per layer, False = no rotary (NoPE); () = all
+    fused_projections: bool = False  # phi3: qkv_proj and gate_up_proj, split at load
 
     def uses_rope(self, layer_idx: int) -> bool:
         return not self.rope_layers or self.rope_layers[layer_idx]
@@ -62,6 +64,7 @@ def family_spec(config) -> FamilySpec:
             f"architecture {archs[0]!r} (model_type {model_type!r}) is not supported; supported: "
             + ", ".join(f"{a} ({t})" for t, a in SUPPORTED_ARCHITECTURES.items())
         )
+    _refuse_unsupported_rope(config)
     act = getattr(config, "hidden_act", "silu")
     if act not in ("silu", "swish"):
         raise UnsupportedArchitectureError(f"hidden_act {act!r} is not supported (only silu).")
@@ -89,6 +92,7 @@ def family_spec(config) -> FamilySpec:
         logits_divisor=config.logits_scaling if granite else 1.0,
         sliding_windows=_sliding_windows(config),
         rope_layers=_rope_layers(config),
+        fused_projections=model_type == "phi3",
     )
 
 
@@ -108,3 +112,20 @@ def _rope_layers(config) -> tuple[bool, ...]:
     """smollm3's no_rope_layers: 1 = the layer applies rotary (SmolLM3Attention.use_rope)."""
     flags = getattr(config, "no_rope_layers", None) if config.model_type == "smollm3" else None
     return tuple(bool(flags[i]) for i in range(config.num_hidden_layers)) if flags else ()
+
+
+def _refuse_unsupported_rope(config) -> None:
+    """Rotary variants whose frequencies depend on the sequence length at run time, or that
+    rotate part of each head, are refused by name rather than computed wrongly."""
+    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    partial = params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0)) or 1.0
+    if rope_type in ("longrope", "su", "dynamic"):
+        raise UnsupportedArchitectureError(
+            f"rope_type {rope_type!r} ({config.model_type}) is not supported: its frequencies change with "
+            "the sequence length at run time; use the model's short-context variant (e.g. Phi-3-mini-4k)."
+        )
+    if partial != 1.0:
+        raise UnsupportedArchitectureError(
+            f"partial_rotary_factor {partial} ({config.model_type}) is not supported: rotary over whole heads only."
+        )
