@@ -84,6 +84,27 @@ UNSEEN = {
         attention_multiplier=0.05,
         logits_scaling=2.0,
     ),
+    "smollm3": dict(
+        model_type="smollm3",
+        hidden_size=112,
+        intermediate_size=224,
+        num_hidden_layers=4,
+        num_attention_heads=7,
+        num_key_value_heads=7,
+        vocab_size=820,
+        tie_word_embeddings=False,
+    ),  # default no_rope_layer_interval 4: the last layer has no rotary embedding
+    "phi3": dict(
+        model_type="phi3",
+        hidden_size=128,
+        intermediate_size=272,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        vocab_size=650,
+        tie_word_embeddings=False,
+        sliding_window=200,
+    ),
 }
 
 
