@@ -145,7 +145,8 @@ class GraphRunner:
         Chunked exports take T <= prefill_chunk_size; standard ones take a whole prompt.
         """
         logits = self._prefill(token_ids, start, seq_id)
-        return logits[0, token_ids.shape[0] - 1] if self.config.prompt_logits else logits[0]
+        last = logits[0, token_ids.shape[0] - 1] if self.config.prompt_logits else logits[0]
+        return last.clone()
 
     def prefill_positions(self, token_ids: torch.Tensor, start: int, seq_id: int) -> torch.Tensor:
         """Like `prefill`, but the logits after every token: [T, V] (exports with prompt_logits)."""
@@ -153,7 +154,7 @@ class GraphRunner:
             raise ValueError(
                 "this export returns the last position's logits only: re-export with --prompt-logprobs"
             )
-        return self._prefill(token_ids, start, seq_id)[0, : token_ids.shape[0]]
+        return self._prefill(token_ids, start, seq_id)[0, : token_ids.shape[0]].clone()
 
     def _prefill(self, token_ids: torch.Tensor, start: int, seq_id: int) -> torch.Tensor:
         t = token_ids.shape[0]
@@ -169,7 +170,7 @@ class GraphRunner:
         ids = pad_repeat_last(token_ids.to(INDEX_DTYPE)[None], width, dim=1)
         pos = pad_repeat_last(positions[None], width, dim=1)
         seq = torch.tensor([seq_id], dtype=INDEX_DTYPE)
-        return self.graphs[f"{kind}_w{window}"](ids, pos, seq).clone()
+        return self.graphs[f"{kind}_w{window}"](ids, pos, seq)  # callers clone what they keep
 
     def decode(
         self,

@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, GenerationConfig
 
-from .backends import export_files, get_backend
+from .backends import get_backend
 from .config import CONFIG_NAME, InvalidExportError, NeuronConfig, NeuronConfigError
 from .graphs import GraphRunner, graph_specs
 from .hub import resolve_export
@@ -127,10 +127,9 @@ def check_export(
             f"re-export with --backend {backend}."
         )
     impl = get_backend(config.backend)
-    _check_complete(model_dir, [CONFIG_NAME, "config.json", *export_files(config)])
-    hashed = set(impl.graph_files(graph_specs(config)))
-    if verify_weights:
-        hashed |= set(impl.weight_files(config))
+    graphs, weights = impl.graph_files(graph_specs(config)), impl.weight_files(config)
+    _check_complete(model_dir, [CONFIG_NAME, "config.json", *weights, *graphs])
+    hashed = set(graphs) | (set(weights) if verify_weights else set())
     verify_files(model_dir, recorded_files(model_dir), hashed)
     return config
 

@@ -9,8 +9,9 @@ from vllm.logger import init_logger
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheSpec
 from vllm.v1.worker.worker_base import CompilationTimes, WorkerBase
 
+from ..config import NeuronConfig
 from ..hub import resolve_export
-from ..loader import NeuronModelForCausalLM, check_export
+from ..loader import NeuronModelForCausalLM
 from ..modeling import torch_dtype
 from .plan import describe
 from .platform import neuron_cores
@@ -26,7 +27,8 @@ class NeuronChunkedWorker(WorkerBase):
 
     def init_device(self) -> None:
         self.device = torch.device("cpu")
-        export = check_export(resolve_export(self.model_config.model, self.model_config.revision))
+        # Checked by the platform already and again by load_model: only the shapes are read here.
+        export = NeuronConfig.load(resolve_export(self.model_config.model, self.model_config.revision))
         if export.backend == "neuron":
             # Before the Neuron runtime starts (load_model): data-parallel rank r (one engine
             # core process each, vllm/v1/engine/core.py 0.32) takes its own NeuronCores.
