@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from .family import FamilySpec
-from .layers import MASK_VALUE, RMSNorm, apply_rotary
+from .layers import MASK_VALUE, apply_rotary, rms_norm
 from .parallel import ShardLayout
 
 
@@ -73,8 +73,8 @@ class Attention(nn.Module):
         self.v_proj = layers.column(hidden, layout.kv_heads * d, bias=spec.qkv_bias)
         self.o_proj = layers.row(layout.num_heads * d, hidden, bias=spec.o_bias)
         if spec.qk_norm:
-            self.q_norm = RMSNorm(d, spec.rms_norm_eps)
-            self.k_norm = RMSNorm(d, spec.rms_norm_eps)
+            self.q_norm = rms_norm(d, spec.rms_norm_eps, spec.gemma_norms)
+            self.k_norm = rms_norm(d, spec.rms_norm_eps, spec.gemma_norms)
         else:
             self.q_norm = self.k_norm = None
 

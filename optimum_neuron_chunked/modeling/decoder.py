@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 
 from .attention import Attention
 from .family import FamilySpec
-from .layers import MLP, RMSNorm, Rotary
+from .layers import MLP, Rotary, rms_norm
 from .parallel import ShardLayout, TorchLayers, rank_shard, tp_checkpoint
 
 
@@ -17,22 +19,37 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(
             spec, spec.sliding_windows[layer_idx], layout, layers, functional_cache, spec.uses_rope(layer_idx)
         )
-        self.mlp = MLP(spec.hidden_size, spec.intermediate_size, spec.mlp_bias, layers)
-        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.mlp = MLP(spec.hidden_size, spec.intermediate_size, spec.mlp_bias, layers, spec.hidden_act)
+        norm = functools.partial(rms_norm, spec.hidden_size, spec.rms_norm_eps, spec.gemma_norms)
+        self.input_layernorm = norm()
+        self.post_attention_layernorm = norm()
+        # Gemma3DecoderLayer: post_attention_layernorm normalises the attention output, and the
+        # MLP has its own norms before and after (the names are transformers').
+        self.sandwich_norms = spec.gemma_norms
+        if self.sandwich_norms:
+            self.pre_feedforward_layernorm = norm()
+            self.post_feedforward_layernorm = norm()
+        self.local_rope = spec.local_rope and spec.sliding_windows[layer_idx] is not None
         self.residual_multiplier = spec.residual_multiplier
 
-    def forward(self, x, position_ids, seq_ids, cos_sin, k_cache, v_cache, window, one_row_per_slot):
+    def forward(self, x, position_ids, seq_ids, rotaries, k_cache, v_cache, window, one_row_per_slot):
         h, k_cache, v_cache = self.self_attn(
             self.input_layernorm(x),
             position_ids,
             seq_ids,
-            cos_sin,
+            rotaries[1] if self.local_rope else rotaries[0],
             k_cache,
             v_cache,
             window,
             one_row_per_slot,
         )
+        if self.sandwich_norms:
+            x = x + self.post_attention_layernorm(h)
+            return (
+                x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x))),
+                k_cache,
+                v_cache,
+            )
         x = x + h * self.residual_multiplier
         return x + self.mlp(self.post_attention_layernorm(x)) * self.residual_multiplier, k_cache, v_cache
 
@@ -44,8 +61,18 @@ class DecoderBody(nn.Module):
         self.layers = nn.ModuleList(
             DecoderLayer(spec, i, layout, layers, functional_cache) for i in range(spec.num_layers)
         )
-        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.norm = rms_norm(spec.hidden_size, spec.rms_norm_eps, spec.gemma_norms)
         self.rotary_emb = Rotary(spec.head_dim)
+        if spec.local_rope:  # gemma3: the sliding layers' rotary (its own base)
+            self.rotary_emb_local = Rotary(spec.head_dim)
+
+    def rotaries(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple:
+        """(cos, sin) of the global rotary, and of the local one where the family has it."""
+        global_ = self.rotary_emb.cos_sin(position_ids, dtype)
+        local = (
+            self.rotary_emb_local.cos_sin(position_ids, dtype) if hasattr(self, "rotary_emb_local") else None
+        )
+        return global_, local
 
 
 class DecoderModel(nn.Module):
@@ -86,7 +113,9 @@ class DecoderModel(nn.Module):
             self.register_buffer(f"k_cache_{i}", torch.zeros(cache_shape, dtype=dtype), persistent=False)
             self.register_buffer(f"v_cache_{i}", torch.zeros(cache_shape, dtype=dtype), persistent=False)
         self.to(dtype)
-        self.model.rotary_emb.float()  # rotary angles stay fp32, as in transformers
+        for rotary in self.model.modules():
+            if isinstance(rotary, Rotary):
+                rotary.float()  # rotary angles stay fp32, as in transformers
 
     def weight_names(self) -> list[str]:
         """Names of the stored weights: every tensor once, under the first name it has."""
@@ -146,12 +175,14 @@ class DecoderModel(nn.Module):
         S64 of torch.arange (the head index of the functional cache write).
         """
         input_ids, position_ids, seq_ids = input_ids.long(), position_ids.long(), seq_ids.long()
-        x = self.model.embed_tokens(input_ids) * self.spec.embedding_multiplier
-        cos_sin = self.model.rotary_emb.cos_sin(position_ids, x.dtype)
+        x = self.model.embed_tokens(input_ids)
+        # The multiplier rounded to the model dtype first, as Gemma3TextScaledWordEmbedding does.
+        x = x * torch.tensor(self.spec.embedding_multiplier, dtype=x.dtype).item()
+        rotaries = self.model.rotaries(position_ids, x.dtype)
         for i, layer in enumerate(self.model.layers):
             k_cache, v_cache = getattr(self, f"k_cache_{i}"), getattr(self, f"v_cache_{i}")
             x, k_cache, v_cache = layer(
-                x, position_ids, seq_ids, cos_sin, k_cache, v_cache, window, one_row_per_slot
+                x, position_ids, seq_ids, rotaries, k_cache, v_cache, window, one_row_per_slot
             )
             if self.functional_cache:
                 setattr(self, f"k_cache_{i}", k_cache)
@@ -160,7 +191,9 @@ class DecoderModel(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head(hidden)[..., : self.spec.vocab_size]  # drop the vocabulary padding
-        return logits.float() / self.spec.logits_divisor
+        logits = logits.float() / self.spec.logits_divisor
+        cap = self.spec.final_logit_softcap
+        return logits if cap is None else torch.tanh(logits / cap) * cap
 
     def unsharded_weights(self) -> dict[str, torch.Tensor]:
         """The checkpoint held by a tp-1 model, lm_head included even when tied."""
@@ -174,8 +207,8 @@ class DecoderModel(nn.Module):
             hf_state = split_fused_projections(hf_state, self.spec)
         state = {}
         for name in self.weight_names() + ["lm_head.weight"]:
-            if name.startswith("model.rotary_emb."):
-                state[name] = _rotary_buffer(hf_model, name.rsplit(".", 1)[1])
+            if name.startswith("model.rotary_emb"):
+                state[name] = _rotary_buffer(hf_model, *name.split(".")[1:])
             elif name == "lm_head.weight" and self.spec.tie_word_embeddings:
                 state[name] = hf_state["model.embed_tokens.weight"]
             else:
@@ -192,11 +225,21 @@ class DecoderModel(nn.Module):
         return {name: shard[name] for name in self.weight_names()}
 
 
-def _rotary_buffer(hf_model: nn.Module, which: str) -> torch.Tensor:
+def _rotary_buffer(hf_model: nn.Module, module: str, which: str) -> torch.Tensor:
+    """inv_freq or attention_scaling of our rotary `module` (rotary_emb, or gemma3's
+    rotary_emb_local) from the HF model: gemma3 under transformers 5.x keeps one set per layer
+    type in `rotary_emb`; 4.57 has a second module `rotary_emb_local`."""
     rotary = hf_model.model.rotary_emb
+    layer_type = "sliding_attention" if module == "rotary_emb_local" else "full_attention"
+    if hasattr(rotary, f"{layer_type}_inv_freq"):
+        inv_freq = getattr(rotary, f"{layer_type}_inv_freq")
+        scaling = getattr(rotary, f"{layer_type}_attention_scaling", 1.0)
+    else:
+        rotary = getattr(hf_model.model, module)
+        inv_freq, scaling = rotary.inv_freq, getattr(rotary, "attention_scaling", 1.0)
     if which == "inv_freq":
-        return rotary.inv_freq.detach().clone()
-    return torch.tensor(float(getattr(rotary, "attention_scaling", 1.0)))
+        return inv_freq.detach().clone()
+    return torch.tensor(float(scaling))
 
 
 def split_fused_projections(hf_state: dict[str, torch.Tensor], spec: FamilySpec) -> dict[str, torch.Tensor]:

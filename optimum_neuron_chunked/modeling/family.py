@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .layers import ACTIVATIONS
+
 # model_type -> HF architecture class name
 SUPPORTED_ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
@@ -13,6 +15,7 @@ SUPPORTED_ARCHITECTURES = {
     "granite": "GraniteForCausalLM",
     "smollm3": "SmolLM3ForCausalLM",
     "phi3": "Phi3ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
 }
 
 
@@ -46,6 +49,9 @@ class FamilySpec:
     sliding_windows: tuple[int | None, ...] = ()  # per layer; None = full attention
     rope_layers: tuple[bool, ...] = ()  # smollm3: per layer, False = no rotary (NoPE); () = all
     fused_projections: bool = False  # phi3: qkv_proj and gate_up_proj, split at load
+    gemma_norms: bool = False  # gemma3: RMSNorm weights offset from 1; norms before and after attn/MLP
+    local_rope: bool = False  # gemma3: sliding layers use their own rotary (rotary_emb_local)
+    final_logit_softcap: float | None = None  # gemma3: logits = cap * tanh(logits / cap)
 
     def uses_rope(self, layer_idx: int) -> bool:
         return not self.rope_layers or self.rope_layers[layer_idx]
@@ -65,9 +71,14 @@ def family_spec(config) -> FamilySpec:
             + ", ".join(f"{a} ({t})" for t, a in SUPPORTED_ARCHITECTURES.items())
         )
     _refuse_unsupported_rope(config)
-    act = getattr(config, "hidden_act", "silu")
-    if act not in ("silu", "swish"):
-        raise UnsupportedArchitectureError(f"hidden_act {act!r} is not supported (only silu).")
+    gemma = model_type == "gemma3_text"
+    if gemma:
+        _refuse_unsupported_gemma(config)
+    act = getattr(config, "hidden_activation", None) if gemma else getattr(config, "hidden_act", "silu")
+    if act not in ACTIVATIONS:
+        raise UnsupportedArchitectureError(
+            f"activation {act!r} is not supported (supported: {', '.join(ACTIVATIONS)})."
+        )
     num_heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
     granite = model_type == "granite"
@@ -85,15 +96,47 @@ def family_spec(config) -> FamilySpec:
         qkv_bias=model_type == "qwen2" or bool(getattr(config, "attention_bias", False)),
         o_bias=bool(getattr(config, "attention_bias", False)),
         mlp_bias=bool(getattr(config, "mlp_bias", False)),
-        qk_norm=model_type == "qwen3",
-        attention_scale=config.attention_multiplier if granite else None,
-        embedding_multiplier=config.embedding_multiplier if granite else 1.0,
+        hidden_act=act,
+        qk_norm=model_type in ("qwen3", "gemma3_text"),
+        attention_scale=_attention_scale(config),
+        embedding_multiplier=_embedding_multiplier(config),
         residual_multiplier=config.residual_multiplier if granite else 1.0,
         logits_divisor=config.logits_scaling if granite else 1.0,
         sliding_windows=_sliding_windows(config),
         rope_layers=_rope_layers(config),
         fused_projections=model_type == "phi3",
+        gemma_norms=gemma,
+        local_rope=gemma,
+        final_logit_softcap=getattr(config, "final_logit_softcapping", None) if gemma else None,
     )
+
+
+def _attention_scale(config) -> float | None:
+    if config.model_type == "granite":
+        return config.attention_multiplier
+    if config.model_type == "gemma3_text":
+        return config.query_pre_attn_scalar**-0.5
+    return None
+
+
+def _embedding_multiplier(config) -> float:
+    if config.model_type == "granite":
+        return config.embedding_multiplier
+    if config.model_type == "gemma3_text":  # Gemma3TextScaledWordEmbedding
+        return config.hidden_size**0.5
+    return 1.0
+
+
+def _refuse_unsupported_gemma(config) -> None:
+    if getattr(config, "attn_logit_softcapping", None) is not None:
+        raise UnsupportedArchitectureError(
+            "gemma3_text with attn_logit_softcapping is not supported (Gemma3 checkpoints leave it unset)."
+        )
+    if getattr(config, "use_bidirectional_attention", False):
+        raise UnsupportedArchitectureError(
+            "gemma3_text with use_bidirectional_attention (an embedding model) is not supported: "
+            "generation needs causal attention."
+        )
 
 
 def _sliding_windows(config) -> tuple[int | None, ...]:
@@ -118,6 +161,13 @@ def _refuse_unsupported_rope(config) -> None:
     """Rotary variants whose frequencies depend on the sequence length at run time, or that
     rotate part of each head, are refused by name rather than computed wrongly."""
     params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    # gemma3 (transformers 5.x): one set of parameters per layer type
+    for nested in [p for p in params.values() if isinstance(p, dict)]:
+        _refuse_rope_params(config, nested)
+    _refuse_rope_params(config, params)
+
+
+def _refuse_rope_params(config, params: dict) -> None:
     rope_type = params.get("rope_type", params.get("type", "default"))
     partial = params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0)) or 1.0
     if rope_type in ("longrope", "su", "dynamic"):

@@ -3,6 +3,8 @@ plain torch layers for cpu and eager, sharded ones under tensor parallelism."""
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 
@@ -22,6 +24,19 @@ class RMSNorm(nn.Module):
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x.to(dtype)
+
+
+class OffsetRMSNorm(RMSNorm):
+    """Gemma's RMSNorm: the stored weight is an offset from 1, and the scale is applied in
+    fp32 before the cast (Gemma3RMSNorm, transformers 4.57 and 5.x)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
+        return (normed * (1.0 + self.weight.float())).to(x.dtype)
+
+
+def rms_norm(dim: int, eps: float, offset: bool) -> RMSNorm:
+    return OffsetRMSNorm(dim, eps) if offset else RMSNorm(dim, eps)
 
 
 class Rotary(nn.Module):
@@ -46,12 +61,21 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return x * cos + rotated * sin
 
 
+# HF activation name -> function (transformers' ACT2FN entries for these names)
+ACTIVATIONS = {
+    "silu": nn.functional.silu,
+    "swish": nn.functional.silu,
+    "gelu_pytorch_tanh": functools.partial(nn.functional.gelu, approximate="tanh"),
+}
+
+
 class MLP(nn.Module):
-    def __init__(self, hidden: int, intermediate: int, bias: bool, layers):
+    def __init__(self, hidden: int, intermediate: int, bias: bool, layers, act: str = "silu"):
         super().__init__()
         self.gate_proj = layers.column(hidden, intermediate, bias=bias)
         self.up_proj = layers.column(hidden, intermediate, bias=bias)
         self.down_proj = layers.row(intermediate, hidden, bias=bias)
+        self.act = ACTIVATIONS[act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
