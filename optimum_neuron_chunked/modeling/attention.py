@@ -77,6 +77,8 @@ class Attention(nn.Module):
             self.k_norm = rms_norm(d, spec.rms_norm_eps, spec.gemma_norms)
         else:
             self.q_norm = self.k_norm = None
+        # gpt-oss: per query head, a logit that joins the softmax and takes probability mass
+        self.sinks = nn.Parameter(torch.zeros(self.num_heads)) if spec.attention_sinks else None
 
     def forward(
         self,
@@ -136,5 +138,10 @@ class Attention(nn.Module):
         scores = scores.view(n, self.num_kv_heads, groups, t, window)
         mask = attention_mask(position_ids, window, self.sliding_window)[:, :, None]  # [N, 1, 1, T, W]
         scores = torch.where(mask, scores.float(), MASK_VALUE)
-        probs = torch.softmax(scores, dim=-1).to(q.dtype).view(n, self.num_kv_heads, groups * t, window)
+        if self.sinks is not None:  # eager_attention_forward of gpt_oss: an extra column, dropped after
+            sinks = self.sinks.float().view(1, self.num_kv_heads, groups, 1, 1).expand(n, -1, -1, t, 1)
+            probs = torch.softmax(torch.cat([scores, sinks], dim=-1), dim=-1)[..., :window]
+        else:
+            probs = torch.softmax(scores, dim=-1)
+        probs = probs.to(q.dtype).view(n, self.num_kv_heads, groups * t, window)
         return torch.matmul(probs, values).view(n, self.num_heads, t, self.head_dim)

@@ -10,6 +10,7 @@ from torch import nn
 from .attention import Attention
 from .family import FamilySpec
 from .layers import MLP, Rotary, rms_norm
+from .moe import SparseMoE, moe_state_from_hf
 from .parallel import ShardLayout, TorchLayers, rank_shard, tp_checkpoint
 
 
@@ -19,7 +20,10 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(
             spec, spec.sliding_windows[layer_idx], layout, layers, functional_cache, spec.uses_rope(layer_idx)
         )
-        self.mlp = MLP(spec.hidden_size, spec.intermediate_size, spec.mlp_bias, layers, spec.hidden_act)
+        if spec.moe is not None and spec.moe.sparse_layers[layer_idx]:
+            self.mlp = SparseMoE(spec.hidden_size, spec.moe, layers)
+        else:
+            self.mlp = MLP(spec.hidden_size, spec.intermediate_size, spec.mlp_bias, layers, spec.hidden_act)
         norm = functools.partial(rms_norm, spec.hidden_size, spec.rms_norm_eps, spec.gemma_norms)
         self.input_layernorm = norm()
         self.post_attention_layernorm = norm()
@@ -205,6 +209,8 @@ class DecoderModel(nn.Module):
         hf_state = hf_model.state_dict()
         if self.spec.fused_projections:
             hf_state = split_fused_projections(hf_state, self.spec)
+        if self.spec.moe is not None:
+            hf_state = moe_state_from_hf(hf_state, self.spec.model_type, self.spec.moe)
         state = {}
         for name in self.weight_names() + ["lm_head.weight"]:
             if name.startswith("model.rotary_emb"):

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .layers import ACTIVATIONS
+from .moe import MoeSpec, moe_spec
 
 # model_type -> HF architecture class name
 SUPPORTED_ARCHITECTURES = {
@@ -16,6 +17,9 @@ SUPPORTED_ARCHITECTURES = {
     "smollm3": "SmolLM3ForCausalLM",
     "phi3": "Phi3ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "gpt_oss": "GptOssForCausalLM",
 }
 
 
@@ -52,6 +56,8 @@ class FamilySpec:
     gemma_norms: bool = False  # gemma3: RMSNorm weights offset from 1; norms before and after attn/MLP
     local_rope: bool = False  # gemma3: sliding layers use their own rotary (rotary_emb_local)
     final_logit_softcap: float | None = None  # gemma3: logits = cap * tanh(logits / cap)
+    moe: MoeSpec | None = None  # qwen3_moe, mixtral, gpt_oss: sparse expert MLPs
+    attention_sinks: bool = False  # gpt_oss: a learned logit per head joins every softmax
 
     def uses_rope(self, layer_idx: int) -> bool:
         return not self.rope_layers or self.rope_layers[layer_idx]
@@ -97,7 +103,7 @@ def family_spec(config) -> FamilySpec:
         o_bias=bool(getattr(config, "attention_bias", False)),
         mlp_bias=bool(getattr(config, "mlp_bias", False)),
         hidden_act=act,
-        qk_norm=model_type in ("qwen3", "gemma3_text"),
+        qk_norm=model_type in ("qwen3", "qwen3_moe", "gemma3_text"),
         attention_scale=_attention_scale(config),
         embedding_multiplier=_embedding_multiplier(config),
         residual_multiplier=config.residual_multiplier if granite else 1.0,
@@ -108,6 +114,8 @@ def family_spec(config) -> FamilySpec:
         gemma_norms=gemma,
         local_rope=gemma,
         final_logit_softcap=getattr(config, "final_logit_softcapping", None) if gemma else None,
+        moe=moe_spec(config),
+        attention_sinks=model_type == "gpt_oss",
     )
 
 

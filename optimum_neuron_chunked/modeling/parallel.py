@@ -41,6 +41,13 @@ PARTITION_DIMS = {
     "down_proj.weight": 1,
     "embed_tokens.weight": 1,
     "lm_head.weight": 0,
+    # MoE experts (moe.py): every expert's intermediate dimension, as NxD's Experts split it
+    "experts.gate_proj": 1,
+    "experts.up_proj": 1,
+    "experts.gate_bias": 1,
+    "experts.up_bias": 1,
+    "experts.down_proj": 2,
+    "self_attn.sinks": 0,  # gpt-oss: one sink per query head
 }
 
 
@@ -60,6 +67,8 @@ class ShardLayout:
         _check_divisible("num_attention_heads", heads, tp)
         _check_divisible("intermediate_size", spec.intermediate_size, tp)
         _check_divisible("hidden_size", spec.hidden_size, tp)
+        if spec.moe is not None:
+            _check_divisible("the experts' intermediate_size", spec.moe.intermediate_size, tp)
         if kv % tp == 0:
             kv_heads = kv
         elif tp % kv == 0:
@@ -139,6 +148,11 @@ class TorchLayers:
     def embedding(self, vocab_size: int, hidden_size: int):
         return nn.Embedding(vocab_size, hidden_size)
 
+    @staticmethod
+    def reduce(x: torch.Tensor) -> torch.Tensor:
+        """Sum of the ranks' partial outputs: one rank holds them all."""
+        return x
+
 
 class DistLayers:
     """Sharded layers over torch.distributed (e.g. gloo on CPU): the sharding arithmetic of
@@ -155,6 +169,13 @@ class DistLayers:
 
     def embedding(self, vocab_size: int, hidden_size: int):
         return _EmbeddingParallel(vocab_size, hidden_size // self.tp_degree)
+
+    @staticmethod
+    def reduce(x: torch.Tensor) -> torch.Tensor:
+        import torch.distributed as dist
+
+        dist.all_reduce(x)
+        return x
 
 
 def _all_gather_last(x: torch.Tensor) -> torch.Tensor:

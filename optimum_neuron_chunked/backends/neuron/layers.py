@@ -26,3 +26,10 @@ class NxdLayers:
     def embedding(self, vocab_size: int, hidden_size: int):
         # [vocab, hidden/tp], outputs gathered: no rank-dependent vocabulary offset in the SPMD graph
         return self._nxd.ParallelEmbedding(vocab_size, hidden_size, shard_across_embedding=True)
+
+    @staticmethod
+    def reduce(x):
+        # sum of the ranks' partial outputs (MoE experts split by intermediate dimension)
+        from neuronx_distributed.parallel_layers.mappings import reduce_from_tensor_model_parallel_region
+
+        return reduce_from_tensor_model_parallel_region(x)

@@ -1,0 +1,227 @@
+"""Sparse mixture-of-experts MLP (Qwen3-MoE, Mixtral, gpt-oss) in static shapes.
+
+Experts are stored stacked: gate/up [E, I, H], down [E, H, I] (+ biases for gpt-oss), so a
+graph can either gather the k selected experts of each token or run every expert densely.
+Which one is a static choice by the graph's token count M, as neuronx-distributed makes it
+(ExpertMLPsV2.forward, modules/moe/expert_mlps_v2.py, Release 2.29 / 0.18.0: selective
+loading while M * top_k / E < 1, DEFAULT_SELECTIVE_LOADING_THRESHOLD in model_utils.py):
+a decode step of B rows reads B * k experts' weights, not E.
+
+Tensor parallelism as NxD's default (Experts in modules/moe/experts.py): every expert's
+intermediate dimension is split across ranks (gate/up column-parallel, down row-parallel),
+and one all-reduce sums the combined output; the down bias is added once after it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+
+@dataclass(frozen=True)
+class MoeSpec:
+    num_experts: int
+    top_k: int
+    intermediate_size: int  # per expert
+    sparse_layers: tuple[bool, ...]  # per layer: False = the family's dense MLP (qwen3_moe)
+    normalize_top_k: bool  # renormalise the k routing weights to sum to 1
+    softmax_over_top_k: bool = False  # gpt-oss: top-k of the router logits, softmax over those k
+    router_bias: bool = False  # gpt-oss
+    expert_bias: bool = False  # gpt-oss
+    swiglu_limit: float | None = None  # gpt-oss: clamped SwiGLU (up + 1) * g * sigmoid(alpha * g)
+    swiglu_alpha: float = 1.702
+
+    def selects_experts(self, tokens: int) -> bool:
+        """Gather the selected experts' weights (few tokens) rather than run all E."""
+        return tokens * self.top_k < self.num_experts
+
+
+def moe_spec(config) -> MoeSpec | None:
+    """The MoE shape of an HF config (None for a dense family)."""
+    n = config.num_hidden_layers
+    if config.model_type == "qwen3_moe":
+        step, dense = config.decoder_sparse_step, set(getattr(config, "mlp_only_layers", None) or [])
+        sparse = tuple(i not in dense and config.num_experts > 0 and (i + 1) % step == 0 for i in range(n))
+        return MoeSpec(
+            config.num_experts,
+            config.num_experts_per_tok,
+            config.moe_intermediate_size,
+            sparse,
+            bool(config.norm_topk_prob),
+        )
+    if config.model_type == "mixtral":
+        return MoeSpec(
+            config.num_local_experts, config.num_experts_per_tok, config.intermediate_size, (True,) * n, True
+        )
+    if config.model_type == "gpt_oss":
+        return MoeSpec(
+            config.num_local_experts,
+            config.num_experts_per_tok,
+            config.intermediate_size,
+            (True,) * n,
+            normalize_top_k=False,
+            softmax_over_top_k=True,
+            router_bias=True,
+            expert_bias=True,
+            swiglu_limit=float(getattr(config, "swiglu_limit", 7.0)),  # 4.x: GptOssExperts.limit = 7.0
+            swiglu_alpha=float(getattr(config, "swiglu_alpha", 1.702)),
+        )
+    return None
+
+
+class Router(nn.Module):
+    def __init__(self, hidden: int, spec: MoeSpec):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(spec.num_experts, hidden))
+        self.bias = nn.Parameter(torch.zeros(spec.num_experts)) if spec.router_bias else None
+        self.spec = spec
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """[M, H] -> (routing weights [M, k] in x's dtype, expert indices [M, k])."""
+        logits = nn.functional.linear(x, self.weight, self.bias)
+        if self.spec.softmax_over_top_k:  # GptOssTopKRouter
+            top, experts = torch.topk(logits, self.spec.top_k, dim=-1)
+            return torch.softmax(top, dim=-1), experts
+        probs = torch.softmax(logits.float(), dim=-1)  # Qwen3Moe / Mixtral routers: fp32 softmax
+        top, experts = torch.topk(probs, self.spec.top_k, dim=-1)
+        if self.spec.normalize_top_k:
+            top = top / top.sum(dim=-1, keepdim=True)
+        return top.to(x.dtype), experts
+
+
+class Experts(nn.Module):
+    """This rank's slice of every expert: [E, I/tp, H] gate/up, [E, H, I/tp] down."""
+
+    def __init__(self, hidden: int, spec: MoeSpec, tp_degree: int):
+        super().__init__()
+        e, i = spec.num_experts, spec.intermediate_size // tp_degree
+        self.gate_proj = nn.Parameter(torch.zeros(e, i, hidden))
+        self.up_proj = nn.Parameter(torch.zeros(e, i, hidden))
+        self.down_proj = nn.Parameter(torch.zeros(e, hidden, i))
+        if spec.expert_bias:
+            self.gate_bias = nn.Parameter(torch.zeros(e, i))
+            self.up_bias = nn.Parameter(torch.zeros(e, i))
+            self.down_bias = nn.Parameter(torch.zeros(e, hidden))
+        else:
+            self.gate_bias = self.up_bias = self.down_bias = None
+        self.spec = spec
+
+    def activation(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        limit = self.spec.swiglu_limit
+        if limit is None:
+            return nn.functional.silu(gate) * up
+        gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)  # GptOssExperts._apply_gate
+        return (up + 1) * gate * torch.sigmoid(gate * self.spec.swiglu_alpha)
+
+    def selected(self, x: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        """x [M, H], experts [M, k] -> partial outputs [M, k, H] of the selected experts only."""
+        m, k = experts.shape
+        idx = experts.reshape(-1)
+        xk = x.repeat_interleave(k, dim=0)[:, :, None]  # [M*k, H, 1]
+        gate = torch.bmm(self.gate_proj[idx], xk)[..., 0]  # [M*k, I]
+        up = torch.bmm(self.up_proj[idx], xk)[..., 0]
+        if self.gate_bias is not None:
+            gate, up = gate + self.gate_bias[idx], up + self.up_bias[idx]
+        out = torch.bmm(self.down_proj[idx], self.activation(gate, up)[:, :, None])[..., 0]
+        return out.view(m, k, -1)
+
+    def every(self, x: torch.Tensor) -> torch.Tensor:
+        """x [M, H] -> partial outputs [E, M, H] of every expert."""
+        gate = torch.matmul(x, self.gate_proj.transpose(1, 2))  # [E, M, I]
+        up = torch.matmul(x, self.up_proj.transpose(1, 2))
+        if self.gate_bias is not None:
+            gate, up = gate + self.gate_bias[:, None], up + self.up_bias[:, None]
+        return torch.matmul(self.activation(gate, up), self.down_proj.transpose(1, 2))
+
+
+class SparseMoE(nn.Module):
+    def __init__(self, hidden: int, spec: MoeSpec, layers):
+        super().__init__()
+        self.router = Router(hidden, spec)
+        self.experts = Experts(hidden, spec, layers.tp_degree)
+        self.reduce = layers.reduce
+        self.spec = spec
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        flat = x.reshape(-1, shape[-1])
+        weights, experts = self.router(flat)
+        if self.spec.selects_experts(flat.shape[0]):
+            out = (self.experts.selected(flat, experts) * weights[..., None]).sum(1)
+        else:
+            # [M, E] routing weights, zero for experts not selected (one-hot, no scatter)
+            dense = (
+                (experts[..., None] == torch.arange(self.spec.num_experts, device=experts.device))
+                * weights[..., None]
+            ).sum(1)
+            out = (self.experts.every(flat) * dense.t()[..., None]).sum(0)
+        out = self.reduce(out)
+        if self.experts.down_bias is not None:
+            out = out + (self.experts.down_bias[experts] * weights[..., None]).sum(1)
+        return out.view(shape)
+
+
+def moe_state_from_hf(
+    hf_state: dict[str, torch.Tensor], model_type: str, spec: MoeSpec
+) -> dict[str, torch.Tensor]:
+    """The sparse layers' weights of an HF state dict in this module's names and layout.
+
+    Layouts read: one module per expert (transformers 4.x: qwen3_moe gate/up/down_proj,
+    mixtral `block_sparse_moe` w1/w3/w2), stacked [E, 2I, H] gate_up_proj (5.x qwen3_moe and
+    mixtral: gate rows then up rows) and gpt-oss's [E, H, 2I] with gate and up interleaved
+    (GptOssExperts._apply_gate: gate = [..., ::2], up = [..., 1::2]) and [E, I, H] down."""
+    state = dict(hf_state)
+    for i, sparse in enumerate(spec.sparse_layers):
+        if not sparse:
+            continue
+        dst = f"model.layers.{i}.mlp"
+        src = (
+            f"model.layers.{i}.block_sparse_moe"
+            if f"model.layers.{i}.block_sparse_moe.gate.weight" in state
+            else dst
+        )
+        converted = (
+            _gpt_oss_experts(state, src) if model_type == "gpt_oss" else _swiglu_experts(state, src, spec)
+        )
+        state.update({f"{dst}.{name}": tensor.contiguous() for name, tensor in converted.items()})
+    return state
+
+
+def _gpt_oss_experts(state: dict, src: str) -> dict[str, torch.Tensor]:
+    gate_up, gate_up_bias = (
+        state.pop(f"{src}.experts.gate_up_proj"),
+        state.pop(f"{src}.experts.gate_up_proj_bias"),
+    )
+    return {
+        "router.weight": state.pop(f"{src}.router.weight"),
+        "router.bias": state.pop(f"{src}.router.bias"),
+        "experts.gate_proj": gate_up[..., ::2].transpose(1, 2),
+        "experts.up_proj": gate_up[..., 1::2].transpose(1, 2),
+        "experts.down_proj": state.pop(f"{src}.experts.down_proj").transpose(1, 2),
+        "experts.gate_bias": gate_up_bias[:, ::2],
+        "experts.up_bias": gate_up_bias[:, 1::2],
+        "experts.down_bias": state.pop(f"{src}.experts.down_proj_bias"),
+    }
+
+
+def _swiglu_experts(state: dict, src: str, spec: MoeSpec) -> dict[str, torch.Tensor]:
+    router = state.pop(f"{src}.gate.weight")
+    if f"{src}.experts.gate_up_proj" in state:  # transformers 5.x
+        gate, up = state.pop(f"{src}.experts.gate_up_proj").chunk(2, dim=1)
+        down = state.pop(f"{src}.experts.down_proj")
+    else:  # transformers 4.x: one module per expert
+        names = (
+            ("w1", "w3", "w2") if src.endswith("block_sparse_moe") else ("gate_proj", "up_proj", "down_proj")
+        )
+        gate, up, down = (
+            torch.stack([state.pop(f"{src}.experts.{e}.{name}.weight") for e in range(spec.num_experts)])
+            for name in names
+        )
+    return {
+        "router.weight": router,
+        "experts.gate_proj": gate,
+        "experts.up_proj": up,
+        "experts.down_proj": down,
+    }
