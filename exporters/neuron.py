@@ -76,6 +76,7 @@ def export(
         model_type=spec.model_type,
     )
     _check_shapes(hf_config, config)
+    quantization_kwargs(hf_config)  # refuses a quantized checkpoint before any work
     ShardLayout.of(spec, config.tp_degree)  # refuses a tp degree the heads cannot split by
     staging = Path(tempfile.mkdtemp(prefix=f".{output.name}.partial-", dir=output.parent))
     try:
@@ -140,9 +141,28 @@ def _check_shapes(hf_config, config: NeuronConfig) -> None:
 
 
 def _load_hf_model(model: str, config: NeuronConfig):
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(model, dtype=torch_dtype(config))
+    kwargs = quantization_kwargs(AutoConfig.from_pretrained(model))
+    return AutoModelForCausalLM.from_pretrained(model, dtype=torch_dtype(config), **kwargs)
+
+
+def quantization_kwargs(hf_config) -> dict:
+    """gpt-oss's MXFP4 experts are dequantised to the export dtype by transformers' own
+    Mxfp4 quantizer (Mxfp4Config(dequantize=True), quantizers/quantizer_mxfp4.py, 4.57 and
+    5.x), whatever kernels the build host has; other quantized checkpoints are refused."""
+    quant = getattr(hf_config, "quantization_config", None)
+    if quant is None:
+        return {}
+    method = quant.get("quant_method") if isinstance(quant, dict) else getattr(quant, "quant_method", None)
+    if str(method) in ("mxfp4", "QuantizationMethod.MXFP4"):
+        from transformers import Mxfp4Config
+
+        return {"quantization_config": Mxfp4Config(dequantize=True)}
+    raise ExportError(
+        f"the checkpoint is quantized ({method}): the graphs compute in --dtype; "
+        "export the unquantized checkpoint (or one dequantized with transformers)."
+    )
 
 
 def _save_hf_files(model: str, hf_config, out: Path) -> None:

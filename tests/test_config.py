@@ -86,3 +86,52 @@ def test_rotary_variants_computed_at_run_time_are_refused_by_name():
     ]:
         with pytest.raises(UnsupportedArchitectureError, match=re.escape(name)):
             family_spec(phi3_config(**kw))
+
+
+def test_gemma3_variants_we_do_not_compute_are_refused_by_name():
+    from transformers import Gemma3TextConfig
+
+    from optimum_neuron_chunked.modeling import family_spec
+    from optimum_neuron_chunked.modeling.family import UnsupportedArchitectureError
+
+    small = dict(
+        hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_hidden_layers=2
+    )
+    spec = family_spec(Gemma3TextConfig(**small, sliding_window=32))
+    assert spec.sliding_windows == (32, 32) and spec.local_rope and spec.gemma_norms  # pattern 6: both local
+    for kw, name in [
+        (dict(attn_logit_softcapping=50.0), "attn_logit_softcapping"),
+        (dict(use_bidirectional_attention=True), "use_bidirectional_attention"),
+    ]:
+        with pytest.raises(UnsupportedArchitectureError, match=name):
+            family_spec(Gemma3TextConfig(**small, **kw))
+
+
+def test_moe_layouts_read_off_the_config():
+    from transformers import GptOssConfig, MixtralConfig, Qwen3MoeConfig
+
+    from optimum_neuron_chunked.modeling import family_spec
+
+    qwen = family_spec(
+        Qwen3MoeConfig(num_hidden_layers=4, decoder_sparse_step=2, mlp_only_layers=[3], norm_topk_prob=False)
+    )
+    assert qwen.moe.sparse_layers == (False, True, False, False) and not qwen.moe.normalize_top_k
+    mixtral = family_spec(MixtralConfig(num_hidden_layers=2, num_local_experts=8, num_experts_per_tok=2))
+    assert mixtral.moe.normalize_top_k and mixtral.moe.num_experts == 8 and not mixtral.moe.router_bias
+    oss = family_spec(GptOssConfig(num_hidden_layers=2, num_local_experts=32, num_experts_per_tok=4))
+    assert oss.attention_sinks and oss.moe.softmax_over_top_k and oss.moe.swiglu_limit == 7.0
+    assert oss.sliding_windows == (128, None)  # alternating, sliding first
+    # a decode of 2 rows x top-4 reads 8 of 32 experts; 8 rows (32 selections) run them all
+    assert oss.moe.selects_experts(2) and not oss.moe.selects_experts(8)
+
+
+def test_quantized_checkpoints_are_dequantized_or_refused():
+    from transformers import LlamaConfig
+
+    from exporters.neuron import ExportError, quantization_kwargs
+
+    assert quantization_kwargs(LlamaConfig()) == {}
+    mxfp4 = quantization_kwargs(LlamaConfig(quantization_config={"quant_method": "mxfp4"}))
+    assert mxfp4["quantization_config"].dequantize
+    with pytest.raises(ExportError, match=r"quantized \(gptq\).*export the unquantized checkpoint"):
+        quantization_kwargs(LlamaConfig(quantization_config={"quant_method": "gptq", "bits": 4}))

@@ -92,7 +92,7 @@ def neuron_config(tp: int = 2) -> NeuronConfig:
 
 
 @pytest.mark.parametrize("tp", [1, 2])
-@pytest.mark.parametrize("family", ["llama", "qwen3"])
+@pytest.mark.parametrize("family", ["llama", "qwen3", "qwen3_moe", "gpt_oss"])
 def test_weight_shards_match_the_bundle_names(tmp_path, family, tp):
     """The shards set_weights receives carry exactly the parameter names of the traced bundle
     (at tp 1 too, where a tied lm_head's shard would share the embedding's storage)."""

@@ -12,7 +12,7 @@ from test_parity import prompt
 from test_vllm_engine import hf_greedy
 from vllm_server import Server
 
-SERVED = ["gemma3_text-2x4x32-eager"]
+SERVED = ["gemma3_text-2x4x32-eager", "qwen3_moe-2x4x32-eager"]
 
 
 @pytest.mark.parametrize("export_dir", export_params(SERVED), indirect=True)
