@@ -105,6 +105,64 @@ UNSEEN = {
         tie_word_embeddings=False,
         sliding_window=200,
     ),
+    "gemma3_text": dict(
+        model_type="gemma3_text",
+        hidden_size=96,
+        intermediate_size=256,
+        num_hidden_layers=4,
+        num_attention_heads=3,
+        num_key_value_heads=1,
+        head_dim=40,
+        vocab_size=720,
+        tie_word_embeddings=True,
+        query_pre_attn_scalar=48,
+        sliding_window=160,  # default sliding_window_pattern 6: layers 0-3 all local
+        rope_theta=1000000.0,
+        rope_local_base_freq=10000.0,
+    ),
+    "qwen3_moe": dict(
+        model_type="qwen3_moe",
+        hidden_size=96,
+        intermediate_size=160,
+        moe_intermediate_size=64,
+        num_experts=16,
+        num_experts_per_tok=4,
+        norm_topk_prob=False,
+        decoder_sparse_step=2,  # layers 1 and 3 sparse, 0 and 2 dense
+        num_hidden_layers=4,
+        num_attention_heads=6,
+        num_key_value_heads=2,
+        head_dim=32,
+        vocab_size=800,
+        tie_word_embeddings=False,
+    ),
+    "mixtral": dict(
+        model_type="mixtral",
+        hidden_size=128,
+        intermediate_size=96,
+        num_local_experts=8,
+        num_experts_per_tok=2,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        vocab_size=500,
+        tie_word_embeddings=False,
+        sliding_window=256,
+    ),
+    "gpt_oss": dict(
+        model_type="gpt_oss",
+        hidden_size=96,
+        intermediate_size=80,
+        num_local_experts=12,
+        num_experts_per_tok=3,
+        num_hidden_layers=4,
+        num_attention_heads=6,
+        num_key_value_heads=3,
+        head_dim=32,
+        vocab_size=640,
+        tie_word_embeddings=False,
+        sliding_window=128,
+    ),
 }
 
 
@@ -131,6 +189,7 @@ def main() -> int:
     parser.add_argument("--chunk", type=int, default=128)
     parser.add_argument("--backend", default="cpu")
     parser.add_argument("--families", nargs="*", default=list(UNSEEN))
+    parser.add_argument("--tag", default="", help="appended to the result file names")
     args = parser.parse_args()
     from transformers import AutoModelForCausalLM
 
@@ -184,7 +243,7 @@ def main() -> int:
             str(r["greedy_equal_hf"]),
         )
     console.print(table)
-    stamp = f"export-{datetime.date.today()}-{platform.node()}"
+    stamp = f"export-{datetime.date.today()}-{platform.node()}" + (f"-{args.tag}" if args.tag else "")
     results = REPO / "benchmark" / "results"
     results.mkdir(parents=True, exist_ok=True)
     meta = dict(

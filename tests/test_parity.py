@@ -61,3 +61,32 @@ def test_left_padded_batch_matches_transformers(export_dir, neuron_model, hf_ref
         alone = neuron_model.generate(input_ids[row : row + 1, width - n :], max_new_tokens=NEW_TOKENS)
         assert output[row, width:].tolist()[: alone.shape[1] - n] == alone[0, n:].tolist()
     assert neuron_model.slots.num_free == neuron_model.neuron_config.batch_size
+
+
+def test_gemma3_with_only_local_layers_matches_transformers():
+    """No full-attention layer (sliding_window_pattern 6 > num layers): transformers 5.x then
+    builds no full-attention rotary, which our unused global rotary must not need."""
+    from transformers import AutoModelForCausalLM, Gemma3TextConfig
+
+    from optimum_neuron_chunked.modeling import family_spec
+    from optimum_neuron_chunked.modeling.decoder import DecoderModel
+
+    config = Gemma3TextConfig(
+        hidden_size=64,
+        intermediate_size=96,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_hidden_layers=2,
+        vocab_size=400,
+        sliding_window=24,
+        initializer_range=0.25,
+    )
+    torch.manual_seed(0)
+    hf = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    model = DecoderModel(family_spec(config), 1, 64, torch.float32)
+    model.load_weights(model.weights_from_hf(hf))
+    ids = prompt(50)[None]
+    with torch.no_grad():
+        logits = model.logits(model.hidden_states(ids, torch.arange(50)[None], torch.tensor([0]), 64))
+        torch.testing.assert_close(logits, hf(ids).logits, atol=LOGITS_TOLERANCE, rtol=0)

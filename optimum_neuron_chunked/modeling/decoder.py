@@ -214,7 +214,8 @@ class DecoderModel(nn.Module):
         state = {}
         for name in self.weight_names() + ["lm_head.weight"]:
             if name.startswith("model.rotary_emb"):
-                state[name] = _rotary_buffer(hf_model, *name.split(".")[1:])
+                buffer = _rotary_buffer(hf_model, *name.split(".")[1:])
+                state[name] = buffer if buffer is not None else self.state_dict()[name].clone()
             elif name == "lm_head.weight" and self.spec.tie_word_embeddings:
                 state[name] = hf_state["model.embed_tokens.weight"]
             else:
@@ -231,12 +232,14 @@ class DecoderModel(nn.Module):
         return {name: shard[name] for name in self.weight_names()}
 
 
-def _rotary_buffer(hf_model: nn.Module, module: str, which: str) -> torch.Tensor:
+def _rotary_buffer(hf_model: nn.Module, module: str, which: str) -> torch.Tensor | None:
     """inv_freq or attention_scaling of our rotary `module` (rotary_emb, or gemma3's
     rotary_emb_local) from the HF model: gemma3 under transformers 5.x keeps one set per layer
     type in `rotary_emb`; 4.57 has a second module `rotary_emb_local`."""
     rotary = hf_model.model.rotary_emb
     layer_type = "sliding_attention" if module == "rotary_emb_local" else "full_attention"
+    if layer_type not in getattr(rotary, "layer_types", [layer_type]):
+        return None  # 5.x: no layer of this type, so no layer reads this rotary
     if hasattr(rotary, f"{layer_type}_inv_freq"):
         inv_freq = getattr(rotary, f"{layer_type}_inv_freq")
         scaling = getattr(rotary, f"{layer_type}_attention_scaling", 1.0)
