@@ -15,7 +15,13 @@ def build_model(hf_config, config: NeuronConfig, layers=None, functional_cache: 
     spec = family_spec(hf_config)
     with torch.device("cpu"):
         return DecoderModel(
-            spec, config.batch_size, config.sequence_length, torch_dtype(config), layers, functional_cache
+            spec,
+            config.batch_size,
+            config.sequence_length,
+            torch_dtype(config),
+            layers,
+            functional_cache,
+            prefill_width=config.prefill_chunk_size or None,
         )
 
 

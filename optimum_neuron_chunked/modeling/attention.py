@@ -1,7 +1,8 @@
 """Attention over a static per-slot KV cache.
 
 Every graph (CE, CP, TG) runs the same code: scatter this step's K/V into the rows' slots at
-their positions, then attend over the first `window` positions of those slots.
+their positions, then attend over the first `window` positions of those slots. Sliding-window
+layers of chunked exports keep a ring of `window + chunk` positions instead (ring_length).
 
 Padding invariant: a padded token repeats the last real token *and its position*. It
 computes the same K/V as that token (same input, same position, same visible keys), so the
@@ -20,14 +21,36 @@ from .layers import MASK_VALUE, apply_rotary, rms_norm
 from .parallel import ShardLayout
 
 
-def attention_mask(position_ids: torch.Tensor, window: int, sliding_window: int | None) -> torch.Tensor:
-    """[N, 1, T, window] boolean: which cached positions each query may attend to."""
-    key_pos = torch.arange(window, device=position_ids.device)
+def attention_mask(
+    position_ids: torch.Tensor, key_positions: torch.Tensor, sliding_window: int | None
+) -> torch.Tensor:
+    """[N, 1, T, W] boolean: which cached keys (at absolute `key_positions`, [N or 1, W]) each
+    query may attend to. Negative key positions (ring entries not yet written) never are."""
+    key_pos = key_positions[:, None, None, :]  # [N, 1, 1, W]
     query_pos = position_ids[:, None, :, None]  # [N, 1, T, 1]
-    mask = key_pos <= query_pos
+    mask = (key_pos <= query_pos) & (key_pos >= 0)
     if sliding_window is not None:
         mask = mask & (key_pos > query_pos - sliding_window)
     return mask
+
+
+def ring_length(sliding_window: int | None, sequence_length: int, prefill_width: int) -> int:
+    """Cache positions a layer keeps per slot. A sliding layer needs only its window plus the
+    positions one call writes (a query at the start of a chunk still sees `window - 1` keys
+    before it while the chunk's last token is written): a ring of that length when it is
+    shorter than the sequence, with position p stored at index p % length."""
+    if sliding_window is None:
+        return sequence_length
+    return min(sequence_length, sliding_window + prefill_width)
+
+
+def ring_positions(last_positions: torch.Tensor, length: int) -> torch.Tensor:
+    """[N] last written position of each row -> [N, length] absolute position held by each
+    ring index: the latest p <= last with p % length == index (negative: never written).
+    Every position in (last - length, last] of the row's request has been written by then."""
+    index = torch.arange(length, device=last_positions.device)
+    last = last_positions[:, None]
+    return last - torch.remainder(last - index, length)
 
 
 def write_cache(
@@ -61,9 +84,11 @@ class Attention(nn.Module):
         layers,
         functional_cache: bool,
         use_rope: bool = True,
+        ring: int | None = None,
     ):
         super().__init__()
         self.functional_cache, self.use_rope = functional_cache, use_rope
+        self.ring = ring  # cache length of a ring layer (see ring_length); None: position-indexed
         d, hidden = spec.head_dim, spec.hidden_size
         self.num_heads, self.num_kv_heads, self.head_dim = layout.heads_per_rank, layout.kv_heads_per_rank, d
         self.scale = spec.scale
@@ -105,14 +130,23 @@ class Attention(nn.Module):
         if self.use_rope:
             q, k = apply_rotary(q, *cos_sin), apply_rotary(k, *cos_sin)
 
-        k_cache = write_cache(k_cache, seq_ids, position_ids, k.transpose(1, 2), self.functional_cache)
-        v_cache = write_cache(v_cache, seq_ids, position_ids, v, self.functional_cache)
+        cache_index = position_ids if self.ring is None else torch.remainder(position_ids, self.ring)
+        k_cache = write_cache(k_cache, seq_ids, cache_index, k.transpose(1, 2), self.functional_cache)
+        v_cache = write_cache(v_cache, seq_ids, cache_index, v, self.functional_cache)
+        window = window if self.ring is None else self.ring  # a ring layer reads its whole ring
         if one_row_per_slot:
             out = self._attend_in_slot_order(q, k_cache, v_cache, seq_ids, position_ids, window)
         else:
             keys, values = k_cache[seq_ids, :, :window], v_cache[seq_ids, :, :window]  # [N, Hkv, W, D]
-            out = self._attend(q, keys, values, position_ids, window)
+            out = self._attend(q, keys, values, position_ids, self._key_positions(position_ids, window))
         return self.o_proj(out.transpose(1, 2).reshape(n, t, -1)), k_cache, v_cache
+
+    def _key_positions(self, position_ids: torch.Tensor, window: int) -> torch.Tensor:
+        """[N or 1, window] absolute position of each cache entry read. A padded row repeats
+        its last real position, so the last column is the last position written."""
+        if self.ring is None:
+            return torch.arange(window, device=position_ids.device)[None]
+        return ring_positions(position_ids[:, -1], self.ring)
 
     def _attend_in_slot_order(self, q, k_cache, v_cache, seq_ids, position_ids, window) -> torch.Tensor:
         """A step with one row per slot (TG) attends over views of the cache: gathering every
@@ -123,20 +157,22 @@ class Attention(nn.Module):
         q_slots = q.new_zeros(slots, *q.shape[1:]).index_copy(0, seq_ids, q)
         pos_slots = position_ids.new_zeros(slots, position_ids.shape[1]).index_copy(0, seq_ids, position_ids)
         keys, values = k_cache[:, :, :window], v_cache[:, :, :window]
-        return self._attend(q_slots, keys, values, pos_slots, window).index_select(0, seq_ids)
+        key_positions = self._key_positions(pos_slots, window)
+        return self._attend(q_slots, keys, values, pos_slots, key_positions).index_select(0, seq_ids)
 
-    def _attend(self, q, keys, values, position_ids, window) -> torch.Tensor:
+    def _attend(self, q, keys, values, position_ids, key_positions) -> torch.Tensor:
         """q [N, Hq, T, D] over keys/values [N, Hkv, W, D] -> [N, Hq, T, D].
 
         Grouped-query attention without expanding K/V: query heads k*G..k*G+G-1 share KV
         head k (transformers' repeat_kv order), so they are stacked along the query axis.
         """
         n, _, t, _ = q.shape
+        window = keys.shape[2]
         groups = self.num_heads // self.num_kv_heads
         q = q.reshape(n, self.num_kv_heads, groups * t, self.head_dim)
         scores = torch.matmul(q, keys.transpose(2, 3)) * self.scale  # [N, Hkv, G*T, W]
         scores = scores.view(n, self.num_kv_heads, groups, t, window)
-        mask = attention_mask(position_ids, window, self.sliding_window)[:, :, None]  # [N, 1, 1, T, W]
+        mask = attention_mask(position_ids, key_positions, self.sliding_window)[:, :, None]  # [N, 1, 1, T, W]
         scores = torch.where(mask, scores.float(), MASK_VALUE)
         if self.sinks is not None:  # eager_attention_forward of gpt_oss: an extra column, dropped after
             sinks = self.sinks.float().view(1, self.num_kv_heads, groups, 1, 1).expand(n, -1, -1, t, 1)

@@ -7,7 +7,7 @@ import functools
 import torch
 from torch import nn
 
-from .attention import Attention
+from .attention import Attention, ring_length
 from .family import FamilySpec
 from .layers import MLP, Rotary, rms_norm
 from .moe import SparseMoE, moe_state_from_hf
@@ -15,10 +15,13 @@ from .parallel import ShardLayout, TorchLayers, rank_shard, tp_checkpoint
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, spec: FamilySpec, layer_idx: int, layout: ShardLayout, layers, functional_cache: bool):
+    def __init__(
+        self, spec: FamilySpec, layer_idx: int, layout: ShardLayout, layers, functional_cache: bool, ring
+    ):
         super().__init__()
+        window = spec.sliding_windows[layer_idx]
         self.self_attn = Attention(
-            spec, spec.sliding_windows[layer_idx], layout, layers, functional_cache, spec.uses_rope(layer_idx)
+            spec, window, layout, layers, functional_cache, spec.uses_rope(layer_idx), ring
         )
         if spec.moe is not None and spec.moe.sparse_layers[layer_idx]:
             self.mlp = SparseMoE(spec.hidden_size, spec.moe, layers)
@@ -59,11 +62,11 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderBody(nn.Module):
-    def __init__(self, spec: FamilySpec, layout: ShardLayout, layers, functional_cache: bool):
+    def __init__(self, spec: FamilySpec, layout: ShardLayout, layers, functional_cache: bool, rings):
         super().__init__()
         self.embed_tokens = layers.embedding(spec.vocab_size, spec.hidden_size)
         self.layers = nn.ModuleList(
-            DecoderLayer(spec, i, layout, layers, functional_cache) for i in range(spec.num_layers)
+            DecoderLayer(spec, i, layout, layers, functional_cache, rings[i]) for i in range(spec.num_layers)
         )
         self.norm = rms_norm(spec.hidden_size, spec.rms_norm_eps, spec.gemma_norms)
         self.rotary_emb = Rotary(spec.head_dim)
@@ -88,6 +91,10 @@ class DecoderModel(nn.Module):
 
     `functional_cache`: graphs write the cache into new tensors and reassign the buffers
     (XLA tracing) instead of updating them in place (torch backends).
+
+    `prefill_width`: the most positions one graph call writes per row (the chunk of a chunked
+    export). Sliding-window layers then keep a ring of window + prefill_width positions where
+    that is shorter than sequence_length (attention.ring_length); None: no rings.
     """
 
     def __init__(
@@ -98,13 +105,17 @@ class DecoderModel(nn.Module):
         dtype: torch.dtype,
         layers=None,
         functional_cache: bool = False,
+        prefill_width: int | None = None,
     ):
         super().__init__()
         layers = layers or TorchLayers()
         self.spec = spec
         self.layout = ShardLayout.of(spec, layers.tp_degree)
         self.functional_cache = functional_cache
-        self.model = DecoderBody(spec, self.layout, layers, functional_cache)
+        width = prefill_width or sequence_length
+        self.cache_lengths = tuple(ring_length(w, sequence_length, width) for w in spec.sliding_windows)
+        rings = [n if n < sequence_length else None for n in self.cache_lengths]
+        self.model = DecoderBody(spec, self.layout, layers, functional_cache, rings)
         self.lm_head = layers.column(
             spec.hidden_size, self.layout.padded_vocab, bias=False, gather_output=True
         )
@@ -112,8 +123,8 @@ class DecoderModel(nn.Module):
         self.tied = spec.tie_word_embeddings and isinstance(layers, TorchLayers)
         if self.tied:
             self.lm_head.weight = self.model.embed_tokens.weight
-        cache_shape = (batch_size, self.layout.kv_heads_per_rank, sequence_length, spec.head_dim)
-        for i in range(spec.num_layers):
+        for i, length in enumerate(self.cache_lengths):
+            cache_shape = (batch_size, self.layout.kv_heads_per_rank, length, spec.head_dim)
             self.register_buffer(f"k_cache_{i}", torch.zeros(cache_shape, dtype=dtype), persistent=False)
             self.register_buffer(f"v_cache_{i}", torch.zeros(cache_shape, dtype=dtype), persistent=False)
         self.to(dtype)
