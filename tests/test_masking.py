@@ -103,3 +103,54 @@ def test_bucket_window_matches_full_window(decoder):
         atol=1e-5,
         rtol=0,
     )
+
+
+def ring_and_linear(family: str, chunk: int):
+    """The same checkpoint twice: sliding layers in rings of window + chunk, and position-indexed."""
+    path = checkpoint_path(family)
+    hf_config = AutoConfig.from_pretrained(path)
+    state = None
+    models = []
+    for width in (chunk, None):
+        config = NeuronConfig(
+            batch_size=2, sequence_length=128, prefill_chunk_size=width or 0, backend="eager"
+        )
+        model = build_model(hf_config, config).eval()
+        state = state or model.weights_from_hf(AutoModelForCausalLM.from_pretrained(path))
+        model.load_weights(state)
+        models.append(model)
+    return models
+
+
+@pytest.mark.parametrize("family", ["gemma3_text", "gpt_oss"])
+def test_ring_layers_equal_position_indexed_layers_over_stale_slots(family):
+    """Chunks of every width up to C, then decodes, in a slot a previous request filled with
+    garbage: the ring layers (window + C positions) give the logits of full-length caches."""
+    chunk = 16
+    ring, linear = ring_and_linear(family, chunk)
+    sliding = [i for i, w in enumerate(ring.spec.sliding_windows) if w is not None]
+    assert sliding and all(ring.cache_lengths[i] == ring.spec.sliding_windows[i] + chunk for i in sliding)
+    assert all(getattr(ring, f"k_cache_{i}").shape[2] < 128 for i in sliding)
+    for cache in ring.cache_names():
+        getattr(ring, cache).normal_(0, 100)
+    tokens, start = torch.randint(4, 380, (110,), generator=torch.Generator().manual_seed(3)), 0
+    for width in [16, 1, 7, 16, 16, 3, 16, 16]:  # 91 positions, across the windows (36-40)
+        piece = tokens[start : start + width]
+        got, want = (
+            run_chunk(m, piece, start=start, seq_id=1, width=chunk, window=128) for m in (ring, linear)
+        )
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
+        start += width
+    with torch.no_grad():
+        for _ in range(8):  # TG: one row per slot, slot 0 idle
+            ids, pos, seq = (
+                tokens[start].view(1, 1).repeat(2, 1),
+                torch.tensor([[0], [start]]),
+                torch.tensor([0, 1]),
+            )
+            got, want = (
+                m.logits(m.hidden_states(ids, pos, seq, 128, one_row_per_slot=True))[1]
+                for m in (ring, linear)
+            )
+            torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
+            start += 1

@@ -44,6 +44,14 @@ def ring_length(sliding_window: int | None, sequence_length: int, prefill_width:
     return min(sequence_length, sliding_window + prefill_width)
 
 
+def cache_lengths(
+    sliding_windows: tuple[int | None, ...], sequence_length: int, prefill_width: int | None
+) -> tuple[int, ...]:
+    """Per layer, the cache positions a slot keeps (prefill_width None: no rings)."""
+    width = prefill_width or sequence_length
+    return tuple(ring_length(w, sequence_length, width) for w in sliding_windows)
+
+
 def ring_positions(last_positions: torch.Tensor, length: int) -> torch.Tensor:
     """[N] last written position of each row -> [N, length] absolute position held by each
     ring index: the latest p <= last with p % length == index (negative: never written).

@@ -7,7 +7,7 @@ import functools
 import torch
 from torch import nn
 
-from .attention import Attention, ring_length
+from .attention import Attention, cache_lengths
 from .family import FamilySpec
 from .layers import MLP, Rotary, rms_norm
 from .moe import SparseMoE, moe_state_from_hf
@@ -112,8 +112,7 @@ class DecoderModel(nn.Module):
         self.spec = spec
         self.layout = ShardLayout.of(spec, layers.tp_degree)
         self.functional_cache = functional_cache
-        width = prefill_width or sequence_length
-        self.cache_lengths = tuple(ring_length(w, sequence_length, width) for w in spec.sliding_windows)
+        self.cache_lengths = cache_lengths(spec.sliding_windows, sequence_length, prefill_width)
         rings = [n if n < sequence_length else None for n in self.cache_lengths]
         self.model = DecoderBody(spec, self.layout, layers, functional_cache, rings)
         self.lm_head = layers.column(
