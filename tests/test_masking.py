@@ -154,3 +154,43 @@ def test_ring_layers_equal_position_indexed_layers_over_stale_slots(family):
             )
             torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
             start += 1
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3_text", "qwen3_moe"])
+def test_fused_attention_kernel_equals_the_masked_softmax(family):
+    """The cpu backend's SDPA core against the reference masked softmax (eager here; the cpu
+    parity tests run it compiled): chunks, then decodes with an idle slot, over stale slots."""
+    from optimum_neuron_chunked.modeling import model_from_spec
+    from optimum_neuron_chunked.modeling.attention import attention_kernel
+
+    path = checkpoint_path(family)
+    hf = AutoModelForCausalLM.from_pretrained(path)
+    spec = build_model(AutoConfig.from_pretrained(path), NeuronConfig(batch_size=2, sequence_length=128)).spec
+    models = []
+    for backend in ("cpu", "eager"):
+        config = NeuronConfig(batch_size=2, sequence_length=128, prefill_chunk_size=16, backend=backend)
+        model = model_from_spec(spec, config).eval()
+        model.load_weights(model.weights_from_hf(hf))
+        for cache in model.cache_names():
+            getattr(model, cache).normal_(0, 100, generator=torch.Generator().manual_seed(5))
+        models.append(model)
+    assert [m.model.layers[0].self_attn.kernel for m in models] == ["sdpa", "masked_softmax"]
+    assert attention_kernel("neuron") == "masked_softmax"
+    tokens, start = torch.randint(4, 380, (80,), generator=torch.Generator().manual_seed(4)), 0
+    for width in [16, 5, 16, 16]:
+        piece = tokens[start : start + width]
+        got, want = (run_chunk(m, piece, start=start, seq_id=1, width=16, window=64) for m in models)
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
+        start += width
+    with torch.no_grad():
+        for _ in range(4):
+            ids, pos, seq = (
+                tokens[start].view(1, 1).repeat(2, 1),
+                torch.tensor([[0], [start]]),
+                torch.tensor([0, 1]),
+            )
+            got, want = (
+                m.logits(m.hidden_states(ids, pos, seq, 64, one_row_per_slot=True))[1] for m in models
+            )
+            torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
+            start += 1

@@ -40,6 +40,7 @@ def export_config(chunked: bool, dtype: str = "float32", prompt_logits: bool = F
         dtype=dtype,
         max_topk=MAX_TOPK,
         prompt_logits=prompt_logits,
+        backend="neuron",  # what neuronx-cc receives: the neuron backend's attention kernel
     )
 
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 import torch
 
 from ..config import NeuronConfig
+from .attention import attention_kernel
 from .decoder import DecoderModel
 from .family import SUPPORTED_ARCHITECTURES, FamilySpec, UnsupportedArchitectureError, family_spec
 
@@ -12,7 +13,13 @@ def build_model(hf_config, config: NeuronConfig, layers=None, functional_cache: 
 
     `layers` is the layer factory (parallel.py); plain torch layers by default.
     """
-    spec = family_spec(hf_config)
+    return model_from_spec(family_spec(hf_config), config, layers, functional_cache)
+
+
+def model_from_spec(
+    spec: FamilySpec, config: NeuronConfig, layers=None, functional_cache: bool = False
+) -> DecoderModel:
+    """The one place an export config shapes a decoder: cache rings, attention kernel, dtype."""
     with torch.device("cpu"):
         return DecoderModel(
             spec,
@@ -22,6 +29,7 @@ def build_model(hf_config, config: NeuronConfig, layers=None, functional_cache: 
             layers,
             functional_cache,
             prefill_width=config.prefill_chunk_size or None,
+            attention_kernel=attention_kernel(config.backend),
         )
 
 
@@ -35,6 +43,7 @@ __all__ = [
     "FamilySpec",
     "UnsupportedArchitectureError",
     "build_model",
+    "model_from_spec",
     "family_spec",
     "torch_dtype",
 ]

@@ -16,12 +16,19 @@ from .parallel import ShardLayout, TorchLayers, rank_shard, tp_checkpoint
 
 class DecoderLayer(nn.Module):
     def __init__(
-        self, spec: FamilySpec, layer_idx: int, layout: ShardLayout, layers, functional_cache: bool, ring
+        self,
+        spec: FamilySpec,
+        layer_idx: int,
+        layout: ShardLayout,
+        layers,
+        functional_cache: bool,
+        ring,
+        kernel,
     ):
         super().__init__()
         window = spec.sliding_windows[layer_idx]
         self.self_attn = Attention(
-            spec, window, layout, layers, functional_cache, spec.uses_rope(layer_idx), ring
+            spec, window, layout, layers, functional_cache, spec.uses_rope(layer_idx), ring, kernel
         )
         if spec.moe is not None and spec.moe.sparse_layers[layer_idx]:
             self.mlp = SparseMoE(spec.hidden_size, spec.moe, layers)
@@ -62,11 +69,12 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderBody(nn.Module):
-    def __init__(self, spec: FamilySpec, layout: ShardLayout, layers, functional_cache: bool, rings):
+    def __init__(self, spec: FamilySpec, layout: ShardLayout, layers, functional_cache: bool, rings, kernel):
         super().__init__()
         self.embed_tokens = layers.embedding(spec.vocab_size, spec.hidden_size)
         self.layers = nn.ModuleList(
-            DecoderLayer(spec, i, layout, layers, functional_cache, rings[i]) for i in range(spec.num_layers)
+            DecoderLayer(spec, i, layout, layers, functional_cache, rings[i], kernel)
+            for i in range(spec.num_layers)
         )
         self.norm = rms_norm(spec.hidden_size, spec.rms_norm_eps, spec.gemma_norms)
         self.rotary_emb = Rotary(spec.head_dim)
@@ -95,6 +103,8 @@ class DecoderModel(nn.Module):
     `prefill_width`: the most positions one graph call writes per row (the chunk of a chunked
     export). Sliding-window layers then keep a ring of window + prefill_width positions where
     that is shorter than sequence_length (attention.ring_length); None: no rings.
+
+    `attention_kernel`: "masked_softmax" or "sdpa" (attention.attention_kernel picks per backend).
     """
 
     def __init__(
@@ -106,6 +116,7 @@ class DecoderModel(nn.Module):
         layers=None,
         functional_cache: bool = False,
         prefill_width: int | None = None,
+        attention_kernel: str = "masked_softmax",
     ):
         super().__init__()
         layers = layers or TorchLayers()
@@ -114,7 +125,7 @@ class DecoderModel(nn.Module):
         self.functional_cache = functional_cache
         self.cache_lengths = cache_lengths(spec.sliding_windows, sequence_length, prefill_width)
         rings = [n if n < sequence_length else None for n in self.cache_lengths]
-        self.model = DecoderBody(spec, self.layout, layers, functional_cache, rings)
+        self.model = DecoderBody(spec, self.layout, layers, functional_cache, rings, attention_kernel)
         self.lm_head = layers.column(
             spec.hidden_size, self.layout.padded_vocab, bias=False, gather_output=True
         )

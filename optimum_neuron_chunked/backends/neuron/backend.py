@@ -19,7 +19,7 @@ from torch import nn
 
 from ...config import NeuronConfig
 from ...graphs import GraphSpec, example_inputs, graph_module
-from ...modeling import torch_dtype
+from ...modeling import model_from_spec
 from ...modeling.decoder import DecoderModel
 from ...modeling.parallel import ShardLayout, rank_shard, tp_checkpoint
 from ..base import GRAPHS_DIR, Backend, OnGraph
@@ -74,14 +74,7 @@ class NeuronBackend(Backend):
         with NxDParallelState(
             world_size=tp, tensor_model_parallel_size=tp, lnc_size=target.logical_nc_config
         ):
-            sharded = DecoderModel(
-                model.spec,
-                config.batch_size,
-                config.sequence_length,
-                torch_dtype(config),
-                NxdLayers(tp),
-                functional_cache=True,
-            )
+            sharded = model_from_spec(model.spec, config, NxdLayers(tp), functional_cache=True)
             sharded.load_weights(sharded.rank_weights(model.unsharded_weights(), 0))
             bundle = GraphBundle(sharded.eval(), config, specs)
             builder = ModelBuilder(bundle)
