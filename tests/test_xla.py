@@ -40,7 +40,8 @@ def export_config(chunked: bool, dtype: str = "float32", prompt_logits: bool = F
         dtype=dtype,
         max_topk=MAX_TOPK,
         prompt_logits=prompt_logits,
-        backend="neuron",  # what neuronx-cc receives: the neuron backend's attention kernel
+        backend="neuron",  # what neuronx-cc receives: the neuron backend's choices (attention kernel)
+        instance_type="trn1",
     )
 
 
