@@ -3,10 +3,12 @@
 One sparse MLP layer (modeling/moe.py) at two scaled shapes, eager torch on this machine's
 CPU, for the token counts a decode step (M = batch rows) and a prefill chunk (M = C) give.
 Prints the median ms (and min-max over repeats) of each strategy and which one the graphs'
-static rule (`MoeSpec.selects_experts`: M * top_k < E, neuronx-distributed's selective
-loading threshold) picks. Writes benchmark/results/moe-<date>-<host>.{json,md}.
+static rule picks (`MoeSpec.selects_experts` with modeling/kernels.py's fraction: 1.0 is
+neuronx-distributed's selective-loading threshold, used by eager/neuron; the cpu backend's
+fraction is set from this benchmark). Writes benchmark/results/moe-<date>-<host>.{json,md}.
 
     python benchmark/moe_experts.py [--repeats 15]
+    python benchmark/moe_experts.py --render benchmark/results/moe-<date>-<host>.json
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from optimum_neuron_chunked.modeling.kernels import kernel_choices  # noqa: E402
 from optimum_neuron_chunked.modeling.moe import MoeSpec, SparseMoE  # noqa: E402
 from optimum_neuron_chunked.modeling.parallel import TorchLayers  # noqa: E402
 
@@ -59,10 +62,33 @@ def measure(hidden: int, inter: int, experts: int, top_k: int, tokens: int, repe
     row |= dict(
         selected_spread=[round(min(selected), 2), round(max(selected), 2)],
         every_spread=[round(min(every), 2), round(max(every), 2)],
-        rule_picks="selected" if spec.selects_experts(tokens) else "every",
     )
     row["faster"] = "selected" if row["selected_ms"] < row["every_ms"] else "every"
     return row
+
+
+def picks(row: dict, backend: str) -> str:
+    spec = MoeSpec(row["experts"], row["top_k"], row["intermediate"], (True,), normalize_top_k=True)
+    fraction = kernel_choices(backend).expert_selection
+    return "selected" if spec.selects_experts(row["tokens"], fraction) else "every"
+
+
+def render(stamp: str, meta: dict, rows: list[dict]) -> str:
+    lines = [
+        f"# MoE experts: selected vs every ({stamp})",
+        "",
+        f"`{json.dumps(meta)}` - one sparse layer, eager, median ms [min-max]",
+        "",
+        "| shape (E, k) | tokens | selected ms | every ms | faster | NxD rule (eager, neuron) | cpu rule |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    lines += [
+        f"| {r['shape']} ({r['experts']}, {r['top_k']}) | {r['tokens']} | {r['selected_ms']:.2f} "
+        f"{r['selected_spread']} | {r['every_ms']:.2f} {r['every_spread']} | {r['faster']} | "
+        f"{picks(r, 'neuron')} | {picks(r, 'cpu')} |"
+        for r in rows
+    ]
+    return "\n".join(lines) + "\n"
 
 
 def main() -> int:
@@ -70,7 +96,14 @@ def main() -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--render", type=Path, help="re-render the markdown of a saved JSON result")
     args = parser.parse_args()
+    if args.render:
+        saved = json.loads(args.render.read_text())
+        text = render(args.render.stem, saved["meta"], saved["rows"])
+        args.render.with_suffix(".md").write_text(text)
+        print(text)
+        return 0
     torch.manual_seed(0)
     results = []
     for name, hidden, inter, experts, top_k in SHAPES:
@@ -85,21 +118,9 @@ def main() -> int:
         repeats=args.repeats, threads=torch.get_num_threads(), dtype="float32", torch=torch.__version__
     )
     (out / f"{stamp}.json").write_text(json.dumps(dict(meta=meta, rows=results), indent=2))
-    lines = [
-        f"# MoE experts: selected vs every ({stamp})",
-        "",
-        f"`{json.dumps(meta)}` - one sparse layer, eager, median ms [min-max]",
-        "",
-        "| shape (E, k) | tokens | selected ms | every ms | rule picks | faster |",
-        "|---|---|---|---|---|---|",
-    ]
-    lines += [
-        f"| {r['shape']} ({r['experts']}, {r['top_k']}) | {r['tokens']} | {r['selected_ms']:.2f} "
-        f"{r['selected_spread']} | {r['every_ms']:.2f} {r['every_spread']} | {r['rule_picks']} | {r['faster']} |"
-        for r in results
-    ]
-    (out / f"{stamp}.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    text = render(stamp, meta, results)
+    (out / f"{stamp}.md").write_text(text)
+    print(text)
     return 0
 
 

@@ -111,6 +111,7 @@ def test_moe_layouts_read_off_the_config():
     from transformers import GptOssConfig, MixtralConfig, Qwen3MoeConfig
 
     from optimum_neuron_chunked.modeling import family_spec
+    from optimum_neuron_chunked.modeling.kernels import kernel_choices
 
     qwen = family_spec(
         Qwen3MoeConfig(num_hidden_layers=4, decoder_sparse_step=2, mlp_only_layers=[3], norm_topk_prob=False)
@@ -123,6 +124,9 @@ def test_moe_layouts_read_off_the_config():
     assert oss.sliding_windows == (128, None)  # alternating, sliding first
     # a decode of 2 rows x top-4 reads 8 of 32 experts; 8 rows (32 selections) run them all
     assert oss.moe.selects_experts(2) and not oss.moe.selects_experts(8)
+    # the cpu backend gathers only small selections (a copy per call): 1 row (4/32) yes, 2 rows no
+    cpu = kernel_choices("cpu").expert_selection
+    assert oss.moe.selects_experts(1, cpu) and not oss.moe.selects_experts(2, cpu)
 
 
 def test_quantized_checkpoints_are_dequantized_or_refused():

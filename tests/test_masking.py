@@ -161,7 +161,7 @@ def test_fused_attention_kernel_equals_the_masked_softmax(family):
     """The cpu backend's SDPA core against the reference masked softmax (eager here; the cpu
     parity tests run it compiled): chunks, then decodes with an idle slot, over stale slots."""
     from optimum_neuron_chunked.modeling import model_from_spec
-    from optimum_neuron_chunked.modeling.attention import attention_kernel
+    from optimum_neuron_chunked.modeling.kernels import kernel_choices
 
     path = checkpoint_path(family)
     hf = AutoModelForCausalLM.from_pretrained(path)
@@ -175,7 +175,7 @@ def test_fused_attention_kernel_equals_the_masked_softmax(family):
             getattr(model, cache).normal_(0, 100, generator=torch.Generator().manual_seed(5))
         models.append(model)
     assert [m.model.layers[0].self_attn.kernel for m in models] == ["sdpa", "masked_softmax"]
-    assert attention_kernel("neuron") == "masked_softmax"
+    assert kernel_choices("neuron").attention == "masked_softmax"
     tokens, start = torch.randint(4, 380, (80,), generator=torch.Generator().manual_seed(4)), 0
     for width in [16, 5, 16, 16]:
         piece = tokens[start : start + width]

@@ -3,9 +3,9 @@ from __future__ import annotations
 import torch
 
 from ..config import NeuronConfig
-from .attention import attention_kernel
 from .decoder import DecoderModel
 from .family import SUPPORTED_ARCHITECTURES, FamilySpec, UnsupportedArchitectureError, family_spec
+from .kernels import kernel_choices
 
 
 def build_model(hf_config, config: NeuronConfig, layers=None, functional_cache: bool = False) -> DecoderModel:
@@ -19,7 +19,7 @@ def build_model(hf_config, config: NeuronConfig, layers=None, functional_cache: 
 def model_from_spec(
     spec: FamilySpec, config: NeuronConfig, layers=None, functional_cache: bool = False
 ) -> DecoderModel:
-    """The one place an export config shapes a decoder: cache rings, attention kernel, dtype."""
+    """The one place an export config shapes a decoder: cache rings, kernel choices, dtype."""
     with torch.device("cpu"):
         return DecoderModel(
             spec,
@@ -29,7 +29,7 @@ def model_from_spec(
             layers,
             functional_cache,
             prefill_width=config.prefill_chunk_size or None,
-            attention_kernel=attention_kernel(config.backend),
+            kernels=kernel_choices(config.backend),
         )
 
 

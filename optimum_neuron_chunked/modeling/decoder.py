@@ -9,6 +9,7 @@ from torch import nn
 
 from .attention import Attention, cache_lengths
 from .family import FamilySpec
+from .kernels import KernelChoices
 from .layers import MLP, Rotary, rms_norm
 from .moe import SparseMoE, moe_state_from_hf
 from .parallel import ShardLayout, TorchLayers, rank_shard, tp_checkpoint
@@ -23,15 +24,15 @@ class DecoderLayer(nn.Module):
         layers,
         functional_cache: bool,
         ring,
-        kernel,
+        kernels: KernelChoices,
     ):
         super().__init__()
         window = spec.sliding_windows[layer_idx]
         self.self_attn = Attention(
-            spec, window, layout, layers, functional_cache, spec.uses_rope(layer_idx), ring, kernel
+            spec, window, layout, layers, functional_cache, spec.uses_rope(layer_idx), ring, kernels.attention
         )
         if spec.moe is not None and spec.moe.sparse_layers[layer_idx]:
-            self.mlp = SparseMoE(spec.hidden_size, spec.moe, layers)
+            self.mlp = SparseMoE(spec.hidden_size, spec.moe, layers, kernels.expert_selection)
         else:
             self.mlp = MLP(spec.hidden_size, spec.intermediate_size, spec.mlp_bias, layers, spec.hidden_act)
         norm = functools.partial(rms_norm, spec.hidden_size, spec.rms_norm_eps, spec.gemma_norms)
@@ -69,11 +70,11 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderBody(nn.Module):
-    def __init__(self, spec: FamilySpec, layout: ShardLayout, layers, functional_cache: bool, rings, kernel):
+    def __init__(self, spec: FamilySpec, layout: ShardLayout, layers, functional_cache: bool, rings, kernels):
         super().__init__()
         self.embed_tokens = layers.embedding(spec.vocab_size, spec.hidden_size)
         self.layers = nn.ModuleList(
-            DecoderLayer(spec, i, layout, layers, functional_cache, rings[i], kernel)
+            DecoderLayer(spec, i, layout, layers, functional_cache, rings[i], kernels)
             for i in range(spec.num_layers)
         )
         self.norm = rms_norm(spec.hidden_size, spec.rms_norm_eps, spec.gemma_norms)
@@ -104,7 +105,7 @@ class DecoderModel(nn.Module):
     export). Sliding-window layers then keep a ring of window + prefill_width positions where
     that is shorter than sequence_length (attention.ring_length); None: no rings.
 
-    `attention_kernel`: "masked_softmax" or "sdpa" (attention.attention_kernel picks per backend).
+    `kernels`: how attention and experts compute (kernels.kernel_choices picks per backend).
     """
 
     def __init__(
@@ -116,7 +117,7 @@ class DecoderModel(nn.Module):
         layers=None,
         functional_cache: bool = False,
         prefill_width: int | None = None,
-        attention_kernel: str = "masked_softmax",
+        kernels: KernelChoices | None = None,
     ):
         super().__init__()
         layers = layers or TorchLayers()
@@ -125,7 +126,9 @@ class DecoderModel(nn.Module):
         self.functional_cache = functional_cache
         self.cache_lengths = cache_lengths(spec.sliding_windows, sequence_length, prefill_width)
         rings = [n if n < sequence_length else None for n in self.cache_lengths]
-        self.model = DecoderBody(spec, self.layout, layers, functional_cache, rings, attention_kernel)
+        self.model = DecoderBody(
+            spec, self.layout, layers, functional_cache, rings, kernels or KernelChoices()
+        )
         self.lm_head = layers.column(
             spec.hidden_size, self.layout.padded_vocab, bias=False, gather_output=True
         )

@@ -4,8 +4,8 @@ Experts are stored stacked: gate/up [E, I, H], down [E, H, I] (+ biases for gpt-
 graph can either gather the k selected experts of each token or run every expert densely.
 Which one is a static choice by the graph's token count M, as neuronx-distributed makes it
 (ExpertMLPsV2.forward, modules/moe/expert_mlps_v2.py, Release 2.29 / 0.18.0: selective
-loading while M * top_k / E < 1, DEFAULT_SELECTIVE_LOADING_THRESHOLD in model_utils.py):
-a decode step of B rows reads B * k experts' weights, not E.
+loading while M * top_k / E < 1): a decode step of B rows reads B * k experts' weights, not
+E. The threshold is a per-backend choice (kernels.py).
 
 Tensor parallelism as NxD's default (Experts in modules/moe/experts.py): every expert's
 intermediate dimension is split across ranks (gate/up column-parallel, down row-parallel),
@@ -33,9 +33,10 @@ class MoeSpec:
     swiglu_limit: float | None = None  # gpt-oss: clamped SwiGLU (up + 1) * g * sigmoid(alpha * g)
     swiglu_alpha: float = 1.702
 
-    def selects_experts(self, tokens: int) -> bool:
-        """Gather the selected experts' weights (few tokens) rather than run all E."""
-        return tokens * self.top_k < self.num_experts
+    def selects_experts(self, tokens: int, fraction: float = 1.0) -> bool:
+        """Gather the selected experts' weights rather than run all E: while the selections
+        are under `fraction` of the experts (kernels.KernelChoices.expert_selection)."""
+        return tokens * self.top_k < self.num_experts * fraction
 
 
 def moe_spec(config) -> MoeSpec | None:
@@ -137,8 +138,9 @@ class Experts(nn.Module):
 
 
 class SparseMoE(nn.Module):
-    def __init__(self, hidden: int, spec: MoeSpec, layers):
+    def __init__(self, hidden: int, spec: MoeSpec, layers, selection: float = 1.0):
         super().__init__()
+        self.selection = selection
         self.router = Router(hidden, spec)
         self.experts = Experts(hidden, spec, layers.tp_degree)
         self.reduce = layers.reduce
@@ -148,7 +150,7 @@ class SparseMoE(nn.Module):
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
         weights, experts = self.router(flat)
-        if self.spec.selects_experts(flat.shape[0]):
+        if self.spec.selects_experts(flat.shape[0], self.selection):
             out = (self.experts.selected(flat, experts) * weights[..., None]).sum(1)
         else:
             # [M, E] routing weights, zero for experts not selected (one-hot, no scatter)
