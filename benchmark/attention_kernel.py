@@ -1,6 +1,5 @@
 """CP and TG graph time on the cpu backend (AOTInductor) with each attention core: the masked
-softmax (what the cpu backend compiled before, and what eager/XLA/Neuron run) vs SDPA (what
-it compiles now). Serving benchmark's model (serve_bench.FULL), fp32, this machine's CPU.
+softmax (what eager/XLA/Neuron run) vs SDPA; sets modeling/kernels.py's sdpa_from_window. Serving benchmark's model (serve_bench.FULL), fp32, this machine's CPU.
 
 Each graph is compiled once per kernel and called with its live context filling the window
 (a chunk ending at the window's last position; every decode row at window - 2). Prints the
@@ -32,9 +31,10 @@ from serve_bench import FULL  # noqa: E402
 from optimum_neuron_chunked.checkpoints import COMMON, build_checkpoint  # noqa: E402
 from optimum_neuron_chunked.config import NeuronConfig  # noqa: E402
 from optimum_neuron_chunked.graphs import GraphSpec, example_inputs, graph_module  # noqa: E402
-from optimum_neuron_chunked.modeling import build_model  # noqa: E402
+from optimum_neuron_chunked.modeling import family_spec, model_from_spec  # noqa: E402
+from optimum_neuron_chunked.modeling.kernels import KernelChoices  # noqa: E402
 
-KERNEL_OF_BACKEND = {"masked_softmax": "eager", "sdpa": "cpu"}  # attention.ATTENTION_KERNELS
+KERNELS = {"masked_softmax": KernelChoices(), "sdpa": KernelChoices(sdpa_from_window=1)}
 
 
 def compiled_call(kernel: str, kind: str, window: int, work: Path):
@@ -46,9 +46,10 @@ def compiled_call(kernel: str, kind: str, window: int, work: Path):
         sequence_length=FULL.seq,
         prefill_chunk_size=FULL.chunk,
         context_buckets=(window, FULL.seq) if window < FULL.seq else (FULL.seq,),
-        backend=KERNEL_OF_BACKEND[kernel],
+        backend="cpu",
     )
-    model = build_model(AutoConfig.from_pretrained(ckpt), config)
+    family = family_spec(AutoConfig.from_pretrained(ckpt))
+    model = model_from_spec(family, config, kernels=KERNELS[kernel])
     model.load_weights(model.weights_from_hf(AutoModelForCausalLM.from_pretrained(ckpt)))
     spec = GraphSpec("cp", 1, FULL.chunk, window) if kind == "cp" else GraphSpec("tg", FULL.batch, 1, window)
     with torch.no_grad():
@@ -88,7 +89,7 @@ def main() -> int:
         for window in [int(w) for w in args.windows.split(",")]:
             for kind in ("cp", "tg"):
                 row = dict(kind=kind, window=window)
-                for kernel in KERNEL_OF_BACKEND:
+                for kernel in KERNELS:
                     times = measure(compiled_call(kernel, kind, window, Path(tmp)), args.repeats)
                     row[kernel] = dict(median_ms=statistics.median(times), spread=[min(times), max(times)])
                 row["speedup"] = row["masked_softmax"]["median_ms"] / row["sdpa"]["median_ms"]

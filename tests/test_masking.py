@@ -158,24 +158,24 @@ def test_ring_layers_equal_position_indexed_layers_over_stale_slots(family):
 
 @pytest.mark.parametrize("family", ["llama", "gemma3_text", "qwen3_moe"])
 def test_fused_attention_kernel_equals_the_masked_softmax(family):
-    """The cpu backend's SDPA core against the reference masked softmax (eager here; the cpu
-    parity tests run it compiled): chunks, then decodes with an idle slot, over stale slots."""
+    """SDPA (the cpu backend's core from its threshold window up) against the reference masked
+    softmax, eager here (the cpu parity tests run it compiled): chunks, then decodes with an
+    idle slot, over stale slots; gemma3's ring layers included."""
     from optimum_neuron_chunked.modeling import model_from_spec
-    from optimum_neuron_chunked.modeling.kernels import kernel_choices
+    from optimum_neuron_chunked.modeling.kernels import KernelChoices, kernel_choices
 
     path = checkpoint_path(family)
     hf = AutoModelForCausalLM.from_pretrained(path)
-    spec = build_model(AutoConfig.from_pretrained(path), NeuronConfig(batch_size=2, sequence_length=128)).spec
+    config = NeuronConfig(batch_size=2, sequence_length=128, prefill_chunk_size=16, backend="eager")
+    spec = build_model(AutoConfig.from_pretrained(path), config).spec
     models = []
-    for backend in ("cpu", "eager"):
-        config = NeuronConfig(batch_size=2, sequence_length=128, prefill_chunk_size=16, backend=backend)
-        model = model_from_spec(spec, config).eval()
+    for kernels in (KernelChoices(sdpa_from_window=1), KernelChoices()):
+        model = model_from_spec(spec, config, kernels=kernels).eval()
         model.load_weights(model.weights_from_hf(hf))
         for cache in model.cache_names():
             getattr(model, cache).normal_(0, 100, generator=torch.Generator().manual_seed(5))
         models.append(model)
-    assert [m.model.layers[0].self_attn.kernel for m in models] == ["sdpa", "masked_softmax"]
-    assert kernel_choices("neuron").attention == "masked_softmax"
+    assert kernel_choices("neuron").sdpa_from_window is None and kernel_choices("cpu").sdpa_from_window
     tokens, start = torch.randint(4, 380, (80,), generator=torch.Generator().manual_seed(4)), 0
     for width in [16, 5, 16, 16]:
         piece = tokens[start : start + width]
@@ -194,3 +194,35 @@ def test_fused_attention_kernel_equals_the_masked_softmax(family):
             )
             torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
             start += 1
+
+
+@pytest.mark.slow
+def test_sdpa_compiled_by_aotinductor_equals_the_masked_softmax(tmp_path):
+    """The SDPA core as the cpu backend compiles it (test windows are below its threshold, so
+    the cpu parity tests do not reach it): a chunk graph over stale slots, compiled vs eager."""
+    from optimum_neuron_chunked.graphs import GraphSpec, example_inputs, graph_module
+    from optimum_neuron_chunked.modeling import model_from_spec
+    from optimum_neuron_chunked.modeling.kernels import KernelChoices
+
+    path = checkpoint_path("qwen3")
+    hf = AutoModelForCausalLM.from_pretrained(path)
+    config = NeuronConfig(batch_size=2, sequence_length=SEQ, prefill_chunk_size=CHUNK, backend="cpu")
+    spec = build_model(AutoConfig.from_pretrained(path), config).spec
+    models = [
+        model_from_spec(spec, config, kernels=KernelChoices(sdpa_from_window=1)),
+        model_from_spec(spec, config),
+    ]
+    graph = GraphSpec("cp", 1, CHUNK, SEQ)
+    for model in models:
+        model.load_weights(model.weights_from_hf(hf))
+        for cache in model.cache_names():
+            getattr(model, cache).normal_(0, 100, generator=torch.Generator().manual_seed(6))
+    inputs = list(example_inputs(graph, config))
+    inputs[0] = torch.randint(4, 380, inputs[0].shape, dtype=inputs[0].dtype)
+    inputs[1] = inputs[1] + 20  # positions 20..35: earlier positions hold stale garbage
+    with torch.no_grad():
+        program = torch.export.export(graph_module(models[0].eval(), graph, config), tuple(inputs))
+        package = torch._inductor.aoti_compile_and_package(program, package_path=str(tmp_path / "cp.pt2"))
+        compiled = torch._inductor.aoti_load_package(package)(*inputs)
+        reference = graph_module(models[1].eval(), graph, config)(*inputs)
+    torch.testing.assert_close(compiled, reference, atol=1e-4, rtol=0)

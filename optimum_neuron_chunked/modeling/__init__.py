@@ -5,7 +5,7 @@ import torch
 from ..config import NeuronConfig
 from .decoder import DecoderModel
 from .family import SUPPORTED_ARCHITECTURES, FamilySpec, UnsupportedArchitectureError, family_spec
-from .kernels import kernel_choices
+from .kernels import KernelChoices, kernel_choices
 
 
 def build_model(hf_config, config: NeuronConfig, layers=None, functional_cache: bool = False) -> DecoderModel:
@@ -17,9 +17,14 @@ def build_model(hf_config, config: NeuronConfig, layers=None, functional_cache: 
 
 
 def model_from_spec(
-    spec: FamilySpec, config: NeuronConfig, layers=None, functional_cache: bool = False
+    spec: FamilySpec,
+    config: NeuronConfig,
+    layers=None,
+    functional_cache: bool = False,
+    kernels: KernelChoices | None = None,
 ) -> DecoderModel:
-    """The one place an export config shapes a decoder: cache rings, kernel choices, dtype."""
+    """The one place an export config shapes a decoder: cache rings, kernel choices (the
+    backend's unless given: benchmarks and tests compare them), dtype."""
     with torch.device("cpu"):
         return DecoderModel(
             spec,
@@ -29,7 +34,7 @@ def model_from_spec(
             layers,
             functional_cache,
             prefill_width=config.prefill_chunk_size or None,
-            kernels=kernel_choices(config.backend),
+            kernels=kernels or kernel_choices(config.backend),
         )
 
 

@@ -93,11 +93,11 @@ class Attention(nn.Module):
         functional_cache: bool,
         use_rope: bool = True,
         ring: int | None = None,
-        kernel: str = "masked_softmax",
+        sdpa_from_window: int | None = None,
     ):
         super().__init__()
-        # gpt-oss's sinks join the softmax: SDPA has no place for them
-        self.kernel = "masked_softmax" if spec.attention_sinks else kernel
+        # gpt-oss's sinks join the softmax: SDPA has no place for them (kernels.py)
+        self.sdpa_from_window = None if spec.attention_sinks else sdpa_from_window
         self.functional_cache, self.use_rope = functional_cache, use_rope
         self.ring = ring  # cache length of a ring layer (see ring_length); None: position-indexed
         d, hidden = spec.head_dim, spec.hidden_size
@@ -179,7 +179,8 @@ class Attention(nn.Module):
         """
         n, _, t, _ = q.shape
         window = keys.shape[2]
-        if self.kernel == "sdpa":  # GQA order as ours: query head h uses KV head h // groups
+        if self.sdpa_from_window is not None and window >= self.sdpa_from_window:
+            # GQA order as ours: query head h uses KV head h // groups
             mask = attention_mask(position_ids, key_positions, self.sliding_window)  # [N, 1, T, W]
             return nn.functional.scaled_dot_product_attention(
                 q, keys, values, attn_mask=mask, scale=self.scale, enable_gqa=True

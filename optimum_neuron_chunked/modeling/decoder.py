@@ -29,7 +29,14 @@ class DecoderLayer(nn.Module):
         super().__init__()
         window = spec.sliding_windows[layer_idx]
         self.self_attn = Attention(
-            spec, window, layout, layers, functional_cache, spec.uses_rope(layer_idx), ring, kernels.attention
+            spec,
+            window,
+            layout,
+            layers,
+            functional_cache,
+            spec.uses_rope(layer_idx),
+            ring,
+            kernels.sdpa_from_window,
         )
         if spec.moe is not None and spec.moe.sparse_layers[layer_idx]:
             self.mlp = SparseMoE(spec.hidden_size, spec.moe, layers, kernels.expert_selection)

@@ -1,9 +1,11 @@
 """Per-backend choices of how the same math is computed, made here only (by measurement).
 
-- attention: "masked_softmax" (explicit scores, MASK_VALUE fill) or "sdpa" (fused). The cpu
-  backend compiles SDPA, which AOTInductor lowers to a CPU flash kernel that never
-  materialises the [T, W] scores (benchmark/attention_kernel.py). Eager keeps the reference
-  path; XLA / Neuron keep the masked softmax with -1e9 (exp of dtype-min NaNs on Neuron).
+- sdpa_from_window: graphs attending over at least this many positions compute attention
+  with SDPA, which AOTInductor lowers to a fused CPU kernel that never materialises the
+  [T, W] scores; below it, and on backends without it (None), the explicit masked softmax
+  with MASK_VALUE (eager's reference; XLA / Neuron: exp of dtype-min NaNs there). Measured on
+  the cpu backend (benchmark/attention_kernel.py, attention-2026-11-23-vm-*): SDPA loses
+  10-16 % at windows 512-1024 and wins 1.34x on a 256-token chunk at 2048 and 4096.
 - expert_selection: a MoE graph of M tokens gathers its selected experts' weights while
   M * top_k / E < this fraction, else runs every expert densely. 1.0 is neuronx-distributed's
   rule (DEFAULT_SELECTIVE_LOADING_THRESHOLD, modules/moe/model_utils.py, Release 2.29 / 0.18.0).
@@ -19,11 +21,11 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class KernelChoices:
-    attention: str = "masked_softmax"
+    sdpa_from_window: int | None = None
     expert_selection: float = 1.0
 
 
-BY_BACKEND = {"cpu": KernelChoices(attention="sdpa", expert_selection=0.2)}
+BY_BACKEND = {"cpu": KernelChoices(sdpa_from_window=2048, expert_selection=0.2)}
 
 
 def kernel_choices(backend: str) -> KernelChoices:
