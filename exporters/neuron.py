@@ -83,7 +83,7 @@ def export(
         started = time.perf_counter()
         decoder = build_model(hf_config, config)
         with console.status(f"loading weights of {model}"):
-            decoder.load_weights(decoder.weights_from_hf(_load_hf_model(model, config)))
+            decoder.load_weights(decoder.weights_from_hf(_load_hf_model(model, hf_config, config)))
         impl.save_weights(decoder, config, staging)
         specs = graph_specs(config)
         with _progress(console, len(specs)) as on_graph:
@@ -140,10 +140,10 @@ def _check_shapes(hf_config, config: NeuronConfig) -> None:
         )
 
 
-def _load_hf_model(model: str, config: NeuronConfig):
-    from transformers import AutoConfig, AutoModelForCausalLM
+def _load_hf_model(model: str, hf_config, config: NeuronConfig):
+    from transformers import AutoModelForCausalLM
 
-    kwargs = quantization_kwargs(AutoConfig.from_pretrained(model))
+    kwargs = quantization_kwargs(hf_config)
     return AutoModelForCausalLM.from_pretrained(model, dtype=torch_dtype(config), **kwargs)
 
 

@@ -12,7 +12,7 @@ from conftest import export_params
 from fixtures.export_models import CHUNK, checkpoint_path
 from test_parity import prompt
 from test_vllm_engine import hf_greedy
-from vllm_server import Server
+from vllm_server import Server, concurrent_greedy_tokens
 
 EXPORT = "llama-2x4x32-eager"  # 2 slots, S=128, C=32
 SEQUENCE_LENGTH = 128
@@ -47,28 +47,12 @@ pytestmark = pytest.mark.parametrize("export_dir", export_params([EXPORT]), indi
 
 
 def test_completions_match_transformers_alone_and_concurrently(server, client, hf_reference):
-    from openai import AsyncOpenAI
-
     hf, model = hf_reference("llama"), served_model(client)
     prompts = [prompt(n, seed=20 + i) for i, n in enumerate((1, CHUNK + 1, 3 * CHUNK + 5, 50, 7, 120))]
     expected = [hf_greedy(hf, p, 8) for p in prompts]
     assert list(complete(client, model, prompts[2].tolist(), ignore_eos=True).token_ids) == expected[2]
-
-    async def all_at_once():  # 6 requests on 2 slots: queued, not refused
-        aclient = AsyncOpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0)
-        calls = [
-            aclient.completions.create(
-                model=model,
-                prompt=p.tolist(),
-                max_tokens=8,
-                temperature=0,
-                extra_body={"return_token_ids": True, "ignore_eos": True},
-            )
-            for p in prompts
-        ]
-        return [r.choices[0].token_ids for r in await asyncio.gather(*calls)]
-
-    assert [list(t) for t in asyncio.run(all_at_once())] == expected
+    # 6 requests on 2 slots: queued, not refused
+    assert concurrent_greedy_tokens(server.url, model, [p.tolist() for p in prompts], 8) == expected
 
 
 def test_streaming_gives_the_same_text_in_pieces(client):

@@ -85,3 +85,28 @@ class Server:
         if left:
             os.killpg(pgid, signal.SIGKILL)
         return left
+
+
+def concurrent_greedy_tokens(
+    url: str, model: str, prompts: list[list[int]], max_tokens: int
+) -> list[list[int]]:
+    """All prompts sent at once (greedy, ignore_eos): each answer's token ids, in prompt order."""
+    import asyncio
+
+    from openai import AsyncOpenAI
+
+    async def all_at_once():
+        client = AsyncOpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+        calls = [
+            client.completions.create(
+                model=model,
+                prompt=p,
+                max_tokens=max_tokens,
+                temperature=0,
+                extra_body={"return_token_ids": True, "ignore_eos": True},
+            )
+            for p in prompts
+        ]
+        return [list(r.choices[0].token_ids) for r in await asyncio.gather(*calls)]
+
+    return asyncio.run(all_at_once())
