@@ -4,6 +4,8 @@ that turns real inputs into those shapes.
   ce_w{P}  [1, P]  context encoding of a whole prompt (standard exports), P = prompt bucket
   cp_w{W}  [1, C]  one prefill chunk attending over context bucket W (chunked exports)
   tg_w{W}  [B, 1]  one decode step for up to B slots attending over context bucket W
+  copy     [1, C]  copies C positions' K/V from one slot to another, every layer (chunked
+                   exports: prefix caching puts a cached prefix into a new request's slot)
 
 Prefill graphs return the logits of the last real token (host sampling), or of every
 position when the export serves prompt logprobs (`prompt_logits`); TG graphs sample
@@ -35,14 +37,17 @@ INDEX_DTYPE = torch.int32
 
 @dataclass(frozen=True)
 class GraphSpec:
-    kind: str  # "ce" | "cp" | "tg"
+    kind: str  # "ce" | "cp" | "tg" | "copy"
     batch: int  # rows
-    width: int  # tokens per row
-    window: int  # context bucket: positions attended over
+    width: int  # tokens per row (copy: positions per call)
+    window: int  # context bucket: positions attended over (copy: 0, it attends over nothing)
 
     @property
     def name(self) -> str:
-        return f"{self.kind}_w{self.window}"
+        return self.kind if self.kind == COPY else f"{self.kind}_w{self.window}"
+
+
+COPY = "copy"
 
 
 def graph_specs(config: NeuronConfig) -> list[GraphSpec]:
@@ -53,6 +58,8 @@ def graph_specs(config: NeuronConfig) -> list[GraphSpec]:
         else:
             specs.append(GraphSpec("ce", 1, window, window))
         specs.append(GraphSpec("tg", config.batch_size, 1, window))
+    if config.chunked:
+        specs.append(GraphSpec(COPY, 1, config.prefill_chunk_size, 0))
     return specs
 
 
@@ -93,7 +100,22 @@ class DecodeGraph(nn.Module):
         return sample(logits, sampling_params, rand, self.max_topk), logits
 
 
+class CopyGraph(nn.Module):
+    """copy: positions [1, C] of slot seq_ids[0] -> the same positions of slot seq_ids[1]."""
+
+    def __init__(self, model: DecoderModel):
+        super().__init__()
+        self.model = model
+
+    def forward(self, position_ids, seq_ids):
+        self.model.copy_positions(position_ids, seq_ids)
+        # an output of its own: graph compilers drop graphs (and runtimes calls) with none
+        return position_ids.max(dim=1).values.to(INDEX_DTYPE)
+
+
 def graph_module(model: DecoderModel, spec: GraphSpec, config: NeuronConfig) -> nn.Module:
+    if spec.kind == COPY:
+        return CopyGraph(model)
     if spec.kind == "tg":
         return DecodeGraph(model, spec.window, config.on_device_sampling, config.max_topk)
     return PrefillGraph(model, spec.window, config.prompt_logits)
@@ -101,6 +123,8 @@ def graph_module(model: DecoderModel, spec: GraphSpec, config: NeuronConfig) -> 
 
 def example_inputs(spec: GraphSpec, config: NeuronConfig) -> tuple[torch.Tensor, ...]:
     """Inputs of the static shapes a graph is traced and compiled with."""
+    if spec.kind == COPY:
+        return torch.arange(spec.width, dtype=INDEX_DTYPE)[None], torch.arange(2, dtype=INDEX_DTYPE)
     positions = torch.arange(spec.width, dtype=INDEX_DTYPE)[None].expand(spec.batch, -1).contiguous()
     inputs = (
         torch.zeros(spec.batch, spec.width, dtype=INDEX_DTYPE),
@@ -171,6 +195,24 @@ class GraphRunner:
         pos = pad_repeat_last(positions[None], width, dim=1)
         seq = torch.tensor([seq_id], dtype=INDEX_DTYPE)
         return self.graphs[f"{kind}_w{window}"](ids, pos, seq)  # callers clone what they keep
+
+    def copy_prefix(self, src_slot: int, dst_slot: int, length: int) -> int:
+        """Copy positions [0, length) of every layer's K/V from one slot to another, in calls of
+        the copy graph's width (the last padded by the one rule). Returns the calls made."""
+        if not self.config.chunked:
+            raise ValueError("only chunked exports have the copy graph")
+        if src_slot == dst_slot or length <= 0:
+            return 0
+        if length > self.config.sequence_length:
+            raise ValueError(f"{length} positions exceed sequence_length {self.config.sequence_length}")
+        width = self.config.prefill_chunk_size
+        slots = torch.tensor([src_slot, dst_slot], dtype=INDEX_DTYPE)
+        calls = 0
+        for start in range(0, length, width):
+            positions = torch.arange(start, min(start + width, length), dtype=INDEX_DTYPE)
+            self.graphs[COPY](pad_repeat_last(positions[None], width, dim=1), slots)
+            calls += 1
+        return calls
 
     def decode(
         self,

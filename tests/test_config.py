@@ -52,7 +52,7 @@ def test_invalid_configs_say_what_to_change(kwargs, message):
 
 def test_graph_sets():
     chunked = NeuronConfig(batch_size=4, sequence_length=1024, prefill_chunk_size=128)
-    assert [s.name for s in graph_specs(chunked)] == ["cp_w512", "tg_w512", "cp_w1024", "tg_w1024"]
+    assert [s.name for s in graph_specs(chunked)] == ["cp_w512", "tg_w512", "cp_w1024", "tg_w1024", "copy"]
     std = NeuronConfig(batch_size=4, sequence_length=1024)
     assert [(s.name, s.batch, s.width) for s in graph_specs(std)] == [
         ("ce_w512", 1, 512),

@@ -7,7 +7,7 @@ import functools
 import torch
 from torch import nn
 
-from .attention import Attention, cache_lengths
+from .attention import Attention, cache_lengths, write_cache
 from .family import FamilySpec
 from .kernels import KernelChoices
 from .layers import MLP, Rotary, rms_norm
@@ -223,6 +223,22 @@ class DecoderModel(nn.Module):
                 setattr(self, f"k_cache_{i}", k_cache)
                 setattr(self, f"v_cache_{i}", v_cache)
         return self.model.norm(x)
+
+    def copy_positions(self, position_ids: torch.Tensor, seq_ids: torch.Tensor) -> None:
+        """Copy the K/V of `position_ids` [1, T] from slot seq_ids[0] to slot seq_ids[1], every
+        layer (prefix caching: a cached prefix enters a new request's slot). A ring layer holds
+        position p at p % length; a full layer's positions are below its length already.
+        Padding repeats the last position (graphs.pad_repeat_last): the same entry copied twice."""
+        position_ids, seq_ids = position_ids.long(), seq_ids.long()
+        src, dst = seq_ids[:1], seq_ids[1:]
+        for i, length in enumerate(self.cache_lengths):
+            index = torch.remainder(position_ids, length)  # [1, T]
+            for kv in ("k", "v"):
+                cache = getattr(self, f"{kv}_cache_{i}")
+                values = cache.index_select(0, src).index_select(2, index[0])  # [1, Hkv, T, D]
+                cache = write_cache(cache, dst, index, values.transpose(1, 2), self.functional_cache)
+                if self.functional_cache:
+                    setattr(self, f"{kv}_cache_{i}", cache)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head(hidden)[..., : self.spec.vocab_size]  # drop the vocabulary padding

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .prefix_index import SlotCopy
+
 
 class PlanError(RuntimeError):
     """A step the compiled graphs cannot run (a scheduler configured against the export)."""
@@ -69,6 +71,7 @@ class StepPlan:
     decodes: tuple[DecodeRow, ...]
     chunks: tuple[PrefillChunk, ...]
     order: tuple[str, ...]  # every scheduled request, in the scheduler's order
+    copies: tuple[SlotCopy, ...] = ()  # cached prefixes into new requests' slots, run first
 
     @property
     def sampling_req_ids(self) -> tuple[str, ...]:
@@ -76,8 +79,10 @@ class StepPlan:
         return tuple(d.req_id for d in self.decodes) + tuple(c.req_id for c in self.chunks if c.samples)
 
 
-def plan_step(work: list[ScheduledWork], chunk_size: int, batch_size: int) -> StepPlan:
-    """Split the step into one TG call (all decodes) and prefill chunks.
+def plan_step(
+    work: list[ScheduledWork], chunk_size: int, batch_size: int, copies: tuple[SlotCopy, ...] = ()
+) -> StepPlan:
+    """Split the step into one TG call (all decodes) and prefill chunks, after the prefix copies.
 
     chunk_size 0 means a standard export: a prefill must be a whole prompt from position 0.
     """
@@ -93,7 +98,19 @@ def plan_step(work: list[ScheduledWork], chunk_size: int, batch_size: int) -> St
         raise PlanError(f"{len(decodes)} decodes in one step exceed the compiled batch_size {batch_size}")
     if len({w.slot for w in work}) != len(work):
         raise PlanError(f"two requests share a KV-cache slot: {[(w.req_id, w.slot) for w in work]}")
-    return StepPlan(tuple(decodes), tuple(chunks), tuple(w.req_id for w in work))
+    _check_copies(copies, work)
+    return StepPlan(tuple(decodes), tuple(chunks), tuple(w.req_id for w in work), tuple(copies))
+
+
+def _check_copies(copies: tuple[SlotCopy, ...], work: list[ScheduledWork]) -> None:
+    """A copy fills a request admitted this step with its prefix: its prefill starts right after."""
+    starts = {w.slot: w.start for w in work}
+    for c in copies:
+        if starts.get(c.target) != c.length:
+            raise PlanError(
+                f"prefix copy of {c.length} tokens into slot {c.target}, but that slot's work starts at "
+                f"{starts.get(c.target)}"
+            )
 
 
 def _split_prefill(w: ScheduledWork, chunk_size: int) -> list[PrefillChunk]:
@@ -119,8 +136,9 @@ def describe_chunks(plan: StepPlan) -> str:
 
 
 def describe(plan: StepPlan) -> str:
-    """'2 decodes + a[0:32] b[32:40]' - the runner's debug log line."""
-    parts = [f"{len(plan.decodes)} decodes"] if plan.decodes else []
+    """'copy 0->1[0:64] + 2 decodes + a[0:32] b[64:70]' - the runner's debug log line."""
+    parts = [f"copy {c.source}->{c.target}[0:{c.length}]" for c in plan.copies]
+    parts += [f"{len(plan.decodes)} decodes"] if plan.decodes else []
     if plan.chunks:
         parts.append(describe_chunks(plan))
     return " + ".join(parts)

@@ -111,7 +111,7 @@ class NeuronChunkedPlatform(Platform):
         cache.block_size = limits.block_size
         cache.user_specified_block_size = True
         cache.num_gpu_blocks_override = limits.num_blocks
-        cache.enable_prefix_caching = False  # a cached block would point at another slot
+        caching = _set_prefix_caching(vllm_config, export)
         parallel = vllm_config.parallel_config
         if parallel.worker_cls == "auto":
             parallel.worker_cls = WORKER
@@ -121,7 +121,13 @@ class NeuronChunkedPlatform(Platform):
         # A process forked after torch ran OpenMP work deadlocks in its first parallel op:
         # engine processes must be spawned (vLLM's CPU platform does the same).
         os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
-        logger.info("serving %s (%s) with %s", model_config.model, _describe(export), limits)
+        logger.info(
+            "serving %s (%s) with %s; prefix caching %s",
+            model_config.model,
+            _describe(export),
+            limits,
+            caching,
+        )
 
     @classmethod
     def validate_request(cls, processed_inputs, params) -> None:
@@ -225,6 +231,53 @@ def neuron_cores(export: NeuronConfig, parallel_config, dp_rank: int | None = No
     available = host_core_count(TARGETS[export.instance_type])
     current = os.environ.get("NEURON_RT_VISIBLE_CORES")
     return visible_cores_env(export.tp_degree, current, available, rank, dp_size)
+
+
+def _set_prefix_caching(vllm_config, export: NeuronConfig) -> str:
+    """Prefix caching through our KV connector (connector.py) when vLLM's flag asks for it
+    (`--enable-prefix-caching`, on by default for generative models in vLLM 0.32) and the export
+    can serve it; vLLM's own is always off (one block per request never fills). Idempotent:
+    on the second call the flag reads False and our connector is what says it was asked for.
+    Returns how it was decided, for the start-up log."""
+    from vllm.config import KVTransferConfig
+
+    from .connector import PrefixCopyConnector, is_prefix_cache_connector
+
+    cache = vllm_config.cache_config
+    ours = is_prefix_cache_connector(vllm_config.kv_transfer_config)
+    wanted = cache.enable_prefix_caching or ours
+    cache.enable_prefix_caching = False
+    unsupported = prefix_caching_unsupported(export, vllm_config.model_config.hf_config)
+    if not wanted or unsupported:
+        if ours:
+            vllm_config.kv_transfer_config = None
+        return "off (--no-enable-prefix-caching)" if not wanted else f"off: {unsupported}"
+    # one KV group, and no hybrid cache manager on this platform (support_hybrid_kv_cache)
+    vllm_config.scheduler_config.disable_hybrid_kv_cache_manager = True
+    if not ours:
+        vllm_config.kv_transfer_config = KVTransferConfig(
+            kv_connector=PrefixCopyConnector.__name__,
+            kv_connector_module_path=PrefixCopyConnector.__module__,
+            kv_role="kv_both",
+        )
+    return "on (copies cached prefixes between slots; --no-enable-prefix-caching turns it off)"
+
+
+def prefix_caching_unsupported(export: NeuronConfig, hf_config) -> str | None:
+    """Why this export cannot reuse cached prefixes, or None."""
+    from ..modeling.attention import cache_lengths
+    from ..modeling.family import family_spec
+
+    if not export.chunked:
+        return "a standard export encodes whole prompts from position 0 (export with --prefill-chunk-size)"
+    spec = family_spec(hf_config)
+    lengths = cache_lengths(spec.sliding_windows, export.sequence_length, export.prefill_chunk_size)
+    if min(lengths) < export.sequence_length:
+        return (
+            "its sliding-window layers keep a ring of the last positions only, so a finished "
+            "request's slot no longer holds its prefix"
+        )
+    return None
 
 
 def _describe(config: NeuronConfig) -> str:

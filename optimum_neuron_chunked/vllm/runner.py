@@ -1,4 +1,4 @@
-"""The step runner: scheduler output -> plan -> graphs -> hybrid sampling -> ModelRunnerOutput.
+"""The step runner: scheduler output -> plan -> prefix copies, graphs -> hybrid sampling -> ModelRunnerOutput.
 
 vLLM calls `execute_model` (graphs run, nothing sampled yet) then `sample_tokens` with the
 structured-output bitmask, if any.
@@ -17,6 +17,7 @@ from vllm.v1.sample.sampler import Sampler
 
 from ..loader import NeuronModelForCausalLM
 from .batch import BatchState
+from .connector import PrefixCopies
 from .plan import StepPlan, describe, plan_step
 from .prompt_logprobs import add_chunk
 from .sampling import device_sampling_inputs, host_sample, on_device_eligible
@@ -53,12 +54,15 @@ class StepRunner:
         if so.total_num_scheduled_tokens == 0:
             self.last_plan = None
             return EMPTY_MODEL_RUNNER_OUTPUT
+        copies = so.kv_connector_metadata.copies if isinstance(so.kv_connector_metadata, PrefixCopies) else ()
         plan = plan_step(
-            self.batch.scheduled_work(so), self.config.prefill_chunk_size, self.config.batch_size
+            self.batch.scheduled_work(so), self.config.prefill_chunk_size, self.config.batch_size, copies
         )
         self.last_plan = plan
         logger.debug("step: %s", describe(plan))
         result = StepResult(plan)
+        for c in plan.copies:  # before any graph of the step writes a slot
+            self.model.runner.copy_prefix(c.source, c.target, c.length)
         self._run_decodes(result)
         self._run_chunks(result)
         self._pending = (so, result)

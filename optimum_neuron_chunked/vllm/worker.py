@@ -96,3 +96,8 @@ class NeuronChunkedWorker(WorkerBase):
 
     def check_health(self) -> None:
         return
+
+    def get_kv_connector_handshake_metadata(self) -> None:
+        # asked by the engine core when a KV connector is set (prefix caching, connector.py):
+        # our connector runs in the scheduler only and exchanges nothing with workers
+        return None

@@ -137,10 +137,8 @@ class GraphBundle(nn.Module):
     def select(self, name: str) -> None:
         self._selected = name
 
-    def forward(self, input_ids, position_ids, seq_ids, sampling_params=None, rand=None):
-        inputs = (input_ids, position_ids, seq_ids)
-        if sampling_params is not None:
-            inputs += (sampling_params, rand)
+    def forward(self, *inputs):
+        # each graph's own inputs (graphs.example_inputs): TG adds sampling, copy has no tokens
         return self._graphs[self._selected](*inputs)
 
 

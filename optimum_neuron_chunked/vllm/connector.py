@@ -1,0 +1,116 @@
+"""Prefix caching through vLLM's KV-connector interface: the scheduler asks how many of a new
+request's tokens we can provide, schedules only the rest, and we copy them into its slot.
+
+vLLM's own prefix caching cannot serve a per-slot cache (one `max_model_len`-token block per
+request never fills, so nothing is ever hashed). A KV connector is the hook where vLLM's
+scheduler asks for external hits and then chunks the remainder itself (vllm/v1/core/sched/
+scheduler.py, 0.32: `get_num_new_matched_tokens` before allocation, `update_state_after_alloc`
+after it, `build_connector_meta` at the end of `schedule`, `request_finished` when a request
+ends). The platform sets this connector itself (`prefix_caching_config`); the worker never
+builds a worker-side instance: our runner reads the step's `PrefixCopies` and runs the copy
+graph before any other graph of the step.
+
+Valid because scheduling is synchronous (the platform turns async scheduling off): when the
+scheduler runs, every token it scheduled before has been computed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+from vllm.logger import init_logger
+
+from .prefix_index import PrefixHit, PrefixIndex, SlotCopy
+
+logger = init_logger(f"vllm.{__name__}")
+
+# Shorter common prefixes are computed, not copied (a chat template's first tokens).
+MIN_HIT_TOKENS = 16
+
+
+@dataclass(frozen=True)
+class PrefixCopies(KVConnectorMetadata):
+    """What the runner copies before the step's graphs, in this order."""
+
+    copies: tuple[SlotCopy, ...] = ()
+
+
+def is_prefix_cache_connector(kv_transfer_config) -> bool:
+    """Whether vLLM's KV-transfer config is the one the platform sets (not a user's)."""
+    return kv_transfer_config is not None and kv_transfer_config.kv_connector_module_path == __name__
+
+
+class PrefixCopyConnector(KVConnectorBase_V1):
+    def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None):
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        self.index = PrefixIndex(min_hit=MIN_HIT_TOKENS)
+        self._promised: dict[str, PrefixHit] = {}  # request id -> hit, until allocation
+        self._live: dict[int, Any] = {}  # slot -> the vLLM Request filling it (read only)
+        self._copies: list[SlotCopy] = []
+
+    # -- scheduler side ----------------------------------------------------------------------
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:
+        self._promised.pop(request.request_id, None)
+        if num_computed_tokens:  # vLLM's own hit (never, with one block per request)
+            return 0, False
+        hit = self.index.longest_hit(request.prompt_token_ids)
+        if hit is None:
+            return 0, False
+        self._promised[request.request_id] = hit
+        return hit.length, False
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
+        (block_ids,) = blocks.get_block_ids()
+        slot = block_ids[0] - 1
+        promised = self._promised.pop(request.request_id, None)
+        hit = PrefixHit(promised.source, num_external_tokens) if promised and num_external_tokens else None
+        # a request resumed after preemption may come back to another slot
+        for old in [s for s, r in self._live.items() if r.request_id == request.request_id]:
+            del self._live[old]
+        copy = self.index.admit(slot, request.prompt_token_ids, hit)
+        self._live[slot] = request
+        if copy is not None:
+            self._copies.append(copy)
+            logger.debug(
+                "prefix hit: %s copies %d tokens from slot %d", request.request_id, copy.length, copy.source
+            )
+
+    def build_connector_meta(self, scheduler_output) -> PrefixCopies:
+        # What the live slots hold once this step ran (it runs before the next schedule).
+        # Called before the scheduler adds this step's tokens to num_computed_tokens
+        # (Scheduler.schedule, 0.32: build_connector_meta, then _update_after_schedule).
+        scheduled = scheduler_output.num_scheduled_tokens
+        for slot, request in self._live.items():
+            computed = request.num_computed_tokens + scheduled.get(request.request_id, 0)
+            self.index.set(slot, request.all_token_ids[:computed])
+        meta, self._copies = PrefixCopies(tuple(self._copies)), []
+        return meta
+
+    def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        self._promised.pop(request.request_id, None)
+        for slot in [s for s, r in self._live.items() if r.request_id == request.request_id]:
+            # the slot keeps what was computed until it is given to another request
+            self.index.set(slot, request.all_token_ids[: request.num_computed_tokens])
+            del self._live[slot]
+        return False, None
+
+    # -- worker side: never built (the runner runs the copies) ---------------------------------
+
+    def start_load_kv(self, forward_context, **kwargs) -> None:
+        raise NotImplementedError("the runner applies PrefixCopies itself")
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        raise NotImplementedError("the runner applies PrefixCopies itself")
+
+    def save_kv_layer(self, layer_name, kv_layer, attn_metadata, **kwargs) -> None:
+        raise NotImplementedError("the runner applies PrefixCopies itself")
+
+    def wait_for_save(self) -> None:
+        raise NotImplementedError("the runner applies PrefixCopies itself")

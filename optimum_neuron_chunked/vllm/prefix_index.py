@@ -1,0 +1,79 @@
+"""Which KV-cache slot holds the longest prefix of a prompt: the prefix cache's index (pure).
+
+The cache has one slot per request and keeps nothing beside them: a slot's KV stays valid
+after its request ends, until the slot is given to another request. So the index records, per
+slot, the tokens whose K/V the slot holds (positions 0..n-1), and a new request reuses the
+longest common prefix with any slot by copying those positions into its own slot - or by no
+copy at all when vLLM's allocator gives it the very slot that holds them. Eviction is vLLM's
+block pool: a freed slot is reallocated least-recently-freed first, and reallocating a slot
+replaces what the index says it holds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class PrefixHit:
+    """`length` tokens of a prompt whose K/V `source` holds at positions 0..length-1."""
+
+    source: int
+    length: int
+
+
+@dataclass(frozen=True)
+class SlotCopy:
+    """Copy positions 0..length-1 of every layer's K/V from slot `source` to slot `target`."""
+
+    source: int
+    target: int
+    length: int
+
+
+def common_prefix_length(a: np.ndarray, b: np.ndarray) -> int:
+    n = min(len(a), len(b))
+    differ = np.flatnonzero(a[:n] != b[:n])
+    return int(differ[0]) if len(differ) else n
+
+
+class PrefixIndex:
+    """slot -> token ids whose K/V the slot holds at positions 0, 1, ...
+
+    `min_hit`: shorter common prefixes are not worth a copy call (a chat template's first
+    tokens); a hit always leaves the prompt's last token to compute, so that it samples."""
+
+    def __init__(self, min_hit: int):
+        self.min_hit = min_hit
+        self._held: dict[int, np.ndarray] = {}
+
+    def held(self, slot: int) -> np.ndarray:
+        return self._held.get(slot, np.empty(0, dtype=np.int64))
+
+    def set(self, slot: int, token_ids) -> None:
+        """The slot now holds the K/V of `token_ids` (those before it are gone)."""
+        self._held[slot] = np.asarray(token_ids, dtype=np.int64)
+
+    def longest_hit(self, prompt) -> PrefixHit | None:
+        prompt = np.asarray(prompt, dtype=np.int64)
+        best = None
+        for slot, held in self._held.items():
+            n = min(common_prefix_length(prompt, held), len(prompt) - 1)
+            if n >= self.min_hit and (best is None or n > best.length):
+                best = PrefixHit(slot, n)
+        return best
+
+    def admit(self, target: int, prompt, hit: PrefixHit | None) -> SlotCopy | None:
+        """A request enters `target` with `hit` (what get_num_new_matched_tokens promised):
+        the copy that puts the hit in place (None when none is needed), and the index now
+        says `target` holds the hit's tokens. A copy is always read before anything of this
+        step writes its source (the runner copies first), so the source's entry stays."""
+        prompt = np.asarray(prompt, dtype=np.int64)
+        length = hit.length if hit else 0
+        already = common_prefix_length(prompt[:length], self.held(target))
+        self.set(target, prompt[:length])
+        if length == 0 or already >= length:
+            return None  # no hit, or the slot already holds it (slot affinity)
+        return SlotCopy(hit.source, target, length)
