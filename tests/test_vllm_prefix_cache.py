@@ -15,8 +15,6 @@ from test_parity import prompt
 from test_vllm_engine import hf_greedy
 from test_vllm_steps import EXPORT, Engine
 
-from optimum_neuron_chunked.vllm.plan import describe_chunks
-
 
 class CachingEngine(Engine):
     def step(self) -> str:
