@@ -83,6 +83,11 @@ class Pair:
         torch.testing.assert_close(got_logits, want_logits, atol=TOLERANCE, rtol=0)
         assert got_tokens.tolist() == want_tokens.tolist()
 
+    def copy_prefix(self, source: int, target: int, length: int) -> None:
+        with torch.no_grad():
+            want = self.eager.copy_prefix(source, target, length)
+        assert self.device.copy_prefix(source, target, length) == want
+
     def assert_caches_equal(self) -> None:
         got = self.xla.caches()
         for name, tensor in got.items():
@@ -103,7 +108,9 @@ def test_chunked_graphs_on_xla_equal_eager(family):
     pair.prefill(a[:CHUNK], 0, slot=0)  # a full chunk, bucket 64
     pair.prefill(a[CHUNK : 2 * CHUNK], CHUNK, slot=0)  # the second chunk reads the first from the cache
     pair.prefill(a[2 * CHUNK :], 2 * CHUNK, slot=0)  # a partial chunk crossing into bucket 128
-    pair.prefill(b, 0, slot=1)  # another slot
+    pair.copy_prefix(0, 1, 2 * CHUNK + 5)  # prefix caching: three calls, the last one padded
+    pair.assert_caches_equal()
+    pair.prefill(b, 0, slot=1)  # another slot, over part of the copied prefix
     # TG: a greedy row and a top-k/top-p/temperature row, sampled on device
     pair.decode(torch.tensor([7, 9]), torch.tensor([len(a), len(b)]), torch.tensor([0, 1]), SAMPLING, RAND)
     # TG with one real row, padded to the batch by repeating it

@@ -1,0 +1,248 @@
+"""What prefix caching buys, engine-level: vLLM's `LLMEngine` stepped in-process, no HTTP.
+
+Contenders (serve_bench.py's bench model, fp32, B=8, S=4096, C=256):
+  ours-on / ours-off      the chunked export, --enable-prefix-caching / --no-enable-prefix-caching
+  native-on / native-off  vLLM's own CPU engine on the HF checkpoint, the same token budget
+Workloads (fresh random prompts per repeat, 8 requests in flight, 64 tokens out each):
+  shared      16 requests = one 2048-token system prompt + a 64-256-token suffix each
+  no-sharing  16 requests of the same lengths, nothing shared
+Each contender runs in its own process (vLLM picks its platform once per process).
+
+    python benchmark/prefix_cache.py [--quick] [--repeats 3] [--contenders ours-on,...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+sys.path[:0] = [str(REPO), str(REPO / "tests"), str(HERE)]
+
+from fixtures.export_models import code_key  # noqa: E402
+from serve_bench import FULL, QUICK, Setup  # noqa: E402
+
+from optimum_neuron_chunked.checkpoints import COMMON, build_checkpoint  # noqa: E402
+
+CONTENDERS = ("ours-on", "ours-off", "native-on", "native-off")
+WORKLOADS = ("shared", "no-sharing")
+
+
+@dataclass(frozen=True)
+class Workload:
+    requests: int
+    system: int  # shared prefix length
+    suffix: tuple[int, int]  # suffix length range
+    out_tokens: int
+    in_flight: int
+
+
+FULL_LOAD = Workload(requests=16, system=2048, suffix=(64, 256), out_tokens=64, in_flight=8)
+QUICK_LOAD = Workload(requests=6, system=192, suffix=(16, 48), out_tokens=8, in_flight=3)
+
+
+def prompts(kind: str, load: Workload, vocab: int, seed: int) -> list[list[int]]:
+    import random
+
+    rng = random.Random(seed)
+    token = lambda: rng.randrange(4, vocab)  # noqa: E731 - ids 4.. skip the special tokens
+    system = [token() for _ in range(load.system)]
+    out = []
+    for _ in range(load.requests):
+        suffix = [token() for _ in range(rng.randint(*load.suffix))]
+        head = system if kind == "shared" else [token() for _ in range(load.system)]
+        out.append(head + suffix)
+    return out
+
+
+def chunked_export(setup: Setup, work: Path) -> tuple[Path, Path]:
+    """serve_bench's checkpoint and chunked export (same folders: shared with its cache)."""
+    from exporters.neuron import export
+
+    ckpt = build_checkpoint("bench", work / "checkpoint", config={**COMMON, **setup.model})
+    out = work / f"chunked-{setup.batch}x{setup.seq}x{setup.chunk}-{setup.backend}-{code_key()}"
+    if not (out / "neuron_config.json").is_file():
+        export(str(ckpt), out, batch_size=setup.batch, sequence_length=setup.seq,
+               prefill_chunk_size=setup.chunk, backend=setup.backend, overwrite=True)  # fmt: skip
+    return ckpt, out
+
+
+def run_engine(args) -> dict:
+    """One contender, one workload, in this process: per-request TTFT, decode steps, tok/s."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # engine core in this process
+    from vllm import EngineArgs, LLMEngine, SamplingParams
+
+    native = args.contender.startswith("native")
+    engine_args = dict(model=args.model, seed=0, disable_log_stats=True, max_num_seqs=args.batch)
+    engine_args["enable_prefix_caching"] = args.contender.endswith("-on")
+    if native:
+        budget = args.chunk + args.batch - 1  # what our platform derives (limits.full_chunk_budget)
+        engine_args |= dict(dtype="float32", max_model_len=args.seq, max_num_batched_tokens=budget,
+                            long_prefill_token_threshold=args.chunk)  # fmt: skip
+    engine = LLMEngine.from_engine_args(EngineArgs(**engine_args))
+    params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=args.out_tokens)
+    queue = list(enumerate(json.loads(Path(args.prompts).read_text())))
+    # Warm-up, untimed: every graph bucket's first call (lazy init, page faults), on ids the
+    # workload never uses (3), so no prefix of it can be cached.
+    for i, n in enumerate((args.chunk + 5, args.seq - args.out_tokens - 2)):
+        engine.add_request(f"warm{i}", {"prompt_token_ids": [3] * n}, SamplingParams(max_tokens=2))
+    while engine.has_unfinished_requests():
+        engine.step()
+    sent, first, done, steps = {}, {}, {}, []
+
+    def admit():
+        i, ids = queue.pop(0)
+        engine.add_request(str(i), {"prompt_token_ids": ids}, params)
+        sent[str(i)] = time.perf_counter()
+
+    while queue and len(sent) < args.in_flight:
+        admit()
+    started = time.perf_counter()
+    while engine.has_unfinished_requests():
+        prefilling = any(r not in first for r in sent if r not in done)
+        t0 = time.perf_counter()
+        outputs = engine.step()
+        now = time.perf_counter()
+        steps.append({"ms": (now - t0) * 1000, "decode_only": not prefilling})
+        for out in outputs:
+            if out.outputs[0].token_ids and out.request_id not in first:
+                first[out.request_id] = now
+            if out.finished:
+                done[out.request_id] = now
+                if queue:
+                    admit()
+    wall = time.perf_counter() - started
+    engine.engine_core.shutdown()
+    ttft = [(first[r] - sent[r]) * 1000 for r in sent]
+    decode = [s["ms"] for s in steps if s["decode_only"]]
+    return {
+        "ttft_ms_p50": statistics.median(ttft),
+        "ttft_ms_mean": statistics.fmean(ttft),
+        "decode_step_ms_p50": statistics.median(decode) if decode else None,
+        "output_tok_s": len(sent) * args.out_tokens / wall,
+        "wall_s": wall,
+        "steps": len(steps),
+    }
+
+
+def run_contender(name: str, kind: str, setup: Setup, load: Workload, model: Path, prompt_file: Path) -> dict:
+    env = dict(os.environ)
+    if name.startswith("native"):
+        env |= {"VLLM_PLUGINS": "", "VLLM_CPU_KVCACHE_SPACE": "2"}
+    out = prompt_file.with_suffix(f".{name}.json")
+    cmd = [sys.executable, __file__, "--engine", "--contender", name, "--model", str(model),
+           "--prompts", str(prompt_file), "--out", str(out), "--batch", str(setup.batch),
+           "--seq", str(setup.seq), "--chunk", str(setup.chunk), "--out-tokens", str(load.out_tokens),
+           "--in-flight", str(load.in_flight)]  # fmt: skip
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{name} {kind} failed:\n{proc.stderr[-3000:]}")
+    return json.loads(out.read_text())
+
+
+def spread(values: list[float]) -> str:
+    values = [v for v in values if v is not None]
+    if not values:
+        return "-"
+    return f"{statistics.median(values):.1f} [{min(values):.1f}-{max(values):.1f}]"
+
+
+def render(results: dict) -> str:
+    fields = [("ttft_ms_p50", "TTFT p50 ms"), ("output_tok_s", "output tok/s"),
+              ("decode_step_ms_p50", "decode step ms")]  # fmt: skip
+    lines = [
+        f"# Prefix caching, engine-level ({results['date']}, {results['machine']})",
+        "",
+        f"Setup: {results['setup']}; workload: {results['workload']}; repeats: {results['repeats']}. "
+        "Medians over repeats [min-max]; each repeat's value is the median over its requests/steps.",
+        "",
+        "| workload | contender | " + " | ".join(label for _, label in fields) + " |",
+        "|---|---|" + "---|" * len(fields),
+    ]
+    for kind, by_contender in results["runs"].items():
+        for name, runs in by_contender.items():
+            cells = [spread([r[f] for r in runs]) for f, _ in fields]
+            lines.append(f"| {kind} | {name} | " + " | ".join(cells) + " |")
+    lines += ["", "Ratios (medians):", ""]
+    for kind in results["runs"]:
+        lines += ratio_lines(kind, results["runs"][kind])
+    return "\n".join(lines) + "\n"
+
+
+def ratio_lines(kind: str, runs: dict) -> list[str]:
+    def med(name, field):
+        return statistics.median(r[field] for r in runs[name]) if name in runs else None
+
+    lines = []
+    for engine in ("ours", "native"):
+        on, off = med(f"{engine}-on", "ttft_ms_p50"), med(f"{engine}-off", "ttft_ms_p50")
+        if on and off:
+            tput = med(f"{engine}-on", "output_tok_s") / med(f"{engine}-off", "output_tok_s")
+            lines.append(
+                f"- {kind}, {engine}: TTFT p50 on/off {on / off:.2f}x, output tok/s on/off {tput:.3f}x"
+            )
+        step_on, step_off = (
+            med(f"{engine}-on", "decode_step_ms_p50"),
+            med(f"{engine}-off", "decode_step_ms_p50"),
+        )
+        if step_on and step_off:
+            lines.append(f"- {kind}, {engine}: decode step on/off {step_on / step_off:.3f}x")
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="tiny model and workload (a smoke run)")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--contenders", default=",".join(CONTENDERS))
+    p.add_argument("--workloads", default=",".join(WORKLOADS))
+    p.add_argument("--work", type=Path, default=Path.home() / ".cache" / "optimum-neuron-chunked" / "bench")
+    p.add_argument("--tag", default="")
+    for name in ("--engine",):
+        p.add_argument(name, action="store_true", help=argparse.SUPPRESS)
+    for name in ("--contender", "--model", "--prompts", "--out"):
+        p.add_argument(name, help=argparse.SUPPRESS)
+    for name in ("--batch", "--seq", "--chunk", "--out-tokens", "--in-flight"):
+        p.add_argument(name, type=int, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.engine:
+        Path(args.out).write_text(json.dumps(run_engine(args)))
+        return 0
+    setup, load = (QUICK, QUICK_LOAD) if args.quick else (FULL, FULL_LOAD)
+    work = args.work / ("quick" if args.quick else "full")
+    work.mkdir(parents=True, exist_ok=True)
+    ckpt, chunked = chunked_export(setup, work)
+    runs: dict = {kind: {} for kind in args.workloads.split(",")}
+    for repeat in range(args.repeats):
+        for kind in runs:
+            prompt_file = work / f"prefix-prompts-{kind}-{repeat}.json"
+            prompt_file.write_text(json.dumps(prompts(kind, load, setup.model["vocab_size"], seed=repeat)))
+            for name in args.contenders.split(","):
+                model = ckpt if name.startswith("native") else chunked
+                result = run_contender(name, kind, setup, load, model, prompt_file)
+                runs[kind].setdefault(name, []).append(result)
+                print(f"repeat {repeat} {kind:10s} {name:10s} {json.dumps(result)}", flush=True)
+    date = datetime.date.today().isoformat()
+    results = dict(date=date, machine=f"{platform.node()} {os.cpu_count()} cpus", repeats=args.repeats,
+                   setup=f"B={setup.batch} S={setup.seq} C={setup.chunk} {setup.backend} {setup.model}",
+                   workload=asdict(load), runs=runs)  # fmt: skip
+    name = f"prefix-{date}-vm{'-quick' if args.quick else ''}{'-' + args.tag if args.tag else ''}"
+    out = HERE / "results"
+    (out / f"{name}.json").write_text(json.dumps(results, indent=1))
+    (out / f"{name}.md").write_text(render(results))
+    print(render(results))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

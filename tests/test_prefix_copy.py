@@ -1,0 +1,49 @@
+"""The copy graph: a prefix copied from one slot into another is exactly what computing it
+there would have written, on every backend that runs here (cpu: AOTInductor, in place)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import export_params
+from fixtures.export_models import CHUNK
+from test_parity import prompt
+
+EXPORTS = ["llama-2x4x32-eager", "llama-2x4x32-cpu", "qwen3_moe-2x4x32-cpu"]
+
+
+@pytest.mark.parametrize("export_dir", export_params(EXPORTS), indirect=True)
+@pytest.mark.parametrize("hit", [CHUNK - 7, 2 * CHUNK, 3 * CHUNK + 5])
+def test_a_copied_prefix_equals_the_computed_one(export_dir, neuron_model, hf_reference, hit):
+    hf = hf_reference(neuron_model.config.model_type)
+    shared = prompt(3 * CHUNK + 5, seed=60)
+    ids = torch.cat([shared[:hit], prompt(20, seed=61)])
+    neuron_model.prefill(shared, seq_id=0)
+    neuron_model.prefill(prompt(100, seed=62), seq_id=1)  # stale K/V the copy must replace
+    calls = neuron_model.runner.copy_prefix(0, 1, hit)
+    assert calls == -(-hit // CHUNK)
+    logits = None
+    for start in range(hit, len(ids), CHUNK):
+        logits = neuron_model.prefill_chunk(ids[start : start + CHUNK], start, seq_id=1)
+    with torch.no_grad():
+        expected = hf(ids[None]).logits[0, -1].float()
+    torch.testing.assert_close(logits, expected, atol=1e-4, rtol=0)
+    # and the decode graph reads the copied positions too
+    tokens, _ = neuron_model.decode(
+        torch.tensor([int(logits.argmax())]), torch.tensor([len(ids)]), torch.tensor([1])
+    )
+    with torch.no_grad():
+        expected_next = hf(torch.cat([ids, logits.argmax()[None]])[None]).logits[0, -1].argmax()
+    assert int(tokens[0]) == int(expected_next)
+
+
+def test_copy_is_refused_by_standard_exports_and_checks_its_length():
+    from optimum_neuron_chunked.config import NeuronConfig
+    from optimum_neuron_chunked.graphs import GraphRunner
+
+    with pytest.raises(ValueError, match="chunked"):
+        GraphRunner(NeuronConfig(batch_size=2, sequence_length=128), {}).copy_prefix(0, 1, 10)
+    chunked = GraphRunner(NeuronConfig(batch_size=2, sequence_length=128, prefill_chunk_size=32), {})
+    with pytest.raises(ValueError, match="exceed"):
+        chunked.copy_prefix(0, 1, 129)
+    assert chunked.copy_prefix(1, 1, 50) == 0  # same slot: nothing to copy
