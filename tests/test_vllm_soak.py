@@ -1,4 +1,5 @@
-"""Soak: 200 requests of random lengths at twice the slot count, a tenth dropped mid-prefill.
+"""Soak: 200 requests of random lengths at twice the slot count, a tenth dropped mid-prefill,
+half of them opening with one of three shared prefixes (prefix caching copies them).
 
 Every finished request must equal HF transformers' greedy tokens, no slot may leak, and the
 server must still serve afterwards.
@@ -21,7 +22,12 @@ SEQUENCE_LENGTH, SLOTS = 128, 2
 NUM_REQUESTS, CONCURRENCY = 200, 2 * SLOTS
 
 
+SHARED = [prompt(n, seed=90 + n) for n in (20, CHUNK, 2 * CHUNK + 7)]  # mid-chunk, one, two+
+
+
 def workload(seed: int = 0) -> list[dict]:
+    import torch
+
     rng = random.Random(seed)
     requests = []
     for i in range(NUM_REQUESTS):
@@ -30,9 +36,11 @@ def workload(seed: int = 0) -> list[dict]:
         length = (
             rng.randint(3 * CHUNK + 1, SEQUENCE_LENGTH - new_tokens) if long else rng.randint(1, 3 * CHUNK)
         )
-        requests.append(
-            {"id": i, "ids": prompt(length, seed=100 + i), "new_tokens": new_tokens, "drop": i % 10 == 3}
-        )
+        ids = prompt(length, seed=100 + i)
+        if i % 2:  # a shared prefix, then the request's own tokens
+            shared = SHARED[rng.randrange(len(SHARED))][: max(0, length - 1)]
+            ids = torch.cat([shared, ids[len(shared) :]])
+        requests.append({"id": i, "ids": ids, "new_tokens": new_tokens, "drop": i % 10 == 3})
     return requests
 
 
@@ -80,6 +88,7 @@ def test_soak(export_dir, tmp_path, hf_reference):
         metrics = server.metrics()
         assert metrics["vllm:num_requests_running"] == 0 and metrics["vllm:num_requests_waiting"] == 0
         assert metrics["vllm:kv_cache_usage_perc"] == 0  # every slot is free again
+        assert metrics["vllm:external_prefix_cache_hits_total"] > 0  # the shared prefixes were reused
         after = requests[0]
         body = {"model": model, "prompt": after["ids"].tolist(), "max_tokens": 5, "temperature": 0}
         body |= {"ignore_eos": True, "return_token_ids": True}
