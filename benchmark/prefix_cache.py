@@ -135,6 +135,29 @@ def run_engine(args) -> dict:
     }
 
 
+def copy_cost(export_dir: Path, repeats: int = 15) -> dict:
+    """The copy graph alone: ms per prefix length (median [min-max]), and K/V bytes per token."""
+    import torch
+
+    from optimum_neuron_chunked import NeuronModelForCausalLM
+
+    model = NeuronModelForCausalLM.from_pretrained(export_dir)
+    hf, nc = model.config, model.neuron_config
+    head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+    itemsize = torch.empty(0, dtype=getattr(torch, nc.dtype)).element_size()
+    per_token = 2 * hf.num_hidden_layers * hf.num_key_value_heads * head_dim * itemsize
+    out = {"bytes_per_token": per_token, "chunk": nc.prefill_chunk_size, "ms": {}}
+    for length in (nc.prefill_chunk_size, 2048, nc.sequence_length):
+        model.runner.copy_prefix(0, 1, length)  # warm
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            model.runner.copy_prefix(0, 1, length)
+            times.append((time.perf_counter() - t0) * 1000)
+        out["ms"][length] = [statistics.median(times), min(times), max(times)]
+    return out
+
+
 def run_contender(name: str, kind: str, setup: Setup, load: Workload, model: Path, prompt_file: Path) -> dict:
     env = dict(os.environ)
     if name.startswith("native"):
@@ -176,6 +199,13 @@ def render(results: dict) -> str:
     lines += ["", "Ratios (medians):", ""]
     for kind in results["runs"]:
         lines += ratio_lines(kind, results["runs"][kind])
+    cost = results.get("copy_cost")
+    if cost:
+        lines += ["", f"Copy graph alone (K/V {cost['bytes_per_token']} bytes per token, {cost['chunk']} positions "
+                  "per call, median [min-max] of 15):", ""]  # fmt: skip
+        for length, (med, lo, hi) in cost["ms"].items():
+            mib = int(length) * cost["bytes_per_token"] / 2**20
+            lines.append(f"- {length} tokens ({mib:.0f} MiB): {med:.2f} ms [{lo:.2f}-{hi:.2f}]")
     return "\n".join(lines) + "\n"
 
 
@@ -235,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
     date = datetime.date.today().isoformat()
     results = dict(date=date, machine=f"{platform.node()} {os.cpu_count()} cpus", repeats=args.repeats,
                    setup=f"B={setup.batch} S={setup.seq} C={setup.chunk} {setup.backend} {setup.model}",
-                   workload=asdict(load), runs=runs)  # fmt: skip
+                   workload=asdict(load), runs=runs, copy_cost=copy_cost(chunked))  # fmt: skip
     name = f"prefix-{date}-vm{'-quick' if args.quick else ''}{'-' + args.tag if args.tag else ''}"
     out = HERE / "results"
     (out / f"{name}.json").write_text(json.dumps(results, indent=1))

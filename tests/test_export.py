@@ -44,7 +44,13 @@ def test_chunked_artifact_has_cp_and_tg_graphs_and_no_ce(export_dir):
         "model.safetensors",
     } <= found
     graphs = sorted(f for f in found if f.startswith("graphs/"))
-    assert graphs == ["graphs/cp_w128.pt2", "graphs/cp_w64.pt2", "graphs/tg_w128.pt2", "graphs/tg_w64.pt2"]
+    assert graphs == [
+        "graphs/copy.pt2",
+        "graphs/cp_w128.pt2",
+        "graphs/cp_w64.pt2",
+        "graphs/tg_w128.pt2",
+        "graphs/tg_w64.pt2",
+    ]
     assert json.loads((export_dir / CONFIG_NAME).read_text())["prefill_chunk_size"] == 32
 
 

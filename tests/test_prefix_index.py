@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from optimum_neuron_chunked.vllm.prefix_index import PrefixHit, PrefixIndex, SlotCopy, common_prefix_length
+from optimum_neuron_chunked.vllm.prefix_index import (
+    PrefixHit,
+    PrefixIndex,
+    SlotCopy,
+    common_prefix_length,
+    worth_waiting,
+)
 
 
 def test_the_longest_common_prefix_over_every_slot_wins():
@@ -42,6 +48,17 @@ def test_admission_without_a_hit_forgets_what_the_slot_held():
     index.set(0, range(100))
     assert index.admit(0, [7, 8, 9], None) is None
     assert index.longest_hit(list(range(50))) is None
+
+
+def test_a_request_waits_for_a_prefix_being_computed_only_if_it_saves_a_chunk():
+    system = list(range(100))
+    prompt = [*system, 500, 501]
+    assert worth_waiting(prompt, 0, [[*system, 7]], min_gain=32)  # 100 tokens to gain
+    assert worth_waiting(prompt, 60, [[*system, 7]], min_gain=32)  # 40 more than held now
+    assert not worth_waiting(prompt, 80, [[*system, 7]], min_gain=32)  # 20: start now
+    assert not worth_waiting(prompt, 0, [[9, *system]], min_gain=32)  # nothing shared
+    assert not worth_waiting(prompt[:20], 0, [[*system, 7]], min_gain=32)  # a short prompt
+    assert not worth_waiting(prompt, 0, [], min_gain=32)
 
 
 @pytest.mark.parametrize("a,b,n", [([], [1], 0), ([1, 2], [1, 2], 2), ([1, 2, 3], [1, 2], 2), ([1], [2], 0)])

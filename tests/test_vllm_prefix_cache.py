@@ -175,3 +175,22 @@ def test_prompt_logprobs_requests_read_no_cached_prefix(engine):
     engine.scheduler.add_request(Request("b", a.tolist(), params, None))
     so = engine.scheduler.schedule()
     assert so.num_scheduled_tokens == {"b": 64}  # from position 0
+
+
+def test_a_request_waits_for_a_shared_prefix_another_is_computing(engine, hf_reference):
+    """b arrives with a, sharing a's first three chunks: rather than compute them twice (and
+    take budget from a every step), b waits until a has them, then copies them."""
+    system = prompt(96, seed=52)
+    a, b = joined(system, prompt(20, seed=53)), joined(system, prompt(10, seed=54))
+    engine.add("a", a, max_tokens=3)
+    engine.add("b", b, max_tokens=3)
+    table = engine.run()
+    assert table[:5] == [
+        "| a[0:32]",  # b waits: a is computing 96 tokens of b's prompt
+        "| a[32:64]",
+        "| a[64:96]",
+        "copy 0->1[0:96] | a[96:116] b[96:106]",  # then b copies them and computes its own
+        "a+b |",
+    ]
+    hf = hf_reference("llama")
+    assert engine.tokens == {"a": hf_greedy(hf, a, 3), "b": hf_greedy(hf, b, 3)}

@@ -25,8 +25,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 from vllm.logger import init_logger
+from vllm.v1.request import RequestStatus
 
-from .prefix_index import PrefixHit, PrefixIndex, SlotCopy
+from .prefix_index import PrefixHit, PrefixIndex, SlotCopy, worth_waiting
 
 logger = init_logger(f"vllm.{__name__}")
 
@@ -50,21 +51,37 @@ class PrefixCopyConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         self.index = PrefixIndex(min_hit=MIN_HIT_TOKENS)
+        # a wait must save at least a chunk's worth of prefill (the per-request share of a step)
+        self.min_wait_gain = vllm_config.scheduler_config.long_prefill_token_threshold or MIN_HIT_TOKENS
         self._promised: dict[str, PrefixHit] = {}  # request id -> hit, until allocation
         self._live: dict[int, Any] = {}  # slot -> the vLLM Request filling it (read only)
         self._copies: list[SlotCopy] = []
 
     # -- scheduler side ----------------------------------------------------------------------
 
-    def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        """(tokens a slot holds, False), or (None, False): ask again next step - the scheduler
+        then skips the request this step and tries the next one (Scheduler.schedule, 0.32)."""
         self._promised.pop(request.request_id, None)
         if num_computed_tokens:  # vLLM's own hit (never, with one block per request)
             return 0, False
         hit = self.index.longest_hit(request.prompt_token_ids)
+        if worth_waiting(
+            request.prompt_token_ids, hit.length if hit else 0, self._computing(), self.min_wait_gain
+        ):
+            return None, False
         if hit is None:
             return 0, False
         self._promised[request.request_id] = hit
         return hit.length, False
+
+    def _computing(self) -> list:
+        """Prompts that running requests are prefilling now."""
+        return [
+            r.prompt_token_ids
+            for r in self._live.values()
+            if r.status == RequestStatus.RUNNING and r.num_computed_tokens < r.num_prompt_tokens
+        ]
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
         (block_ids,) = blocks.get_block_ids()
