@@ -55,6 +55,9 @@ class PrefixCopyConnector(KVConnectorBase_V1):
         self.min_wait_gain = vllm_config.scheduler_config.long_prefill_token_threshold or MIN_HIT_TOKENS
         self._promised: dict[str, PrefixHit] = {}  # request id -> hit, until allocation
         self._live: dict[int, Any] = {}  # slot -> the vLLM Request filling it (read only)
+        # slot -> tokens of its live request computed once the last scheduled step ran; the
+        # index reads them only when a new request looks up (not on every decode step)
+        self._live_computed: dict[int, int] = {}
         self._copies: list[SlotCopy] = []
 
     # -- scheduler side ----------------------------------------------------------------------
@@ -65,6 +68,7 @@ class PrefixCopyConnector(KVConnectorBase_V1):
         self._promised.pop(request.request_id, None)
         if num_computed_tokens:  # vLLM's own hit (never, with one block per request)
             return 0, False
+        self._sync_live_slots()
         hit = self.index.longest_hit(request.prompt_token_ids)
         if worth_waiting(
             request.prompt_token_ids, hit.length if hit else 0, self._computing(), self.min_wait_gain
@@ -74,6 +78,11 @@ class PrefixCopyConnector(KVConnectorBase_V1):
             return 0, False
         self._promised[request.request_id] = hit
         return hit.length, False
+
+    def _sync_live_slots(self) -> None:
+        for slot, computed in self._live_computed.items():
+            if len(self.index.held(slot)) != computed:
+                self.index.set(slot, self._live[slot].all_token_ids[:computed])
 
     def _computing(self) -> list:
         """Prompts that running requests are prefilling now."""
@@ -90,9 +99,10 @@ class PrefixCopyConnector(KVConnectorBase_V1):
         hit = PrefixHit(promised.source, num_external_tokens) if promised and num_external_tokens else None
         # a request resumed after preemption may come back to another slot
         for old in [s for s, r in self._live.items() if r.request_id == request.request_id]:
-            del self._live[old]
+            del self._live[old], self._live_computed[old]
         copy = self.index.admit(slot, request.prompt_token_ids, hit)
         self._live[slot] = request
+        self._live_computed[slot] = len(self.index.held(slot))
         if copy is not None:
             self._copies.append(copy)
             logger.debug(
@@ -105,8 +115,7 @@ class PrefixCopyConnector(KVConnectorBase_V1):
         # (Scheduler.schedule, 0.32: build_connector_meta, then _update_after_schedule).
         scheduled = scheduler_output.num_scheduled_tokens
         for slot, request in self._live.items():
-            computed = request.num_computed_tokens + scheduled.get(request.request_id, 0)
-            self.index.set(slot, request.all_token_ids[:computed])
+            self._live_computed[slot] = request.num_computed_tokens + scheduled.get(request.request_id, 0)
         meta, self._copies = PrefixCopies(tuple(self._copies)), []
         return meta
 
@@ -115,7 +124,7 @@ class PrefixCopyConnector(KVConnectorBase_V1):
         for slot in [s for s, r in self._live.items() if r.request_id == request.request_id]:
             # the slot keeps what was computed until it is given to another request
             self.index.set(slot, request.all_token_ids[: request.num_computed_tokens])
-            del self._live[slot]
+            del self._live[slot], self._live_computed[slot]
         return False, None
 
     # -- worker side: never built (the runner runs the copies) ---------------------------------
