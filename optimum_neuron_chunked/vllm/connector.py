@@ -6,7 +6,7 @@ request never fills, so nothing is ever hashed). A KV connector is the hook wher
 scheduler asks for external hits and then chunks the remainder itself (vllm/v1/core/sched/
 scheduler.py, 0.32: `get_num_new_matched_tokens` before allocation, `update_state_after_alloc`
 after it, `build_connector_meta` at the end of `schedule`, `request_finished` when a request
-ends). The platform sets this connector itself (`prefix_caching_config`); the worker never
+ends). The platform sets this connector itself (`_set_prefix_caching`); the worker never
 builds a worker-side instance: our runner reads the step's `PrefixCopies` and runs the copy
 graph before any other graph of the step.
 
@@ -79,6 +79,9 @@ class PrefixCopyConnector(KVConnectorBase_V1):
         self._promised[request.request_id] = hit
         return hit.length, False
 
+    def _slots_of(self, request) -> list[int]:
+        return [slot for slot, r in self._live.items() if r.request_id == request.request_id]
+
     def _sync_live_slots(self) -> None:
         for slot, computed in self._live_computed.items():
             if len(self.index.held(slot)) != computed:
@@ -98,7 +101,7 @@ class PrefixCopyConnector(KVConnectorBase_V1):
         promised = self._promised.pop(request.request_id, None)
         hit = PrefixHit(promised.source, num_external_tokens) if promised and num_external_tokens else None
         # a request resumed after preemption may come back to another slot
-        for old in [s for s, r in self._live.items() if r.request_id == request.request_id]:
+        for old in self._slots_of(request):
             del self._live[old], self._live_computed[old]
         copy = self.index.admit(slot, request.prompt_token_ids, hit)
         self._live[slot] = request
@@ -121,7 +124,7 @@ class PrefixCopyConnector(KVConnectorBase_V1):
 
     def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         self._promised.pop(request.request_id, None)
-        for slot in [s for s, r in self._live.items() if r.request_id == request.request_id]:
+        for slot in self._slots_of(request):
             # the slot keeps what was computed until it is given to another request
             self.index.set(slot, request.all_token_ids[: request.num_computed_tokens])
             del self._live[slot], self._live_computed[slot]
