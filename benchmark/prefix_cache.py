@@ -4,8 +4,11 @@ Contenders (serve_bench.py's bench model, fp32, B=8, S=4096, C=256):
   ours-on / ours-off      the chunked export, --enable-prefix-caching / --no-enable-prefix-caching
   native-on / native-off  vLLM's own CPU engine on the HF checkpoint, the same token budget
 Workloads (fresh random prompts per repeat, 8 requests in flight, 64 tokens out each):
-  shared      16 requests = one 2048-token system prompt + a 64-256-token suffix each
-  no-sharing  16 requests of the same lengths, nothing shared
+  shared       16 requests = one 2048-token system prompt + a 64-256-token suffix each, cold:
+               the first 8 arrive together and one of them computes the system prompt
+  shared-warm  the same 16, after one untimed request with the system prompt (a server whose
+               system prompt was seen before: the steady state of a long-running one)
+  no-sharing   16 requests of the same lengths, nothing shared
 Each contender runs in its own process (vLLM picks its platform once per process).
 
     python benchmark/prefix_cache.py [--quick] [--repeats 3] [--contenders ours-on,...]
@@ -35,7 +38,7 @@ from serve_bench import FULL, QUICK, Setup  # noqa: E402
 from optimum_neuron_chunked.checkpoints import COMMON, build_checkpoint  # noqa: E402
 
 CONTENDERS = ("ours-on", "ours-off", "native-on", "native-off")
-WORKLOADS = ("shared", "no-sharing")
+WORKLOADS = ("shared", "shared-warm", "no-sharing")
 
 
 @dataclass(frozen=True)
@@ -51,18 +54,21 @@ FULL_LOAD = Workload(requests=16, system=2048, suffix=(64, 256), out_tokens=64, 
 QUICK_LOAD = Workload(requests=6, system=192, suffix=(16, 48), out_tokens=8, in_flight=3)
 
 
-def prompts(kind: str, load: Workload, vocab: int, seed: int) -> list[list[int]]:
+def prompts(kind: str, load: Workload, vocab: int, seed: int) -> dict[str, list[list[int]]]:
+    """{"timed": the workload's prompts, "prime": served untimed before them}. Seeded by the
+    repeat only, so shared and shared-warm time the same prompts."""
     import random
 
     rng = random.Random(seed)
     token = lambda: rng.randrange(4, vocab)  # noqa: E731 - ids 4.. skip the special tokens
     system = [token() for _ in range(load.system)]
-    out = []
+    timed = []
     for _ in range(load.requests):
         suffix = [token() for _ in range(rng.randint(*load.suffix))]
-        head = system if kind == "shared" else [token() for _ in range(load.system)]
-        out.append(head + suffix)
-    return out
+        head = system if kind.startswith("shared") else [token() for _ in range(load.system)]
+        timed.append(head + suffix)
+    prime = [system + [token() for _ in range(load.suffix[0])]] if kind == "shared-warm" else []
+    return {"timed": timed, "prime": prime}
 
 
 def chunked_export(setup: Setup, work: Path) -> tuple[Path, Path]:
@@ -91,13 +97,16 @@ def run_engine(args) -> dict:
                             long_prefill_token_threshold=args.chunk)  # fmt: skip
     engine = LLMEngine.from_engine_args(EngineArgs(**engine_args))
     params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=args.out_tokens)
-    queue = list(enumerate(json.loads(Path(args.prompts).read_text())))
+    work = json.loads(Path(args.prompts).read_text())
+    queue = list(enumerate(work["timed"]))
     # Warm-up, untimed: every graph bucket's first call (lazy init, page faults), on ids the
-    # workload never uses (3), so no prefix of it can be cached.
-    for i, n in enumerate((args.chunk + 5, args.seq - args.out_tokens - 2)):
-        engine.add_request(f"warm{i}", {"prompt_token_ids": [3] * n}, SamplingParams(max_tokens=2))
-    while engine.has_unfinished_requests():
-        engine.step()
+    # workload never uses (3), so no prefix of it can be cached; then the workload's primers.
+    warm = [[3] * n for n in (args.chunk + 5, args.seq - args.out_tokens - 2)]
+    for g, group in enumerate((warm, work["prime"])):
+        for i, ids in enumerate(group):
+            engine.add_request(f"warm{g}-{i}", {"prompt_token_ids": ids}, SamplingParams(max_tokens=2))
+        while engine.has_unfinished_requests():
+            engine.step()
     sent, first, done, steps = {}, {}, {}, []
 
     def admit():
@@ -124,14 +133,21 @@ def run_engine(args) -> dict:
     wall = time.perf_counter() - started
     engine.engine_core.shutdown()
     ttft = [(first[r] - sent[r]) * 1000 for r in sent]
+    first_wave = ttft[: args.in_flight]  # sent together at the start; the rest as slots free
     decode = [s["ms"] for s in steps if s["decode_only"]]
+    # Per request, in admission order: ms from the run's start to sent and to its first token.
+    timeline = {r: [(sent[r] - started) * 1000, (first[r] - started) * 1000] for r in sent}
     return {
         "ttft_ms_p50": statistics.median(ttft),
         "ttft_ms_mean": statistics.fmean(ttft),
+        "ttft_ms_p50_first_wave": statistics.median(first_wave),
+        "ttft_ms_p50_later": statistics.median(ttft[args.in_flight :]) if ttft[args.in_flight :] else None,
         "decode_step_ms_p50": statistics.median(decode) if decode else None,
         "output_tok_s": len(sent) * args.out_tokens / wall,
         "wall_s": wall,
         "steps": len(steps),
+        "step_ms": [round(s["ms"], 2) for s in steps],
+        "requests_ms": timeline,
     }
 
 
@@ -147,7 +163,7 @@ def copy_cost(export_dir: Path, repeats: int = 15) -> dict:
     itemsize = torch.empty(0, dtype=getattr(torch, nc.dtype)).element_size()
     per_token = 2 * hf.num_hidden_layers * hf.num_key_value_heads * head_dim * itemsize
     out = {"bytes_per_token": per_token, "chunk": nc.prefill_chunk_size, "ms": {}}
-    for length in (nc.prefill_chunk_size, 2048, nc.sequence_length):
+    for length in sorted({nc.prefill_chunk_size, nc.sequence_length // 2, nc.sequence_length}):
         model.runner.copy_prefix(0, 1, length)  # warm
         times = []
         for _ in range(repeats):
@@ -181,7 +197,8 @@ def spread(values: list[float]) -> str:
 
 
 def render(results: dict) -> str:
-    fields = [("ttft_ms_p50", "TTFT p50 ms"), ("output_tok_s", "output tok/s"),
+    fields = [("ttft_ms_p50", "TTFT p50 ms"), ("ttft_ms_p50_first_wave", "first wave TTFT p50"),
+              ("ttft_ms_p50_later", "later TTFT p50"), ("output_tok_s", "output tok/s"),
               ("decode_step_ms_p50", "decode step ms")]  # fmt: skip
     lines = [
         f"# Prefix caching, engine-level ({results['date']}, {results['machine']})",
@@ -194,7 +211,7 @@ def render(results: dict) -> str:
     ]
     for kind, by_contender in results["runs"].items():
         for name, runs in by_contender.items():
-            cells = [spread([r[f] for r in runs]) for f, _ in fields]
+            cells = [spread([r.get(f) for r in runs]) for f, _ in fields]
             lines.append(f"| {kind} | {name} | " + " | ".join(cells) + " |")
     lines += ["", "Ratios (medians):", ""]
     for kind in results["runs"]:
@@ -261,7 +278,8 @@ def main(argv: list[str] | None = None) -> int:
                 model = ckpt if name.startswith("native") else chunked
                 result = run_contender(name, kind, setup, load, model, prompt_file)
                 runs[kind].setdefault(name, []).append(result)
-                print(f"repeat {repeat} {kind:10s} {name:10s} {json.dumps(result)}", flush=True)
+                summary = {k: round(v, 1) for k, v in result.items() if isinstance(v, float)}
+                print(f"repeat {repeat} {kind:11s} {name:10s} {json.dumps(summary)}", flush=True)
     date = datetime.date.today().isoformat()
     results = dict(date=date, machine=f"{platform.node()} {os.cpu_count()} cpus", repeats=args.repeats,
                    setup=f"B={setup.batch} S={setup.seq} C={setup.chunk} {setup.backend} {setup.model}",
