@@ -32,10 +32,12 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path[:0] = [str(REPO), str(REPO / "tests"), str(HERE)]
 
+from engine_loop import EngineLoop  # noqa: E402
 from fixtures.export_models import code_key  # noqa: E402
 from serve_bench import FULL, QUICK, Setup  # noqa: E402
 
 from optimum_neuron_chunked.checkpoints import COMMON, build_checkpoint  # noqa: E402
+from optimum_neuron_chunked.vllm.limits import full_chunk_budget  # noqa: E402
 
 CONTENDERS = ("ours-on", "ours-off", "native-on", "native-off")
 WORKLOADS = ("shared", "shared-warm", "no-sharing")
@@ -85,69 +87,47 @@ def chunked_export(setup: Setup, work: Path) -> tuple[Path, Path]:
 
 def run_engine(args) -> dict:
     """One contender, one workload, in this process: per-request TTFT, decode steps, tok/s."""
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # engine core in this process
-    from vllm import EngineArgs, LLMEngine, SamplingParams
-
-    native = args.contender.startswith("native")
-    engine_args = dict(model=args.model, seed=0, disable_log_stats=True, max_num_seqs=args.batch)
-    engine_args["enable_prefix_caching"] = args.contender.endswith("-on")
-    if native:
-        budget = args.chunk + args.batch - 1  # what our platform derives (limits.full_chunk_budget)
-        engine_args |= dict(dtype="float32", max_model_len=args.seq, max_num_batched_tokens=budget,
+    engine_args = dict(
+        model=args.model, max_num_seqs=args.batch, enable_prefix_caching=args.contender.endswith("-on")
+    )
+    if args.contender.startswith("native"):
+        # the budget and threshold our platform derives for the chunked export
+        engine_args |= dict(dtype="float32", max_model_len=args.seq,
+                            max_num_batched_tokens=full_chunk_budget(args.chunk, args.batch),
                             long_prefill_token_threshold=args.chunk)  # fmt: skip
-    engine = LLMEngine.from_engine_args(EngineArgs(**engine_args))
-    params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=args.out_tokens)
+    loop = EngineLoop(**engine_args)
     work = json.loads(Path(args.prompts).read_text())
-    queue = list(enumerate(work["timed"]))
-    # Warm-up, untimed: every graph bucket's first call (lazy init, page faults), on ids the
-    # workload never uses (3), so no prefix of it can be cached; then the workload's primers.
-    warm = [[3] * n for n in (args.chunk + 5, args.seq - args.out_tokens - 2)]
-    for g, group in enumerate((warm, work["prime"])):
-        for i, ids in enumerate(group):
-            engine.add_request(f"warm{g}-{i}", {"prompt_token_ids": ids}, SamplingParams(max_tokens=2))
-        while engine.has_unfinished_requests():
-            engine.step()
-    sent, first, done, steps = {}, {}, {}, []
-
-    def admit():
-        i, ids = queue.pop(0)
-        engine.add_request(str(i), {"prompt_token_ids": ids}, params)
-        sent[str(i)] = time.perf_counter()
-
-    while queue and len(sent) < args.in_flight:
-        admit()
+    # Every graph bucket's first call on ids the workload never uses (3), so nothing of it is
+    # cached; then the workload's primers.
+    loop.warm_up([[3] * n for n in (args.chunk + 5, args.seq - args.out_tokens - 2)])
+    loop.warm_up(work["prime"])
+    queue = [(str(i), ids) for i, ids in enumerate(work["timed"])]
+    for name, ids in queue[: args.in_flight]:
+        loop.add(name, ids, args.out_tokens)
+    queue = queue[args.in_flight :]
     started = time.perf_counter()
-    while engine.has_unfinished_requests():
-        prefilling = any(r not in first for r in sent if r not in done)
-        t0 = time.perf_counter()
-        outputs = engine.step()
-        now = time.perf_counter()
-        steps.append({"ms": (now - t0) * 1000, "decode_only": not prefilling})
-        for out in outputs:
-            if out.outputs[0].token_ids and out.request_id not in first:
-                first[out.request_id] = now
-            if out.finished:
-                done[out.request_id] = now
-                if queue:
-                    admit()
+    while loop.busy:
+        for _ in loop.step():
+            if queue:
+                loop.add(*queue.pop(0), args.out_tokens)
     wall = time.perf_counter() - started
-    engine.engine_core.shutdown()
-    ttft = [(first[r] - sent[r]) * 1000 for r in sent]
-    first_wave = ttft[: args.in_flight]  # sent together at the start; the rest as slots free
-    decode = [s["ms"] for s in steps if s["decode_only"]]
-    # Per request, in admission order: ms from the run's start to sent and to its first token.
-    timeline = {r: [(sent[r] - started) * 1000, (first[r] - started) * 1000] for r in sent}
+    loop.close()
+    traces = list(loop.traces.values())  # in admission order
+    ttft = [t.ttft * 1000 for t in traces]
+    later = ttft[args.in_flight :]  # the first wave is sent together, the rest as slots free
+    decode = [s.ms for s in loop.steps if not s.prefilling]
     return {
         "ttft_ms_p50": statistics.median(ttft),
         "ttft_ms_mean": statistics.fmean(ttft),
-        "ttft_ms_p50_first_wave": statistics.median(first_wave),
-        "ttft_ms_p50_later": statistics.median(ttft[args.in_flight :]) if ttft[args.in_flight :] else None,
+        "ttft_ms_p50_first_wave": statistics.median(ttft[: args.in_flight]),
+        "ttft_ms_p50_later": statistics.median(later) if later else None,
         "decode_step_ms_p50": statistics.median(decode) if decode else None,
-        "output_tok_s": len(sent) * args.out_tokens / wall,
+        "output_tok_s": sum(len(t.tokens) for t in traces) / wall,
         "wall_s": wall,
-        "steps": len(steps),
-        "step_ms": [round(s["ms"], 2) for s in steps],
-        "requests_ms": timeline,
+        "steps": len(loop.steps),
+        "step_ms": [round(s.ms, 2) for s in loop.steps],
+        # per request: ms from the run's start to sent and to its first token
+        "requests_ms": {t.name: [(t.sent - started) * 1000, (t.tokens[0] - started) * 1000] for t in traces},
     }
 
 

@@ -1,0 +1,75 @@
+"""vLLM's `LLMEngine` stepped in this process (no HTTP, no engine-core process): when each
+request's tokens arrived and how long each step took.
+
+Token times are the end of the step that produced them: what a client of the engine sees.
+One engine per process (vLLM picks its platform once per process).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+
+from metrics import Trace
+
+
+@dataclass(frozen=True)
+class Step:
+    ms: float
+    started: float  # perf_counter seconds
+    prefilling: bool  # some request had no token yet when the step began
+
+
+class EngineLoop:
+    def __init__(self, **engine_args):
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # engine core in this process
+        from vllm import EngineArgs, LLMEngine
+
+        self.engine = LLMEngine.from_engine_args(EngineArgs(seed=0, disable_log_stats=True, **engine_args))
+        self.traces: dict[str, Trace] = {}
+        self.steps: list[Step] = []
+        self._running: set[str] = set()
+
+    def warm_up(self, prompts: list[list[int]]) -> None:
+        """Untimed: the graphs' first calls (lazy init, page faults) on these prompts."""
+        from vllm import SamplingParams
+
+        for i, ids in enumerate(prompts):
+            self.engine.add_request(f"warm-{i}", {"prompt_token_ids": ids}, SamplingParams(max_tokens=2))
+        while self.engine.has_unfinished_requests():
+            self.engine.step()
+
+    def add(self, name: str, ids: list[int], max_tokens: int) -> Trace:
+        from vllm import SamplingParams
+
+        params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=max_tokens)
+        self.engine.add_request(name, {"prompt_token_ids": ids}, params)
+        self.traces[name] = trace = Trace(name, len(ids), time.perf_counter())
+        self._running.add(name)
+        return trace
+
+    def step(self) -> list[str]:
+        """One engine step; the names of the requests it finished."""
+        prefilling = any(not self.traces[n].tokens for n in self._running)
+        started = time.perf_counter()
+        outputs = self.engine.step()
+        now = time.perf_counter()
+        self.steps.append(Step((now - started) * 1000, started, prefilling))
+        finished = []
+        for out in outputs:  # token_ids are cumulative (RequestOutputKind.CUMULATIVE, the default)
+            trace = self.traces.get(out.request_id)
+            if trace is None:
+                continue
+            trace.tokens += [now] * (len(out.outputs[0].token_ids) - len(trace.tokens))
+            if out.finished:
+                finished.append(out.request_id)
+                self._running.discard(out.request_id)
+        return finished
+
+    @property
+    def busy(self) -> bool:
+        return self.engine.has_unfinished_requests()
+
+    def close(self) -> None:
+        self.engine.engine_core.shutdown()
