@@ -33,10 +33,8 @@ REPO = HERE.parent
 sys.path[:0] = [str(REPO), str(REPO / "tests"), str(HERE)]
 
 from engine_loop import EngineLoop  # noqa: E402
-from fixtures.export_models import code_key  # noqa: E402
-from serve_bench import FULL, QUICK, Setup  # noqa: E402
+from serve_bench import FULL, QUICK, Setup, exports  # noqa: E402
 
-from optimum_neuron_chunked.checkpoints import COMMON, build_checkpoint  # noqa: E402
 from optimum_neuron_chunked.vllm.limits import full_chunk_budget  # noqa: E402
 
 CONTENDERS = ("ours-on", "ours-off", "native-on", "native-off")
@@ -71,18 +69,6 @@ def prompts(kind: str, load: Workload, vocab: int, seed: int) -> dict[str, list[
         timed.append(head + suffix)
     prime = [system + [token() for _ in range(load.suffix[0])]] if kind == "shared-warm" else []
     return {"timed": timed, "prime": prime}
-
-
-def chunked_export(setup: Setup, work: Path) -> tuple[Path, Path]:
-    """serve_bench's checkpoint and chunked export (same folders: shared with its cache)."""
-    from exporters.neuron import export
-
-    ckpt = build_checkpoint("bench", work / "checkpoint", config={**COMMON, **setup.model})
-    out = work / f"chunked-{setup.batch}x{setup.seq}x{setup.chunk}-{setup.backend}-{code_key()}"
-    if not (out / "neuron_config.json").is_file():
-        export(str(ckpt), out, batch_size=setup.batch, sequence_length=setup.seq,
-               prefill_chunk_size=setup.chunk, backend=setup.backend, overwrite=True)  # fmt: skip
-    return ckpt, out
 
 
 def run_engine(args) -> dict:
@@ -248,7 +234,8 @@ def main(argv: list[str] | None = None) -> int:
     setup, load = (QUICK, QUICK_LOAD) if args.quick else (FULL, FULL_LOAD)
     work = args.work / ("quick" if args.quick else "full")
     work.mkdir(parents=True, exist_ok=True)
-    ckpt, chunked = chunked_export(setup, work)
+    ckpt, folders, _ = exports(setup, work, kinds=("chunked",))
+    chunked = folders["chunked"]
     runs: dict = {kind: {} for kind in args.workloads.split(",")}
     for repeat in range(args.repeats):
         for kind in runs:

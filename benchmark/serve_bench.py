@@ -95,12 +95,14 @@ QUICK = Setup(
 )
 
 
-def exports(setup: Setup, work: Path) -> tuple[Path, dict[str, Path], dict]:
+def exports(setup: Setup, work: Path, kinds=("std", "chunked")) -> tuple[Path, dict[str, Path], dict]:
+    """The bench checkpoint and its exports (cached under `work`, keyed by shapes and graph code)."""
     from exporters.neuron import export
 
     ckpt = build_checkpoint("bench", work / "checkpoint", config={**COMMON, **setup.model})
     folders, info = {}, {}
-    for kind, chunk in (("std", 0), ("chunked", setup.chunk)):
+    for kind in kinds:
+        chunk = setup.chunk if kind == "chunked" else 0
         # keyed by the graph code too: a cached export of older model code is not reused
         out = work / f"{kind}-{setup.batch}x{setup.seq}x{chunk}-{setup.backend}-{code_key()}"
         started = time.perf_counter()

@@ -47,3 +47,17 @@ def test_quick_mode_produces_the_report(tmp_path):
     for result in data["contenders"].values():
         assert result["w2"][0]["failed"] == 0 and result["w1"][0]["long_ttft_s"] > 0
     assert len(list(tmp_path.glob("*.png"))) == 2 and list(tmp_path.glob("*.md"))
+
+
+@pytest.mark.slow
+def test_engine_quick_mode_produces_the_report(tmp_path):
+    from engine_bench import main
+
+    assert main(["--quick", "--repeats", "1", "--contenders", "std,chunked", "--results", str(tmp_path)]) == 0
+    (report,) = tmp_path.glob("engine-*-quick.json")
+    data = json.loads(report.read_text())
+    for result in data["contenders"].values():
+        (w1,), (w2,) = result["w1"], result["w2"]
+        assert w1["long_ttft_s"] > 0 and w1["decode_step_ms_before"] > 0
+        assert w2["failed"] == 0 and w2["requests"] == 8
+    assert "W2 output tok/s" in (tmp_path / report.name.replace(".json", ".md")).read_text()

@@ -4,11 +4,9 @@ scheduler settings derived from them. Pure, so every refusal is unit-tested.
 Derived settings (each overridable by its usual vLLM flag):
   --max-model-len            sequence_length (the compiled KV-cache length)
   --max-num-seqs             batch_size (one KV-cache slot per running request)
-  --max-num-batched-tokens   chunked: prefill_chunk_size (at least max_num_seqs). Running
-                             requests are scheduled first, so a step is every running decode plus
-                             the rest of one chunk: one TG call and one CP call, however long the
-                             prompts. Standard: max_model_len + max_num_seqs, so a whole prompt
-                             always fits (standard exports cannot split prompts).
+  --max-num-batched-tokens   chunked: full_chunk_budget (every slot's decode plus a full chunk,
+                             rounded up to whole chunks). Standard: max_model_len + max_num_seqs,
+                             so a whole prompt always fits (standard exports cannot split prompts).
   --long-prefill-token-threshold   chunked: prefill_chunk_size, so one request's share of a
                              step stays one chunk if the budget is raised
 The KV cache is presented to vLLM as one group of max_model_len-token blocks, one per slot.
