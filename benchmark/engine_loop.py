@@ -29,6 +29,7 @@ class EngineLoop:
         self.engine = LLMEngine.from_engine_args(EngineArgs(seed=0, disable_log_stats=True, **engine_args))
         self.traces: dict[str, Trace] = {}
         self.steps: list[Step] = []
+        self.cached_tokens: dict[str, int] = {}  # prompt tokens a request did not compute (prefix hits)
         self._running: set[str] = set()
 
     def warm_up(self, prompts: list[list[int]]) -> None:
@@ -63,6 +64,7 @@ class EngineLoop:
                 continue
             trace.tokens += [now] * (len(out.outputs[0].token_ids) - len(trace.tokens))
             if out.finished:
+                self.cached_tokens[out.request_id] = out.num_cached_tokens or 0
                 finished.append(out.request_id)
                 self._running.discard(out.request_id)
         return finished

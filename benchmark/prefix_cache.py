@@ -109,6 +109,7 @@ def run_engine(args) -> dict:
         "ttft_ms_p50_later": statistics.median(later) if later else None,
         "decode_step_ms_p50": statistics.median(decode) if decode else None,
         "output_tok_s": sum(len(t.tokens) for t in traces) / wall,
+        "hit_rate_pct": 100 * sum(loop.cached_tokens.values()) / sum(t.prompt_len for t in traces),
         "wall_s": wall,
         "steps": len(loop.steps),
         "step_ms": [round(s.ms, 2) for s in loop.steps],
@@ -164,7 +165,7 @@ def spread(values: list[float]) -> str:
 
 def render(results: dict) -> str:
     fields = [("ttft_ms_p50", "TTFT p50 ms"), ("ttft_ms_p50_first_wave", "first wave TTFT p50"),
-              ("ttft_ms_p50_later", "later TTFT p50"), ("output_tok_s", "output tok/s"),
+              ("ttft_ms_p50_later", "later TTFT p50"), ("hit_rate_pct", "hit rate %"), ("output_tok_s", "output tok/s"),
               ("decode_step_ms_p50", "decode step ms")]  # fmt: skip
     lines = [
         f"# Prefix caching, engine-level ({results['date']}, {results['machine']})",
