@@ -9,7 +9,7 @@ Contenders (serve_bench.py's bench model, fp32, B=8, S=4096, C=256):
   native         vLLM's own CPU engine on the HF checkpoint, its default budget
   native-budget  the same at the budget our platform derives for the chunked export
 Workloads (prefix caching off everywhere; fresh token ids per repeat):
-  W1  4 streams decode; after 3 s a 3072-token prompt arrives. Its TTFT, the streams' max
+  W1  4 streams decode; after 100 tokens each a 3072-token prompt arrives. Its TTFT, the streams' max
       stall (inter-token gap) in its prefill window, the decode step before it (4 streams)
       and the median step inside the window.
   W2  48 prompts of 128-2048 tokens, 64 out, 8 in flight: output tok/s, TTFT p50.
@@ -53,15 +53,15 @@ class Loads:
     stream_prompt: int
     stream_tokens: int
     long_prompt: int
-    warmup_s: float
+    warm_tokens: int  # each stream's tokens before the long prompt arrives
     requests: int
     lengths: tuple[int, int]
     out_tokens: int
     in_flight: int
 
 
-FULL_LOADS = Loads(4, 32, 400, 3072, 3.0, 48, (128, 2048), 64, 8)
-QUICK_LOADS = Loads(3, 16, 120, 384, 0.5, 8, (32, 256), 8, 4)
+FULL_LOADS = Loads(4, 32, 400, 3072, 100, 48, (128, 2048), 64, 8)
+QUICK_LOADS = Loads(3, 16, 120, 384, 30, 8, (32, 256), 8, 4)
 
 
 def engine_args(name: str, model: str, setup: Setup) -> dict:
@@ -87,7 +87,9 @@ def w1(loop: EngineLoop, loads: Loads, seed: int) -> dict:
         for i in range(loads.streams)
     ]
     first_step = len(loop.steps)
-    while time.perf_counter() - streams[0].sent < loads.warmup_s:
+    # the long prompt arrives once every stream has decoded warm_tokens (by tokens, not time:
+    # a fast engine's streams would finish before a fixed delay)
+    while min(len(t.tokens) for t in streams) < loads.warm_tokens:
         loop.step()
     long = loop.add(f"long-{seed}", prompt_ids(loads.long_prompt, rng), 8)
     while loop.busy:
@@ -96,7 +98,8 @@ def w1(loop: EngineLoop, loads: Loads, seed: int) -> dict:
     first_token = long.tokens[0]
     before = [s.ms for s in steps if not s.prefilling and s.started < long.sent]
     window = [s.ms for s in steps if long.sent <= s.started < first_token]
-    return summarize_stall(streams, long) | {
+    decoding_since = max(t.tokens[0] for t in streams)
+    return summarize_stall(streams, long, before=long.sent - decoding_since) | {
         "decode_step_ms_before": statistics.median(before) if before else None,
         "step_ms_in_window": statistics.median(window) if window else None,
     }
