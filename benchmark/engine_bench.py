@@ -38,8 +38,8 @@ REPO = HERE.parent
 sys.path[:0] = [str(REPO), str(REPO / "tests"), str(HERE)]
 
 from client import prompt_ids  # noqa: E402
-from engine_loop import EngineLoop  # noqa: E402
-from metrics import summarize_load, summarize_stall  # noqa: E402
+from engine_loop import NATIVE_ENV, EngineLoop  # noqa: E402
+from metrics import summarize_load, summarize_stall, values_at  # noqa: E402
 from serve_bench import FULL, QUICK, Setup, exports  # noqa: E402
 
 from optimum_neuron_chunked.vllm.limits import full_chunk_budget  # noqa: E402
@@ -113,17 +113,13 @@ def w2(loop: EngineLoop, loads: Loads, seed: int) -> dict:
         for i in range(loads.requests)
     ]
     started = time.perf_counter()
-    traces = [loop.add(*queue.pop(0), loads.out_tokens) for _ in range(min(loads.in_flight, len(queue)))]
-    while loop.busy:
-        for _ in loop.step():
-            if queue:
-                traces.append(loop.add(*queue.pop(0), loads.out_tokens))
+    traces = loop.serve(queue, loads.out_tokens, loads.in_flight)
     return summarize_load(traces, time.perf_counter() - started)
 
 
 def run_contender_here(name: str, model: str, setup: Setup, loads: Loads, repeats: int) -> dict:
     loop = EngineLoop(**engine_args(name, model, setup))
-    loop.warm_up([[3] * n for n in (setup.chunk + 5, setup.seq - 16)])  # every bucket's first call
+    loop.warm_up_buckets(setup.chunk, setup.seq)
     out = {"w1": [], "w2": []}
     for i in range(repeats):
         out["w1"].append(w1(loop, loads, seed=100 + i))
@@ -137,7 +133,7 @@ def run_contender_here(name: str, model: str, setup: Setup, loads: Loads, repeat
 def run_contender(name: str, model: Path, quick: bool, repeats: int, scratch: Path) -> dict:
     env = dict(os.environ)
     if name.startswith("native"):
-        env |= {"VLLM_PLUGINS": "", "VLLM_CPU_KVCACHE_SPACE": "2"}
+        env |= NATIVE_ENV
     out = scratch / f"engine-{name}.json"
     cmd = [sys.executable, __file__, "--engine", name, "--model", str(model), "--out", str(out),
            "--repeats", str(repeats)] + (["--quick"] if quick else [])  # fmt: skip
@@ -157,16 +153,6 @@ FIGURES = [  # (label, workload, path into a run's summary, scale)
 ]
 
 
-def figure(runs: list[dict], path: tuple[str, ...], scale: float) -> list[float]:
-    values = []
-    for run in runs:
-        for key in path:
-            run = run.get(key) if isinstance(run, dict) else None
-        if isinstance(run, int | float):
-            values.append(run * scale)
-    return values
-
-
 def render(results: dict) -> str:
     names = [n for n in results["contenders"] if "error" not in results["contenders"][n]]
     lines = [
@@ -181,7 +167,7 @@ def render(results: dict) -> str:
     for label, load, path, scale in FIGURES:
         cells = []
         for n in names:
-            v = figure(results["contenders"][n][load], path, scale)
+            v = [x * scale for x in values_at(results["contenders"][n][load], *path)]
             cells.append(f"{statistics.median(v):.1f} [{min(v):.1f}-{max(v):.1f}]" if v else "-")
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
     for n, r in results["contenders"].items():

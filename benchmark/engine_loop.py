@@ -13,6 +13,9 @@ from dataclasses import dataclass
 
 from metrics import Trace
 
+# vLLM's own CPU engine: our platform plugin deselected, a KV cache that fits this machine
+NATIVE_ENV = {"VLLM_PLUGINS": "", "VLLM_CPU_KVCACHE_SPACE": "2"}
+
 
 @dataclass(frozen=True)
 class Step:
@@ -40,6 +43,21 @@ class EngineLoop:
             self.engine.add_request(f"warm-{i}", {"prompt_token_ids": ids}, SamplingParams(max_tokens=2))
         while self.engine.has_unfinished_requests():
             self.engine.step()
+
+    def warm_up_buckets(self, chunk: int, seq: int) -> None:
+        """Every graph bucket's first call, on ids no workload uses (3): nothing of it can be
+        a prefix hit later."""
+        self.warm_up([[3] * n for n in (chunk + 5, seq - 80)])
+
+    def serve(self, queue: list[tuple[str, list[int]]], max_tokens: int, in_flight: int) -> list[Trace]:
+        """(name, prompt ids) in order, `in_flight` at a time: the next is sent when one finishes."""
+        queue = list(queue)
+        traces = [self.add(*queue.pop(0), max_tokens) for _ in range(min(in_flight, len(queue)))]
+        while self.busy:
+            for _ in self.step():
+                if queue:
+                    traces.append(self.add(*queue.pop(0), max_tokens))
+        return traces
 
     def add(self, name: str, ids: list[int], max_tokens: int) -> Trace:
         from vllm import SamplingParams

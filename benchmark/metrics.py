@@ -79,8 +79,8 @@ def summarize_load(traces: list[Trace], wall: float) -> dict:
     }
 
 
-def median_of(runs: list[dict], *path: str) -> tuple[float, float]:
-    """Median and spread (max - min) of a figure over repeated runs."""
+def values_at(runs: list[dict], *path: str) -> list[float]:
+    """A figure of each repeated run (runs that lack it are left out)."""
     values = []
     for run in runs:
         value = run
@@ -88,6 +88,12 @@ def median_of(runs: list[dict], *path: str) -> tuple[float, float]:
             value = value.get(key, {}) if isinstance(value, dict) else None
         if isinstance(value, int | float):
             values.append(float(value))
+    return values
+
+
+def median_of(runs: list[dict], *path: str) -> tuple[float, float]:
+    """Median and spread (max - min) of a figure over repeated runs."""
+    values = values_at(runs, *path)
     if not values:
         return float("nan"), float("nan")
     return statistics.median(values), max(values) - min(values)

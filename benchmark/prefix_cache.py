@@ -32,7 +32,7 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path[:0] = [str(REPO), str(REPO / "tests"), str(HERE)]
 
-from engine_loop import EngineLoop  # noqa: E402
+from engine_loop import NATIVE_ENV, EngineLoop  # noqa: E402
 from serve_bench import FULL, QUICK, Setup, exports  # noqa: E402
 
 from optimum_neuron_chunked.vllm.limits import full_chunk_budget  # noqa: E402
@@ -83,22 +83,14 @@ def run_engine(args) -> dict:
                             long_prefill_token_threshold=args.chunk)  # fmt: skip
     loop = EngineLoop(**engine_args)
     work = json.loads(Path(args.prompts).read_text())
-    # Every graph bucket's first call on ids the workload never uses (3), so nothing of it is
-    # cached; then the workload's primers.
-    loop.warm_up([[3] * n for n in (args.chunk + 5, args.seq - args.out_tokens - 2)])
+    loop.warm_up_buckets(args.chunk, args.seq)
     loop.warm_up(work["prime"])
-    queue = [(str(i), ids) for i, ids in enumerate(work["timed"])]
-    for name, ids in queue[: args.in_flight]:
-        loop.add(name, ids, args.out_tokens)
-    queue = queue[args.in_flight :]
     started = time.perf_counter()
-    while loop.busy:
-        for _ in loop.step():
-            if queue:
-                loop.add(*queue.pop(0), args.out_tokens)
+    traces = loop.serve(
+        [(str(i), ids) for i, ids in enumerate(work["timed"])], args.out_tokens, args.in_flight
+    )
     wall = time.perf_counter() - started
     loop.close()
-    traces = list(loop.traces.values())  # in admission order
     ttft = [t.ttft * 1000 for t in traces]
     later = ttft[args.in_flight :]  # the first wave is sent together, the rest as slots free
     decode = [s.ms for s in loop.steps if not s.prefilling]
@@ -144,7 +136,7 @@ def copy_cost(export_dir: Path, repeats: int = 15) -> dict:
 def run_contender(name: str, kind: str, setup: Setup, load: Workload, model: Path, prompt_file: Path) -> dict:
     env = dict(os.environ)
     if name.startswith("native"):
-        env |= {"VLLM_PLUGINS": "", "VLLM_CPU_KVCACHE_SPACE": "2"}
+        env |= NATIVE_ENV
     out = prompt_file.with_suffix(f".{name}.json")
     cmd = [sys.executable, __file__, "--engine", "--contender", name, "--model", str(model),
            "--prompts", str(prompt_file), "--out", str(out), "--batch", str(setup.batch),

@@ -36,6 +36,7 @@ REPO = HERE.parent
 sys.path[:0] = [str(REPO), str(REPO / "tests"), str(HERE)]
 
 from client import mixed_load_stall, throughput  # noqa: E402
+from engine_loop import NATIVE_ENV  # noqa: E402
 from fixtures.export_models import code_key  # noqa: E402
 from metrics import summarize_load, summarize_stall  # noqa: E402
 from vllm_server import Server  # noqa: E402
@@ -131,7 +132,7 @@ def server_for(name: str, setup: Setup, ckpt: Path, folders: dict[str, Path], lo
         return Server(folders["chunked"], log, *limits, *whole)
     # Prefix caching off, like our static cache: measure the engines, not a cache hit.
     native = [*limits, "--dtype", "float32", "--gpu-memory-utilization", "0.2", "--no-enable-prefix-caching"]
-    env = {"VLLM_PLUGINS": "", "VLLM_CPU_KVCACHE_SPACE": "2"}
+    env = dict(NATIVE_ENV)
     if name == "native-budget":
         native += [
             "--max-num-batched-tokens",
