@@ -54,6 +54,7 @@ class Setup:
     w1: dict  # streams, long_prompt, stream_tokens, warmup_s
     w2: dict  # requests, lengths, out_tokens, concurrency
     contenders: tuple[str, ...]
+    buckets: tuple[int, ...] = ()  # context buckets of the exports; () = the exporter's default
 
 
 FULL = Setup(
@@ -105,11 +106,13 @@ def exports(setup: Setup, work: Path, kinds=("std", "chunked")) -> tuple[Path, d
     for kind in kinds:
         chunk = setup.chunk if kind == "chunked" else 0
         # keyed by the graph code too: a cached export of older model code is not reused
-        out = work / f"{kind}-{setup.batch}x{setup.seq}x{chunk}-{setup.backend}-{code_key()}"
+        ladder = f"-{len(setup.buckets)}buckets{setup.buckets[0]}" if setup.buckets else ""
+        out = work / f"{kind}-{setup.batch}x{setup.seq}x{chunk}{ladder}-{setup.backend}-{code_key()}"
         started = time.perf_counter()
         if not (out / "neuron_config.json").is_file():
             export(str(ckpt), out, batch_size=setup.batch, sequence_length=setup.seq,
-                   prefill_chunk_size=chunk, backend=setup.backend, overwrite=True)  # fmt: skip
+                   prefill_chunk_size=chunk, backend=setup.backend, overwrite=True,
+                   context_buckets=setup.buckets)  # fmt: skip
             info[kind] = {"export_s": round(time.perf_counter() - started, 1)}
         else:
             info[kind] = {"export_s": None}  # cached: see the results file of the run that built it
