@@ -16,7 +16,7 @@ Workloads (prefix caching off everywhere; fresh token ids per repeat):
 Each contender runs in its own process (vLLM picks its platform once per process).
 
     python benchmark/engine_bench.py [--quick] [--repeats 3] [--contenders chunked,native-budget]
-                                     [--bucket-step 256]  (context buckets every 256 positions)
+                                     [--buckets 512,768,1024,...,4096]  (the chunked export's)
 """
 
 from __future__ import annotations
@@ -43,7 +43,6 @@ from engine_loop import NATIVE_ENV, EngineLoop  # noqa: E402
 from metrics import summarize_load, summarize_stall, values_at  # noqa: E402
 from serve_bench import FULL, QUICK, Setup, exports  # noqa: E402
 
-from optimum_neuron_chunked.config import MIN_DEFAULT_BUCKET  # noqa: E402
 from optimum_neuron_chunked.vllm.limits import full_chunk_budget  # noqa: E402
 
 CONTENDERS = ("std", "chunked", "chunked-whole", "native", "native-budget")
@@ -185,16 +184,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--contenders", default=",".join(CONTENDERS))
     p.add_argument("--work", type=Path, default=Path.home() / ".cache" / "optimum-neuron-chunked" / "bench")
     p.add_argument("--tag", default="")
-    p.add_argument("--bucket-step", type=int, help="export with context buckets every N positions from C")
+    p.add_argument("--buckets", help="the chunked export's context buckets (comma-separated, S last)")
     p.add_argument("--results", type=Path, default=HERE / "results")
     p.add_argument("--engine", help=argparse.SUPPRESS)
     for name in ("--model", "--out"):
         p.add_argument(name, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     setup, loads = (QUICK, QUICK_LOADS) if args.quick else (FULL, FULL_LOADS)
-    if args.bucket_step:
-        floor = max(setup.chunk, MIN_DEFAULT_BUCKET)
-        setup = replace(setup, buckets=(*range(floor, setup.seq, args.bucket_step), setup.seq))
+    if args.buckets:
+        setup = replace(setup, buckets=tuple(int(b) for b in args.buckets.split(",")))
     if args.engine:
         result = run_contender_here(args.engine, args.model, setup, loads, args.repeats)
         Path(args.out).write_text(json.dumps(result))

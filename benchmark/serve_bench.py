@@ -106,7 +106,7 @@ def exports(setup: Setup, work: Path, kinds=("std", "chunked")) -> tuple[Path, d
     for kind in kinds:
         chunk = setup.chunk if kind == "chunked" else 0
         # keyed by the graph code too: a cached export of older model code is not reused
-        ladder = f"-{len(setup.buckets)}buckets{setup.buckets[0]}" if setup.buckets else ""
+        ladder = f"-b{'.'.join(map(str, setup.buckets))}" if setup.buckets else ""
         out = work / f"{kind}-{setup.batch}x{setup.seq}x{chunk}{ladder}-{setup.backend}-{code_key()}"
         started = time.perf_counter()
         if not (out / "neuron_config.json").is_file():

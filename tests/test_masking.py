@@ -158,9 +158,10 @@ def test_ring_layers_equal_position_indexed_layers_over_stale_slots(family):
 
 @pytest.mark.parametrize("family", ["llama", "gemma3_text", "qwen3_moe"])
 def test_fused_attention_kernel_equals_the_masked_softmax(family):
-    """SDPA (the cpu backend's core from its threshold window up) against the reference masked
-    softmax, eager here (the cpu parity tests run it compiled): chunks, then decodes with an
-    idle slot, over stale slots; gemma3's ring layers included."""
+    """SDPA (the cpu backend's core from its threshold window up) over slot views (its chunks
+    read slot 1 as a scalar) against the reference masked softmax over gathered windows, eager
+    here (the cpu parity tests run it compiled): chunks, then decodes with an idle slot, over
+    stale slots; gemma3's ring layers included."""
     from optimum_neuron_chunked.modeling import model_from_spec
     from optimum_neuron_chunked.modeling.kernels import KernelChoices, kernel_choices
 
@@ -169,7 +170,7 @@ def test_fused_attention_kernel_equals_the_masked_softmax(family):
     config = NeuronConfig(batch_size=2, sequence_length=128, prefill_chunk_size=16, backend="eager")
     spec = build_model(AutoConfig.from_pretrained(path), config).spec
     models = []
-    for kernels in (KernelChoices(sdpa_from_window=1), KernelChoices()):
+    for kernels in (KernelChoices(sdpa_from_window=1, slot_view=True), KernelChoices()):
         model = model_from_spec(spec, config, kernels=kernels).eval()
         model.load_weights(model.weights_from_hf(hf))
         for cache in model.cache_names():
@@ -199,7 +200,8 @@ def test_fused_attention_kernel_equals_the_masked_softmax(family):
 @pytest.mark.slow
 def test_sdpa_compiled_by_aotinductor_equals_the_masked_softmax(tmp_path):
     """The SDPA core as the cpu backend compiles it (test windows are below its threshold, so
-    the cpu parity tests do not reach it): a chunk graph over stale slots, compiled vs eager."""
+    the cpu parity tests do not reach it), over a view of slot 1 read as a scalar: a chunk
+    graph over stale slots, compiled vs eager's gathered masked softmax."""
     from optimum_neuron_chunked.graphs import GraphSpec, example_inputs, graph_module
     from optimum_neuron_chunked.modeling import model_from_spec
     from optimum_neuron_chunked.modeling.kernels import KernelChoices
@@ -209,8 +211,8 @@ def test_sdpa_compiled_by_aotinductor_equals_the_masked_softmax(tmp_path):
     config = NeuronConfig(batch_size=2, sequence_length=SEQ, prefill_chunk_size=CHUNK, backend="cpu")
     spec = build_model(AutoConfig.from_pretrained(path), config).spec
     models = [
-        model_from_spec(spec, config, kernels=KernelChoices(sdpa_from_window=1)),
-        model_from_spec(spec, config),
+        model_from_spec(spec, config, kernels=KernelChoices(sdpa_from_window=1, slot_view=True)),
+        model_from_spec(spec, config, kernels=KernelChoices()),
     ]
     graph = GraphSpec("cp", 1, CHUNK, SEQ)
     for model in models:
@@ -220,6 +222,7 @@ def test_sdpa_compiled_by_aotinductor_equals_the_masked_softmax(tmp_path):
     inputs = list(example_inputs(graph, config))
     inputs[0] = torch.randint(4, 380, inputs[0].shape, dtype=inputs[0].dtype)
     inputs[1] = inputs[1] + 20  # positions 20..35: earlier positions hold stale garbage
+    inputs[2] = torch.tensor([1], dtype=inputs[2].dtype)  # slot 1 (slot 0 holds other garbage)
     with torch.no_grad():
         program = torch.export.export(graph_module(models[0].eval(), graph, config), tuple(inputs))
         package = torch._inductor.aoti_compile_and_package(program, package_path=str(tmp_path / "cp.pt2"))

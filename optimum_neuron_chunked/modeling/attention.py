@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from .family import FamilySpec
+from .kernels import KernelChoices
 from .layers import MASK_VALUE, apply_rotary, rms_norm
 from .parallel import ShardLayout
 
@@ -93,11 +94,13 @@ class Attention(nn.Module):
         functional_cache: bool,
         use_rope: bool = True,
         ring: int | None = None,
-        sdpa_from_window: int | None = None,
+        kernels: KernelChoices | None = None,
     ):
         super().__init__()
+        kernels = kernels or KernelChoices()
         # gpt-oss's sinks join the softmax: SDPA has no place for them (kernels.py)
-        self.sdpa_from_window = None if spec.attention_sinks else sdpa_from_window
+        self.sdpa_from_window = None if spec.attention_sinks else kernels.sdpa_from_window
+        self.slot_view = kernels.slot_view
         self.functional_cache, self.use_rope = functional_cache, use_rope
         self.ring = ring  # cache length of a ring layer (see ring_length); None: position-indexed
         d, hidden = spec.head_dim, spec.hidden_size
@@ -148,9 +151,20 @@ class Attention(nn.Module):
         if one_row_per_slot:
             out = self._attend_in_slot_order(q, k_cache, v_cache, seq_ids, position_ids, window)
         else:
-            keys, values = k_cache[seq_ids, :, :window], v_cache[seq_ids, :, :window]  # [N, Hkv, W, D]
+            keys, values = self._row_windows(k_cache, v_cache, seq_ids, window)
             out = self._attend(q, keys, values, position_ids, self._key_positions(position_ids, window))
         return self.o_proj(out.transpose(1, 2).reshape(n, t, -1)), k_cache, v_cache
+
+    def _row_windows(self, k_cache, v_cache, seq_ids, window) -> tuple[torch.Tensor, torch.Tensor]:
+        """The first `window` cache positions of each row's slot: keys, values [N, Hkv, W, D].
+        A graph of one row reads its slot as a view where the backend allows (kernels.py
+        slot_view); otherwise the windows are gathered (copied)."""
+        if self.slot_view and seq_ids.shape[0] == 1:
+            slot = seq_ids[0].item()
+            torch._check(slot >= 0)
+            torch._check(slot < k_cache.shape[0])
+            return k_cache[slot, :, :window][None], v_cache[slot, :, :window][None]
+        return k_cache[seq_ids, :, :window], v_cache[seq_ids, :, :window]
 
     def _key_positions(self, position_ids: torch.Tensor, window: int) -> torch.Tensor:
         """[N or 1, window] absolute position of each cache entry read. A padded row repeats

@@ -36,7 +36,7 @@ class DecoderLayer(nn.Module):
             functional_cache,
             spec.uses_rope(layer_idx),
             ring,
-            kernels.sdpa_from_window,
+            kernels,
         )
         if spec.moe is not None and spec.moe.sparse_layers[layer_idx]:
             self.mlp = SparseMoE(spec.hidden_size, spec.moe, layers, kernels.expert_selection)

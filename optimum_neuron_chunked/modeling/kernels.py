@@ -6,6 +6,12 @@
   with MASK_VALUE (eager's reference; XLA / Neuron: exp of dtype-min NaNs there). Measured on
   the cpu backend (benchmark/attention_kernel.py, attention-2026-11-23-vm-*): SDPA loses
   10-16 % at windows 512-1024 and wins 1.34x on a 256-token chunk at 2048 and 4096.
+- slot_view: one-row graphs (CP, CE) read their slot id as a scalar and attend over a view
+  of the slot's cache instead of gathering its window (a copy of every layer's K/V window
+  per call: 25 ms of a 64-token chunk at window 4096 on the bench model, eager profile,
+  benchmark/results/cp-width-*). Only where the graph compiler keeps a scalar read inside the
+  graph (AOTInductor: an unbacked symbol with bound checks); XLA would sync the device for it,
+  and NxD traces through XLA, so eager/XLA/Neuron gather.
 - expert_selection: a MoE graph of M tokens gathers its selected experts' weights while
   M * top_k / E < this fraction, else runs every expert densely. 1.0 is neuronx-distributed's
   rule (DEFAULT_SELECTIVE_LOADING_THRESHOLD, modules/moe/model_utils.py, Release 2.29 / 0.18.0).
@@ -22,10 +28,11 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class KernelChoices:
     sdpa_from_window: int | None = None
+    slot_view: bool = False
     expert_selection: float = 1.0
 
 
-BY_BACKEND = {"cpu": KernelChoices(sdpa_from_window=2048, expert_selection=0.2)}
+BY_BACKEND = {"cpu": KernelChoices(sdpa_from_window=2048, slot_view=True, expert_selection=0.2)}
 
 
 def kernel_choices(backend: str) -> KernelChoices:
