@@ -8,9 +8,10 @@
   10-16 % at windows 512-1024 and wins 1.34x on a 256-token chunk at 2048 and 4096.
 - slot_view: one-row graphs (CP, CE) read their slot id as a scalar and attend over a view
   of the slot's cache instead of gathering its window (a copy of every layer's K/V window
-  per call: 25 ms of a 64-token chunk at window 4096 on the bench model, eager profile,
-  benchmark/results/cp-width-*). Only where the graph compiler keeps a scalar read inside the
-  graph (AOTInductor: an unbacked symbol with bound checks); XLA would sync the device for it,
+  per call). Measured on the bench model at window 4096, two exports interleaved
+  (benchmark/ab_exports.py, results ab-2026-11-23-vm-slot-view-*): a 64-token chunk 0.91x,
+  a 256-token chunk 0.99x. Only where the graph compiler keeps a scalar read inside the graph
+  (AOTInductor: an unbacked symbol with bound checks); under XLA it would sync the device,
   and NxD traces through XLA, so eager/XLA/Neuron gather.
 - expert_selection: a MoE graph of M tokens gathers its selected experts' weights while
   M * top_k / E < this fraction, else runs every expert densely. 1.0 is neuronx-distributed's
