@@ -77,12 +77,31 @@ def add_export_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--context-buckets",
         "--context_buckets",
-        default="",
+        type=int_list,
+        default=(),
         dest="context_buckets",
         help="Comma-separated context buckets (default: sequence_length halved down to 512).",
     )
+    parser.add_argument(
+        "--prefill-widths",
+        "--prefill_widths",
+        type=int_list,
+        default=(),
+        dest="prefill_widths",
+        help="Comma-separated CP graph widths, the chunk size the largest (default: the chunk size "
+        "alone). A chunk runs in the narrowest that holds it: short chunks (a prompt's last, a "
+        "prefix-cache hit's suffix) cost less, each width adds one graph per context bucket.",
+    )
     parser.add_argument("--overwrite", action="store_true", help="Replace a non-empty OUT folder.")
     parser.add_argument("output", help="Output folder.")
+
+
+def int_list(text: str) -> tuple[int, ...]:
+    """'512,1024' -> (512, 1024), for argparse (which prints the error with the flag)."""
+    try:
+        return tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers") from None
 
 
 def run_export(args: argparse.Namespace) -> int:
@@ -97,7 +116,6 @@ def run_export(args: argparse.Namespace) -> int:
 
     console = Console(stderr=True)
     try:
-        buckets = tuple(int(b) for b in args.context_buckets.split(",") if b.strip())
         export(
             args.model,
             args.output,
@@ -111,7 +129,8 @@ def run_export(args: argparse.Namespace) -> int:
             tp_degree=args.tp_degree,
             instance_type=args.instance_type,
             max_topk=args.max_topk,
-            context_buckets=buckets,
+            context_buckets=args.context_buckets,
+            prefill_widths=args.prefill_widths,
             overwrite=args.overwrite,
             console=console,
         )

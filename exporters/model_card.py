@@ -32,6 +32,7 @@ def model_card(model: str, config: NeuronConfig) -> str:
         "sequence length": config.sequence_length,
         "prefill": prefill,
         "context buckets": ", ".join(map(str, config.context_buckets)),
+        "prefill widths": ", ".join(map(str, config.prefill_widths)) or "-",
         "dtype": config.dtype,
         "tensor parallel degree": config.tp_degree,
         "on-device sampling": f"top-k <= {config.max_topk}" if config.on_device_sampling else "off",

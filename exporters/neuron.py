@@ -45,6 +45,7 @@ def export(
     instance_type: str | None = None,
     max_topk: int = 256,
     context_buckets: tuple[int, ...] = (),
+    prefill_widths: tuple[int, ...] = (),
     overwrite: bool = False,
     console: Console | None = None,
 ) -> Path:
@@ -73,6 +74,7 @@ def export(
         backend=backend,
         instance_type=resolve_instance_type(instance_type) if backend == "neuron" else "",
         context_buckets=tuple(context_buckets),
+        prefill_widths=tuple(prefill_widths),
         model_type=spec.model_type,
     )
     _check_shapes(hf_config, config)

@@ -32,6 +32,8 @@ class NeuronConfig:
     as the prompt buckets. Otherwise chunked-prefill (CP) graphs of width prefill_chunk_size.
     Both come with token-generation (TG) graphs. Every graph exists once per context bucket:
     a step attends only over the smallest bucket that covers its live context.
+    prefill_widths: the CP graph widths, the chunk size the largest; a chunk runs in the
+    narrowest that holds it (short chunks: a prompt's last, a prefix hit's suffix).
     """
 
     batch_size: int
@@ -45,6 +47,7 @@ class NeuronConfig:
     backend: str = "cpu"
     instance_type: str = ""  # neuron backend: trn1 | inf2 | trn2 (the compile target)
     context_buckets: tuple[int, ...] = ()
+    prefill_widths: tuple[int, ...] = ()
     model_type: str = ""
     package_version: str = __version__
     extra: dict = field(default_factory=dict, compare=False, hash=False)
@@ -53,6 +56,8 @@ class NeuronConfig:
         if not self.context_buckets:
             object.__setattr__(self, "context_buckets", default_buckets(self))
         object.__setattr__(self, "context_buckets", tuple(sorted(set(self.context_buckets))))
+        widths = self.prefill_widths or ((self.prefill_chunk_size,) if self.chunked else ())
+        object.__setattr__(self, "prefill_widths", tuple(sorted(set(widths))))
         self._validate()
 
     def _validate(self) -> None:
@@ -97,6 +102,16 @@ class NeuronConfig:
                 f"the largest context bucket must equal sequence_length ({self.sequence_length}), "
                 f"got buckets {list(self.context_buckets)}."
             )
+        if self.prefill_widths and (
+            not self.chunked
+            or self.prefill_widths[-1] != self.prefill_chunk_size
+            or self.prefill_widths[0] < 1
+        ):
+            fail(
+                f"prefill widths {list(self.prefill_widths)} must be chunk widths from 1 up to the chunk "
+                f"size, the chunk size included: pass --prefill-widths with --prefill-chunk-size "
+                f"{self.prefill_chunk_size or 'C'} as the largest."
+            )
         if self.context_buckets[0] < max(self.prefill_chunk_size, 1):
             fail(
                 f"context bucket {self.context_buckets[0]} is smaller than the chunk size "
@@ -109,8 +124,17 @@ class NeuronConfig:
 
     @property
     def prefill_width(self) -> int | None:
-        """Width of the CP graph, or None for standard exports (CE width = its bucket)."""
+        """Width of the widest CP graph, or None for standard exports (CE width = its bucket)."""
         return self.prefill_chunk_size or None
+
+    def width_for(self, tokens: int) -> int:
+        """Narrowest compiled CP width that holds a chunk of `tokens` (chunked exports)."""
+        for width in self.prefill_widths:
+            if tokens <= width:
+                return width
+        raise NeuronConfigError(
+            f"a chunk of {tokens} tokens exceeds the chunk size {self.prefill_chunk_size}."
+        )
 
     def bucket_for(self, context_length: int) -> int:
         """Smallest compiled bucket that holds `context_length` positions."""
@@ -124,6 +148,7 @@ class NeuronConfig:
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
         d["context_buckets"] = list(self.context_buckets)
+        d["prefill_widths"] = list(self.prefill_widths)
         return d
 
     @classmethod
@@ -136,6 +161,7 @@ class NeuronConfig:
             )
         d = {k: v for k, v in d.items() if k in known}
         d["context_buckets"] = tuple(d.get("context_buckets", ()))
+        d["prefill_widths"] = tuple(d.get("prefill_widths", ()))  # absent: the chunk size alone
         return cls(**d)
 
     def save(self, directory: str | Path, files: dict[str, dict] | None = None) -> None:

@@ -3,6 +3,7 @@ that turns real inputs into those shapes.
 
   ce_w{P}  [1, P]  context encoding of a whole prompt (standard exports), P = prompt bucket
   cp_w{W}  [1, C]  one prefill chunk attending over context bucket W (chunked exports)
+  cp_w{W}_c{N}  [1, N]  the same for chunks of at most N < C tokens (`prefill_widths`)
   tg_w{W}  [B, 1]  one decode step for up to B slots attending over context bucket W
   copy     [1, C]  copies C positions' K/V from one slot to another, every layer (chunked
                    exports: prefix caching puts a cached prefix into a new request's slot)
@@ -41,20 +42,27 @@ class GraphSpec:
     batch: int  # rows
     width: int  # tokens per row (copy: positions per call)
     window: int  # context bucket: positions attended over (copy: 0, it attends over nothing)
+    narrow: bool = False  # a CP graph narrower than the chunk size (named by its width)
 
     @property
     def name(self) -> str:
-        return self.kind if self.kind == COPY else f"{self.kind}_w{self.window}"
+        if self.kind == COPY:
+            return self.kind
+        return f"{self.kind}_w{self.window}" + (f"_c{self.width}" if self.narrow else "")
 
 
 COPY = "copy"
+
+
+def cp_spec(config: NeuronConfig, width: int, window: int) -> GraphSpec:
+    return GraphSpec("cp", 1, width, window, narrow=width < config.prefill_chunk_size)
 
 
 def graph_specs(config: NeuronConfig) -> list[GraphSpec]:
     specs = []
     for window in config.context_buckets:
         if config.chunked:
-            specs.append(GraphSpec("cp", 1, config.prefill_chunk_size, window))
+            specs += [cp_spec(config, width, window) for width in config.prefill_widths]
         else:
             specs.append(GraphSpec("ce", 1, window, window))
         specs.append(GraphSpec("tg", config.batch_size, 1, window))
@@ -184,17 +192,20 @@ class GraphRunner:
         t = token_ids.shape[0]
         end = start + t
         window = self.config.bucket_for(end)
+        limit = self.config.prefill_chunk_size or window
+        if t == 0 or t > limit:
+            raise ValueError(
+                f"a {'cp' if self.config.chunked else 'ce'} call takes 1 to {limit} tokens, got {t}"
+            )
         if self.config.chunked:
-            kind, width = "cp", self.config.prefill_chunk_size
+            spec = cp_spec(self.config, self.config.width_for(t), window)
         else:
-            kind, width = "ce", window
-        if t == 0 or t > width:
-            raise ValueError(f"a {kind} call takes 1 to {width} tokens, got {t}")
+            spec = GraphSpec("ce", 1, window, window)
         positions = torch.arange(start, end, dtype=INDEX_DTYPE)
-        ids = pad_repeat_last(token_ids.to(INDEX_DTYPE)[None], width, dim=1)
-        pos = pad_repeat_last(positions[None], width, dim=1)
+        ids = pad_repeat_last(token_ids.to(INDEX_DTYPE)[None], spec.width, dim=1)
+        pos = pad_repeat_last(positions[None], spec.width, dim=1)
         seq = torch.tensor([seq_id], dtype=INDEX_DTYPE)
-        return self.graphs[f"{kind}_w{window}"](ids, pos, seq)  # callers clone what they keep
+        return self.graphs[spec.name](ids, pos, seq)  # callers clone what they keep
 
     def copy_prefix(self, src_slot: int, dst_slot: int, length: int) -> int:
         """Copy positions [0, length) of every layer's K/V from one slot to another, in calls of

@@ -43,6 +43,15 @@ def test_bucket_for_picks_the_smallest_cover():
             dict(batch_size=1, sequence_length=128, prefill_chunk_size=64, context_buckets=(32, 128)),
             "at least one chunk",
         ),
+        (dict(batch_size=1, sequence_length=128, prefill_widths=(32,)), "with --prefill-chunk-size C"),
+        (
+            dict(batch_size=1, sequence_length=128, prefill_chunk_size=64, prefill_widths=(16, 32)),
+            "--prefill-chunk-size 64 as the largest",
+        ),
+        (
+            dict(batch_size=1, sequence_length=128, prefill_chunk_size=64, prefill_widths=(0, 64)),
+            "from 1 up to the chunk size",
+        ),
     ],
 )
 def test_invalid_configs_say_what_to_change(kwargs, message):
@@ -60,6 +69,28 @@ def test_graph_sets():
         ("ce_w1024", 1, 1024),
         ("tg_w1024", 4, 1),
     ]
+
+
+def test_prefill_widths():
+    chunked = NeuronConfig(batch_size=4, sequence_length=1024, prefill_chunk_size=128)
+    assert (
+        chunked.prefill_widths == (128,)
+        and NeuronConfig(batch_size=4, sequence_length=1024).prefill_widths == ()
+    )
+    narrow = NeuronConfig(
+        batch_size=4, sequence_length=1024, prefill_chunk_size=128, prefill_widths=(128, 32)
+    )
+    assert narrow.prefill_widths == (32, 128)
+    assert [narrow.width_for(n) for n in (1, 32, 33, 128)] == [32, 32, 128, 128]
+    with pytest.raises(NeuronConfigError, match="exceeds the chunk size 128"):
+        narrow.width_for(129)
+    assert [s.name for s in graph_specs(narrow)] == [
+        "cp_w512_c32", "cp_w512", "tg_w512", "cp_w1024_c32", "cp_w1024", "tg_w1024", "copy",
+    ]  # fmt: skip
+    # an export written before the field existed: the chunk size alone
+    d = chunked.to_dict()
+    del d["prefill_widths"]
+    assert NeuronConfig.from_dict(d) == chunked
 
 
 def phi3_config(**kw):

@@ -31,11 +31,14 @@ MAX_TOPK = 16  # well below the 512-token vocabulary, as 256 is below a real one
 CENSUS: dict[str, HloReport] = {}  # printed at the end of the session (conftest)
 
 
-def export_config(chunked: bool, dtype: str = "float32", prompt_logits: bool = False) -> NeuronConfig:
+def export_config(
+    chunked: bool, dtype: str = "float32", prompt_logits: bool = False, prefill_widths: tuple[int, ...] = ()
+) -> NeuronConfig:
     return NeuronConfig(
         batch_size=2,
         sequence_length=SEQUENCE_LENGTH,
         prefill_chunk_size=CHUNK if chunked else 0,
+        prefill_widths=prefill_widths,
         context_buckets=BUCKETS,
         dtype=dtype,
         max_topk=MAX_TOPK,
@@ -118,6 +121,22 @@ def test_chunked_graphs_on_xla_equal_eager(family):
     pair.assert_caches_equal()
     assert fallback_ops() == []
     check_hlo(pair, family, "chunked")
+
+
+def test_narrow_prefill_graphs_on_xla_equal_eager():
+    """--prefill-widths: chunks of every compiled width, in both buckets, then a decode over them."""
+    pair = Pair("llama", export_config(chunked=True, prefill_widths=(8, CHUNK)))
+    reset_counters()
+    a = tokens(CHUNK + 5 + CHUNK + 3, seed=6)
+    ends = (CHUNK, CHUNK + 5, 2 * CHUNK + 5, len(a))  # widths 32, 8 (bucket 64), 32, 8 (bucket 128)
+    for start, end in zip((0, *ends[:-1]), ends, strict=True):
+        pair.prefill(a[start:end], start, slot=1)
+    pair.copy_prefix(1, 0, CHUNK)
+    pair.decode(torch.tensor([7, 9]), torch.tensor([CHUNK, len(a)]), torch.tensor([0, 1]), SAMPLING, RAND)
+    pair.decode(torch.tensor([5]), torch.tensor([CHUNK + 1]), torch.tensor([0]), SAMPLING[:1], RAND[:1])
+    pair.assert_caches_equal()
+    assert fallback_ops() == []
+    check_hlo(pair, "llama", "narrow-chunked")
 
 
 @pytest.mark.parametrize("chunked", [True, False], ids=["chunked", "standard"])
