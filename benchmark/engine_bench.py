@@ -16,7 +16,7 @@ Workloads (prefix caching off everywhere; fresh token ids per repeat):
 Each contender runs in its own process (vLLM picks its platform once per process).
 
     python benchmark/engine_bench.py [--quick] [--repeats 3] [--contenders chunked,native-budget]
-                                     [--buckets 512,768,1024,...,4096]  (the chunked export's)
+                                     [--buckets 512,...,4096] [--prefill-widths 64,128,256]
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import statistics
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -41,7 +41,7 @@ sys.path[:0] = [str(REPO), str(REPO / "tests"), str(HERE)]
 from client import prompt_ids  # noqa: E402
 from engine_loop import NATIVE_ENV, EngineLoop  # noqa: E402
 from metrics import summarize_load, summarize_stall, values_at  # noqa: E402
-from serve_bench import FULL, QUICK, Setup, exports  # noqa: E402
+from serve_bench import FULL, QUICK, Setup, add_shape_arguments, describe, exports, shaped  # noqa: E402
 
 from optimum_neuron_chunked.vllm.limits import full_chunk_budget  # noqa: E402
 
@@ -184,15 +184,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--contenders", default=",".join(CONTENDERS))
     p.add_argument("--work", type=Path, default=Path.home() / ".cache" / "optimum-neuron-chunked" / "bench")
     p.add_argument("--tag", default="")
-    p.add_argument("--buckets", help="the chunked export's context buckets (comma-separated, S last)")
+    add_shape_arguments(p)
     p.add_argument("--results", type=Path, default=HERE / "results")
     p.add_argument("--engine", help=argparse.SUPPRESS)
     for name in ("--model", "--out"):
         p.add_argument(name, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     setup, loads = (QUICK, QUICK_LOADS) if args.quick else (FULL, FULL_LOADS)
-    if args.buckets:
-        setup = replace(setup, buckets=tuple(int(b) for b in args.buckets.split(",")))
+    setup = shaped(setup, args)
     if args.engine:
         result = run_contender_here(args.engine, args.model, setup, loads, args.repeats)
         Path(args.out).write_text(json.dumps(result))
@@ -208,8 +207,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name} done", file=sys.stderr, flush=True)
     date = datetime.date.today().isoformat()
     results = dict(date=date, machine=f"{platform.node()} {os.cpu_count()} cpus", repeats=args.repeats,
-                   setup=f"B={setup.batch} S={setup.seq} C={setup.chunk} {setup.backend} {setup.model}"
-                         f"{' buckets ' + str(list(setup.buckets)) if setup.buckets else ''}",
+                   setup=describe(setup),
                    loads=str(loads), contenders=contenders)  # fmt: skip
     name = f"engine-{date}-vm{'-quick' if args.quick else ''}{'-' + args.tag if args.tag else ''}"
     (args.results / f"{name}.json").write_text(json.dumps(results, indent=1))

@@ -33,7 +33,7 @@ REPO = HERE.parent
 sys.path[:0] = [str(REPO), str(REPO / "tests"), str(HERE)]
 
 from engine_loop import NATIVE_ENV, EngineLoop  # noqa: E402
-from serve_bench import FULL, QUICK, Setup, exports  # noqa: E402
+from serve_bench import FULL, QUICK, Setup, add_shape_arguments, describe, exports, shaped  # noqa: E402
 
 from optimum_neuron_chunked.vllm.limits import full_chunk_budget  # noqa: E402
 
@@ -214,6 +214,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workloads", default=",".join(WORKLOADS))
     p.add_argument("--work", type=Path, default=Path.home() / ".cache" / "optimum-neuron-chunked" / "bench")
     p.add_argument("--tag", default="")
+    add_shape_arguments(p)
     for name in ("--engine",):
         p.add_argument(name, action="store_true", help=argparse.SUPPRESS)
     for name in ("--contender", "--model", "--prompts", "--out"):
@@ -225,6 +226,7 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.out).write_text(json.dumps(run_engine(args)))
         return 0
     setup, load = (QUICK, QUICK_LOAD) if args.quick else (FULL, FULL_LOAD)
+    setup = shaped(setup, args)
     work = args.work / ("quick" if args.quick else "full")
     work.mkdir(parents=True, exist_ok=True)
     ckpt, folders, _ = exports(setup, work, kinds=("chunked",))
@@ -242,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"repeat {repeat} {kind:11s} {name:10s} {json.dumps(summary)}", flush=True)
     date = datetime.date.today().isoformat()
     results = dict(date=date, machine=f"{platform.node()} {os.cpu_count()} cpus", repeats=args.repeats,
-                   setup=f"B={setup.batch} S={setup.seq} C={setup.chunk} {setup.backend} {setup.model}",
+                   setup=describe(setup),
                    workload=asdict(load), runs=runs, copy_cost=copy_cost(chunked))  # fmt: skip
     name = f"prefix-{date}-vm{'-quick' if args.quick else ''}{'-' + args.tag if args.tag else ''}"
     out = HERE / "results"

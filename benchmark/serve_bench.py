@@ -25,7 +25,7 @@ import platform
 import sys
 import threading
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import httpx
@@ -55,6 +55,7 @@ class Setup:
     w2: dict  # requests, lengths, out_tokens, concurrency
     contenders: tuple[str, ...]
     buckets: tuple[int, ...] = ()  # context buckets of the exports; () = the exporter's default
+    widths: tuple[int, ...] = ()  # CP widths of the chunked export; () = the chunk size alone
 
 
 FULL = Setup(
@@ -97,6 +98,32 @@ QUICK = Setup(
 )
 
 
+def add_shape_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--buckets", help="the exports' context buckets, comma-separated, S last (default: the exporter's)"
+    )
+    p.add_argument(
+        "--prefill-widths", help="the chunked export's CP widths, comma-separated, C last (default: C)"
+    )
+
+
+def shaped(setup: Setup, args: argparse.Namespace) -> Setup:
+    """`setup` with the export shapes given by add_shape_arguments' flags."""
+
+    def ints(text: str | None) -> tuple[int, ...]:
+        return tuple(int(x) for x in text.split(",")) if text else ()
+
+    return replace(
+        setup, buckets=ints(args.buckets) or setup.buckets, widths=ints(args.prefill_widths) or setup.widths
+    )
+
+
+def describe(setup: Setup) -> str:
+    shape = f"B={setup.batch} S={setup.seq} C={setup.chunk} {setup.backend} {setup.model}"
+    shape += f" buckets {list(setup.buckets)}" if setup.buckets else ""
+    return shape + (f" prefill widths {list(setup.widths)}" if setup.widths else "")
+
+
 def exports(setup: Setup, work: Path, kinds=("std", "chunked")) -> tuple[Path, dict[str, Path], dict]:
     """The bench checkpoint and its exports (cached under `work`, keyed by shapes and graph code)."""
     from exporters.neuron import export
@@ -106,13 +133,16 @@ def exports(setup: Setup, work: Path, kinds=("std", "chunked")) -> tuple[Path, d
     for kind in kinds:
         chunk = setup.chunk if kind == "chunked" else 0
         # keyed by the graph code too: a cached export of older model code is not reused
-        ladder = f"-b{'.'.join(map(str, setup.buckets))}" if setup.buckets else ""
-        out = work / f"{kind}-{setup.batch}x{setup.seq}x{chunk}{ladder}-{setup.backend}-{code_key()}"
+        widths = setup.widths if kind == "chunked" else ()
+        shape = "".join(
+            f"-{tag}{'.'.join(map(str, v))}" for tag, v in (("b", setup.buckets), ("w", widths)) if v
+        )
+        out = work / f"{kind}-{setup.batch}x{setup.seq}x{chunk}{shape}-{setup.backend}-{code_key()}"
         started = time.perf_counter()
         if not (out / "neuron_config.json").is_file():
             export(str(ckpt), out, batch_size=setup.batch, sequence_length=setup.seq,
                    prefill_chunk_size=chunk, backend=setup.backend, overwrite=True,
-                   context_buckets=setup.buckets)  # fmt: skip
+                   context_buckets=setup.buckets, prefill_widths=widths)  # fmt: skip
             info[kind] = {"export_s": round(time.perf_counter() - started, 1)}
         else:
             info[kind] = {"export_s": None}  # cached: see the results file of the run that built it
