@@ -1,0 +1,123 @@
+"""What one graph call per mixed step (issue 11, lever 4) would save on Neuron: an analytic
+roofline, not a measurement. Llama-3.1-8B in bf16, TP=8 on trn1 (8 NeuronCore-v2 = 4 Trainium
+chips), B decode rows + one C-token chunk per mixed step.
+
+Hardware (AWS Neuron docs, "Trainium Architecture"): a Trainium chip is 2 NeuronCore-v2 with
+190 BF16 TFLOPS and 820 GiB/s of HBM bandwidth. A graph's time is taken as
+max(bytes / (bandwidth * bw_eff), flops / (peak * mfu)) + the all-reduces' fixed cost; the
+efficiencies are assumptions (flags), the byte and FLOP counts are exact for the shapes.
+
+    python benchmark/neuron_projection.py [--batch 8] [--chunk 256] [--contexts 512,2048,8192]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+GIB = 2**30
+
+
+@dataclass(frozen=True)
+class Model:  # Llama-3.1-8B (config.json of meta-llama/Llama-3.1-8B)
+    hidden: int = 4096
+    intermediate: int = 14336
+    layers: int = 32
+    heads: int = 32
+    kv_heads: int = 8
+    head_dim: int = 128
+    vocab: int = 128256
+    dtype_bytes: int = 2
+
+    @property
+    def layer_params(self) -> int:
+        attn = self.hidden * self.head_dim * (2 * self.heads + 2 * self.kv_heads)
+        return attn + 3 * self.hidden * self.intermediate
+
+    def kv_bytes_per_token(self) -> int:
+        return self.layers * 2 * self.kv_heads * self.head_dim * self.dtype_bytes
+
+
+@dataclass(frozen=True)
+class Hardware:  # trn1, per NeuronCore-v2: half a chip
+    tflops: float = 95.0
+    gib_s: float = 410.0
+    all_reduce_us: float = 15.0  # a small all-reduce on NeuronLink (assumption)
+
+
+def graph_ms(m: Model, hw: Hardware, tp: int, rows: int, lm_rows: int, attn_tokens: list[tuple[int, int]],
+             mfu: float, bw_eff: float) -> dict:  # fmt: skip
+    """One graph call on one core of a TP group: `rows` tokens through every layer, the LM head
+    on `lm_rows`, attention of (queries, keys attended) pairs."""
+    weight_bytes = (m.layers * m.layer_params + m.hidden * m.vocab) * m.dtype_bytes / tp
+    kv_bytes = sum(keys for _, keys in attn_tokens) * m.kv_bytes_per_token() / tp
+    flops = 2 * rows * m.layers * m.layer_params / tp + 2 * lm_rows * m.hidden * m.vocab / tp
+    flops += sum(4 * q * k * m.heads * m.head_dim * m.layers for q, k in attn_tokens) / tp
+    memory_ms = (weight_bytes + kv_bytes) / (hw.gib_s * GIB * bw_eff) * 1e3
+    compute_ms = flops / (hw.tflops * 1e12 * mfu) * 1e3
+    collectives_ms = 2 * m.layers * hw.all_reduce_us / 1e3
+    return dict(weights_gib=weight_bytes / GIB, kv_gib=kv_bytes / GIB, tflop=flops / 1e12,
+                memory_ms=memory_ms, compute_ms=compute_ms, ms=max(memory_ms, compute_ms) + collectives_ms)  # fmt: skip
+
+
+def project(
+    m: Model, hw: Hardware, tp: int, batch: int, chunk: int, context: int, mfu: float, bw: float
+) -> dict:
+    """A mixed step at `context` (decode rows and chunk attend over that many positions)."""
+    decodes = [(1, context)] * batch
+    tg = graph_ms(m, hw, tp, batch, batch, decodes, mfu, bw)
+    cp = graph_ms(m, hw, tp, chunk, 1, [(chunk, context)], mfu, bw)
+    fused = graph_ms(m, hw, tp, batch + chunk, batch + 1, decodes + [(chunk, context)], mfu, bw)
+    separate = tg["ms"] + cp["ms"]
+    return dict(
+        context=context, tg=tg, cp=cp, fused=fused, separate_ms=separate, saved=1 - fused["ms"] / separate
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--chunk", type=int, default=256)
+    p.add_argument("--tp", type=int, default=8)
+    p.add_argument("--contexts", default="512,2048,8192")
+    p.add_argument(
+        "--mfu", type=float, default=0.5, help="fraction of peak FLOPs a compute-bound graph reaches"
+    )
+    p.add_argument(
+        "--bw", type=float, default=0.7, help="fraction of HBM bandwidth a memory-bound graph reaches"
+    )
+    args = p.parse_args(argv)
+    m, hw = Model(), Hardware()
+    rows = [
+        project(m, hw, args.tp, args.batch, args.chunk, int(c), args.mfu, args.bw)
+        for c in args.contexts.split(",")
+    ]
+    lines = [
+        f"# Mixed step on trn1, Llama-3.1-8B bf16 TP={args.tp}: TG + CP vs one fused graph (analytic)", "",
+        f"B={args.batch} decode rows + one {args.chunk}-token chunk; per NeuronCore-v2 {hw.tflops} TFLOPS, "
+        f"{hw.gib_s} GiB/s; MFU {args.mfu}, bandwidth efficiency {args.bw}, all-reduce {hw.all_reduce_us} us.", "",
+        "| context | TG ms (weights+KV GiB/core) | CP ms (TFLOP/core) | TG + CP ms | fused ms | saved |",
+        "|---|---|---|---|---|---|",
+    ]  # fmt: skip
+    for r in rows:
+        tg, cp = r["tg"], r["cp"]
+        lines.append(
+            f"| {r['context']} | {tg['ms']:.2f} ({tg['weights_gib'] + tg['kv_gib']:.2f}) | {cp['ms']:.2f} "
+            f"({cp['tflop']:.2f}) | {r['separate_ms']:.2f} | {r['fused']['ms']:.2f} | {r['saved']:.0%} |"
+        )
+    date = datetime.date.today().isoformat()
+    out = HERE / "results" / f"neuron-projection-{date}"
+    out.with_suffix(".json").write_text(
+        json.dumps({"args": vars(args), "model": asdict(m), "rows": rows}, indent=1)
+    )
+    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
