@@ -3,7 +3,10 @@ process (this machine's speed drifts by 20-30 % between runs minutes apart, so s
 cannot show a 5-10 % change). An export keeps the graphs it was compiled with, so the
 "before" folder is one exported by the older code (benchmark exports are keyed by it).
 
-    python benchmark/ab_exports.py BEFORE_DIR AFTER_DIR [--calls 16] [--tag NAME]
+    python benchmark/ab_exports.py BEFORE_DIR AFTER_DIR [--calls 16] [--tokens T] [--end P] [--tag NAME]
+
+--tokens: the chunk's real tokens (default the chunk size); --end: the position after its last
+token (default the sequence length: the largest bucket, read whole).
 """
 
 from __future__ import annotations
@@ -25,9 +28,11 @@ sys.path[:0] = [str(HERE.parent)]
 from optimum_neuron_chunked import NeuronModelForCausalLM  # noqa: E402
 
 
-def interleaved_ms(folders: dict[str, Path], calls: int) -> dict[str, list[float]]:
-    """One chunk of the CP width ending at the last position, each export in turn, each call
-    on the next slot; the first round is untimed (lazy init)."""
+def interleaved_ms(
+    folders: dict[str, Path], calls: int, tokens: int | None = None, end: int | None = None
+) -> dict[str, list[float]]:
+    """One chunk of `tokens` ending before position `end`, each export in turn, each call on
+    the next slot; the first round is untimed (lazy init)."""
     models = {name: NeuronModelForCausalLM.from_pretrained(f) for name, f in folders.items()}
     configs = (
         {m.neuron_config.prefill_chunk_size for m in models.values()},
@@ -37,12 +42,13 @@ def interleaved_ms(folders: dict[str, Path], calls: int) -> dict[str, list[float
         raise SystemExit(f"the exports differ in shape (chunk sizes, lengths): {configs}")
     width, seq = (c.pop() for c in configs)
     batch = min(m.neuron_config.batch_size for m in models.values())
-    ids = torch.randint(4, 1000, (width,), generator=torch.Generator().manual_seed(0))
+    tokens, end = tokens or width, end or seq
+    ids = torch.randint(4, 1000, (tokens,), generator=torch.Generator().manual_seed(0))
     times = {name: [] for name in models}
     for i in range(calls + 1):
         for name, model in models.items():
             started = time.perf_counter()
-            model.runner.prefill(ids, seq - width, i % batch)
+            model.runner.prefill(ids, end - tokens, i % batch)
             if i:
                 times[name].append((time.perf_counter() - started) * 1000)
     return times
@@ -53,13 +59,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("before", type=Path)
     p.add_argument("after", type=Path)
     p.add_argument("--calls", type=int, default=16)
+    p.add_argument("--tokens", type=int, default=None)
+    p.add_argument("--end", type=int, default=None)
     p.add_argument("--tag", default="")
     args = p.parse_args(argv)
-    times = interleaved_ms({"before": args.before, "after": args.after}, args.calls)
+    times = interleaved_ms({"before": args.before, "after": args.after}, args.calls, args.tokens, args.end)
     date = datetime.date.today().isoformat()
     lines = [f"# CP calls, two exports interleaved ({date}, {platform.node()})", "",
              f"before: `{args.before.name}`", f"after: `{args.after.name}`", "",
-             f"Median [min-max] of {args.calls} calls each.", "", "| export | ms per call |", "|---|---|"]  # fmt: skip
+             f"A chunk of {args.tokens or 'C'} tokens ending at position {args.end or 'S'}; "
+             f"median [min-max] of {args.calls} calls each.", "", "| export | ms per call |", "|---|---|"]  # fmt: skip
     for name, t in times.items():
         lines.append(f"| {name} | {statistics.median(t):.1f} [{min(t):.1f}-{max(t):.1f}] |")
     ratio = statistics.median(times["after"]) / statistics.median(times["before"])

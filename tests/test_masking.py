@@ -159,9 +159,10 @@ def test_ring_layers_equal_position_indexed_layers_over_stale_slots(family):
 @pytest.mark.parametrize("family", ["llama", "gemma3_text", "qwen3_moe"])
 def test_fused_attention_kernel_equals_the_masked_softmax(family):
     """SDPA (the cpu backend's core from its threshold window up) over slot views (its chunks
-    read slot 1 as a scalar) against the reference masked softmax over gathered windows, eager
-    here (the cpu parity tests run it compiled): chunks, then decodes with an idle slot, over
-    stale slots; gemma3's ring layers included."""
+    read slot 1 as a scalar), and the masked softmax over the live positions only (live_window),
+    against the reference masked softmax over gathered bucket windows, eager here (the cpu
+    parity tests run it compiled): chunks, then decodes with an idle slot, over stale slots;
+    gemma3's ring layers included."""
     from optimum_neuron_chunked.modeling import model_from_spec
     from optimum_neuron_chunked.modeling.kernels import KernelChoices, kernel_choices
 
@@ -170,7 +171,12 @@ def test_fused_attention_kernel_equals_the_masked_softmax(family):
     config = NeuronConfig(batch_size=2, sequence_length=128, prefill_chunk_size=16, backend="eager")
     spec = build_model(AutoConfig.from_pretrained(path), config).spec
     models = []
-    for kernels in (KernelChoices(sdpa_from_window=1, slot_view=True), KernelChoices()):
+    choices = [
+        KernelChoices(sdpa_from_window=1, slot_view=True, live_window=True),
+        KernelChoices(live_window=True),
+        KernelChoices(),  # the reference: masked softmax over gathered bucket windows
+    ]
+    for kernels in choices:
         model = model_from_spec(spec, config, kernels=kernels).eval()
         model.load_weights(model.weights_from_hf(hf))
         for cache in model.cache_names():
@@ -180,8 +186,9 @@ def test_fused_attention_kernel_equals_the_masked_softmax(family):
     tokens, start = torch.randint(4, 380, (80,), generator=torch.Generator().manual_seed(4)), 0
     for width in [16, 5, 16, 16]:
         piece = tokens[start : start + width]
-        got, want = (run_chunk(m, piece, start=start, seq_id=1, width=16, window=64) for m in models)
-        torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
+        *got, want = (run_chunk(m, piece, start=start, seq_id=1, width=16, window=64) for m in models)
+        for logits in got:
+            torch.testing.assert_close(logits, want, atol=1e-4, rtol=0)
         start += width
     with torch.no_grad():
         for _ in range(4):
@@ -190,18 +197,22 @@ def test_fused_attention_kernel_equals_the_masked_softmax(family):
                 torch.tensor([[0], [start]]),
                 torch.tensor([0, 1]),
             )
-            got, want = (
+            *got, want = (
                 m.logits(m.hidden_states(ids, pos, seq, 64, one_row_per_slot=True))[1] for m in models
             )
-            torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
+            for logits in got:
+                torch.testing.assert_close(logits, want, atol=1e-4, rtol=0)
             start += 1
 
 
 @pytest.mark.slow
-def test_sdpa_compiled_by_aotinductor_equals_the_masked_softmax(tmp_path):
-    """The SDPA core as the cpu backend compiles it (test windows are below its threshold, so
-    the cpu parity tests do not reach it), over a view of slot 1 read as a scalar: a chunk
-    graph over stale slots, compiled vs eager's gathered masked softmax."""
+@pytest.mark.parametrize("kind", ["cp", "tg"])
+def test_cpu_kernels_compiled_by_aotinductor_equal_the_masked_softmax(tmp_path, kind):
+    """The cpu backend's kernels as AOTInductor compiles them - SDPA (test windows are below
+    its threshold, so the cpu parity tests do not reach it), a view of slot 1 read as a scalar,
+    attention over the live positions read as a scalar - against eager's masked softmax over
+    gathered bucket windows: a chunk graph, and a decode graph with an idle slot, over stale
+    caches."""
     from optimum_neuron_chunked.graphs import GraphSpec, example_inputs, graph_module
     from optimum_neuron_chunked.modeling import model_from_spec
     from optimum_neuron_chunked.modeling.kernels import KernelChoices
@@ -210,22 +221,26 @@ def test_sdpa_compiled_by_aotinductor_equals_the_masked_softmax(tmp_path):
     hf = AutoModelForCausalLM.from_pretrained(path)
     config = NeuronConfig(batch_size=2, sequence_length=SEQ, prefill_chunk_size=CHUNK, backend="cpu")
     spec = build_model(AutoConfig.from_pretrained(path), config).spec
-    models = [
-        model_from_spec(spec, config, kernels=KernelChoices(sdpa_from_window=1, slot_view=True)),
-        model_from_spec(spec, config, kernels=KernelChoices()),
-    ]
-    graph = GraphSpec("cp", 1, CHUNK, SEQ)
+    kernels = KernelChoices(sdpa_from_window=1, slot_view=True, live_window=True)
+    models = [model_from_spec(spec, config, kernels=kernels), model_from_spec(spec, config)]
+    graph = GraphSpec("cp", 1, CHUNK, SEQ) if kind == "cp" else GraphSpec("tg", 2, 1, SEQ)
     for model in models:
         model.load_weights(model.weights_from_hf(hf))
         for cache in model.cache_names():
             getattr(model, cache).normal_(0, 100, generator=torch.Generator().manual_seed(6))
     inputs = list(example_inputs(graph, config))
     inputs[0] = torch.randint(4, 380, inputs[0].shape, dtype=inputs[0].dtype)
-    inputs[1] = inputs[1] + 20  # positions 20..35: earlier positions hold stale garbage
-    inputs[2] = torch.tensor([1], dtype=inputs[2].dtype)  # slot 1 (slot 0 holds other garbage)
+    # positions from 20: earlier positions hold stale garbage, and so do those after the last
+    inputs[1] = inputs[1] + torch.tensor([[20]] if kind == "cp" else [[0], [20]], dtype=inputs[1].dtype)
+    inputs[2] = torch.tensor([1] if kind == "cp" else [0, 1], dtype=inputs[2].dtype)
     with torch.no_grad():
         program = torch.export.export(graph_module(models[0].eval(), graph, config), tuple(inputs))
-        package = torch._inductor.aoti_compile_and_package(program, package_path=str(tmp_path / "cp.pt2"))
-        compiled = torch._inductor.aoti_load_package(package)(*inputs)
-        reference = graph_module(models[1].eval(), graph, config)(*inputs)
-    torch.testing.assert_close(compiled, reference, atol=1e-4, rtol=0)
+        package = torch._inductor.aoti_compile_and_package(program, package_path=str(tmp_path / "g.pt2"))
+        compiled = torch._inductor.aoti_load_package(package)
+        reference = graph_module(models[1].eval(), graph, config)
+        for shift in (0, 7):  # a second call further on: the live length is read per call
+            inputs[1] = inputs[1] + shift
+            got, want = compiled(*inputs), reference(*inputs)
+            if kind == "tg":  # (tokens, logits): row 0 is the idle-ish slot at position 0
+                got, want = got[1][1], want[1][1]
+            torch.testing.assert_close(got, want, atol=1e-4, rtol=0)

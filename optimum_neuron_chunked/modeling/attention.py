@@ -13,6 +13,8 @@ request left in the slot beyond the live context are never read.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
@@ -62,6 +64,43 @@ def ring_positions(last_positions: torch.Tensor, length: int) -> torch.Tensor:
     return last - torch.remainder(last - index, length)
 
 
+@dataclass(frozen=True)
+class CacheRead:
+    """What every layer's attention reads of its cache in one graph call, decided once per call.
+
+    window: the graph's context bucket (static: it picks the attention kernel).
+    live: positions read from each slot - the window, or where the backend keeps scalar reads
+      in the graph (kernels.live_window) the call's last position + 1, so attention costs what
+      the live context costs rather than the bucket.
+    slot: a one-row graph's slot as a scalar (kernels.slot_view: attend over a view of it),
+      else None (gather the rows' windows).
+    """
+
+    window: int
+    live: int | torch.SymInt
+    slot: int | torch.SymInt | None = None
+
+
+def cache_read(
+    kernels: KernelChoices,
+    position_ids: torch.Tensor,  # [N, T]
+    seq_ids: torch.Tensor,  # [N]
+    window: int,
+    one_row_per_slot: bool,
+) -> CacheRead:
+    """The call's CacheRead. The scalar reads become unbacked symbols with bound checks under
+    torch.export; padded rows/tokens repeat real ones, so the maximum is a real position."""
+    live, slot = window, None
+    if kernels.live_window:
+        live = position_ids.max().item() + 1
+        torch._check(live >= 1)
+        torch._check(live <= window)
+    if kernels.slot_view and not one_row_per_slot and seq_ids.shape[0] == 1:
+        slot = seq_ids[0].item()
+        torch._check(slot >= 0)
+    return CacheRead(window, live, slot)
+
+
 def write_cache(
     cache: torch.Tensor,  # [B, Hkv, S, D]
     seq_ids: torch.Tensor,  # [N]
@@ -100,7 +139,6 @@ class Attention(nn.Module):
         kernels = kernels or KernelChoices()
         # gpt-oss's sinks join the softmax: SDPA has no place for them (kernels.py)
         self.sdpa_from_window = None if spec.attention_sinks else kernels.sdpa_from_window
-        self.slot_view = kernels.slot_view
         self.functional_cache, self.use_rope = functional_cache, use_rope
         self.ring = ring  # cache length of a ring layer (see ring_length); None: position-indexed
         d, hidden = spec.head_dim, spec.hidden_size
@@ -127,7 +165,7 @@ class Attention(nn.Module):
         cos_sin: tuple[torch.Tensor, torch.Tensor],
         k_cache: torch.Tensor,  # [B, Hkv, S, D]
         v_cache: torch.Tensor,  # [B, Hkv, S, D]
-        window: int,
+        read: CacheRead,
         one_row_per_slot: bool,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """-> (output [N, T, H], k_cache, v_cache): the caches written, in place or anew.
@@ -147,24 +185,24 @@ class Attention(nn.Module):
         cache_index = position_ids if self.ring is None else torch.remainder(position_ids, self.ring)
         k_cache = write_cache(k_cache, seq_ids, cache_index, k.transpose(1, 2), self.functional_cache)
         v_cache = write_cache(v_cache, seq_ids, cache_index, v, self.functional_cache)
-        window = window if self.ring is None else self.ring  # a ring layer reads its whole ring
+        # a ring layer reads its whole ring
+        window, live = (read.window, read.live) if self.ring is None else (self.ring, self.ring)
         if one_row_per_slot:
-            out = self._attend_in_slot_order(q, k_cache, v_cache, seq_ids, position_ids, window)
+            out = self._attend_in_slot_order(q, k_cache, v_cache, seq_ids, position_ids, window, live)
         else:
-            keys, values = self._row_windows(k_cache, v_cache, seq_ids, window)
-            out = self._attend(q, keys, values, position_ids, self._key_positions(position_ids, window))
+            keys, values = self._row_windows(k_cache, v_cache, seq_ids, read.slot, live)
+            key_positions = self._key_positions(position_ids, live)
+            out = self._attend(q, keys, values, position_ids, key_positions, window)
         return self.o_proj(out.transpose(1, 2).reshape(n, t, -1)), k_cache, v_cache
 
-    def _row_windows(self, k_cache, v_cache, seq_ids, window) -> tuple[torch.Tensor, torch.Tensor]:
-        """The first `window` cache positions of each row's slot: keys, values [N, Hkv, W, D].
-        A graph of one row reads its slot as a view where the backend allows (kernels.py
-        slot_view); otherwise the windows are gathered (copied)."""
-        if self.slot_view and seq_ids.shape[0] == 1:
-            slot = seq_ids[0].item()
-            torch._check(slot >= 0)
+    def _row_windows(self, k_cache, v_cache, seq_ids, slot, live) -> tuple[torch.Tensor, torch.Tensor]:
+        """The first `live` cache positions of each row's slot: keys, values [N, Hkv, W, D].
+        A graph of one row reads its slot (a scalar, CacheRead.slot) as a view where the backend
+        allows; otherwise the windows are gathered (copied)."""
+        if slot is not None:
             torch._check(slot < k_cache.shape[0])
-            return k_cache[slot, :, :window][None], v_cache[slot, :, :window][None]
-        return k_cache[seq_ids, :, :window], v_cache[seq_ids, :, :window]
+            return k_cache[slot, :, :live][None], v_cache[slot, :, :live][None]
+        return k_cache[seq_ids, :, :live], v_cache[seq_ids, :, :live]
 
     def _key_positions(self, position_ids: torch.Tensor, window: int) -> torch.Tensor:
         """[N or 1, window] absolute position of each cache entry read. A padded row repeats
@@ -173,7 +211,7 @@ class Attention(nn.Module):
             return torch.arange(window, device=position_ids.device)[None]
         return ring_positions(position_ids[:, -1], self.ring)
 
-    def _attend_in_slot_order(self, q, k_cache, v_cache, seq_ids, position_ids, window) -> torch.Tensor:
+    def _attend_in_slot_order(self, q, k_cache, v_cache, seq_ids, position_ids, window, live) -> torch.Tensor:
         """A step with one row per slot (TG) attends over views of the cache: gathering every
         row's window would copy the whole live cache each step. Rows are moved to their slots
         and back; a slot with no row attends to whatever it holds, and the result is dropped.
@@ -181,18 +219,18 @@ class Attention(nn.Module):
         slots = k_cache.shape[0]
         q_slots = q.new_zeros(slots, *q.shape[1:]).index_copy(0, seq_ids, q)
         pos_slots = position_ids.new_zeros(slots, position_ids.shape[1]).index_copy(0, seq_ids, position_ids)
-        keys, values = k_cache[:, :, :window], v_cache[:, :, :window]
-        key_positions = self._key_positions(pos_slots, window)
-        return self._attend(q_slots, keys, values, pos_slots, key_positions).index_select(0, seq_ids)
+        keys, values = k_cache[:, :, :live], v_cache[:, :, :live]
+        key_positions = self._key_positions(pos_slots, live)
+        return self._attend(q_slots, keys, values, pos_slots, key_positions, window).index_select(0, seq_ids)
 
-    def _attend(self, q, keys, values, position_ids, key_positions) -> torch.Tensor:
-        """q [N, Hq, T, D] over keys/values [N, Hkv, W, D] -> [N, Hq, T, D].
+    def _attend(self, q, keys, values, position_ids, key_positions, window: int) -> torch.Tensor:
+        """q [N, Hq, T, D] over keys/values [N, Hkv, W, D] -> [N, Hq, T, D]; `window` is the
+        graph's bucket (static), W the positions read (the bucket or the live length).
 
         Grouped-query attention without expanding K/V: query heads k*G..k*G+G-1 share KV
         head k (transformers' repeat_kv order), so they are stacked along the query axis.
         """
         n, _, t, _ = q.shape
-        window = keys.shape[2]
         if self.sdpa_from_window is not None and window >= self.sdpa_from_window:
             # GQA order as ours: query head h uses KV head h // groups
             mask = attention_mask(position_ids, key_positions, self.sliding_window)  # [N, 1, T, W]
@@ -202,13 +240,14 @@ class Attention(nn.Module):
         groups = self.num_heads // self.num_kv_heads
         q = q.reshape(n, self.num_kv_heads, groups * t, self.head_dim)
         scores = torch.matmul(q, keys.transpose(2, 3)) * self.scale  # [N, Hkv, G*T, W]
-        scores = scores.view(n, self.num_kv_heads, groups, t, window)
+        read = keys.shape[2]
+        scores = scores.view(n, self.num_kv_heads, groups, t, read)
         mask = attention_mask(position_ids, key_positions, self.sliding_window)[:, :, None]  # [N, 1, 1, T, W]
         scores = torch.where(mask, scores.float(), MASK_VALUE)
         if self.sinks is not None:  # eager_attention_forward of gpt_oss: an extra column, dropped after
             sinks = self.sinks.float().view(1, self.num_kv_heads, groups, 1, 1).expand(n, -1, -1, t, 1)
-            probs = torch.softmax(torch.cat([scores, sinks], dim=-1), dim=-1)[..., :window]
+            probs = torch.softmax(torch.cat([scores, sinks], dim=-1), dim=-1)[..., :read]
         else:
             probs = torch.softmax(scores, dim=-1)
-        probs = probs.to(q.dtype).view(n, self.num_kv_heads, groups * t, window)
+        probs = probs.to(q.dtype).view(n, self.num_kv_heads, groups * t, read)
         return torch.matmul(probs, values).view(n, self.num_heads, t, self.head_dim)

@@ -7,7 +7,7 @@ import functools
 import torch
 from torch import nn
 
-from .attention import Attention, cache_lengths, write_cache
+from .attention import Attention, CacheRead, cache_lengths, cache_read, write_cache
 from .family import FamilySpec
 from .kernels import KernelChoices
 from .layers import MLP, Rotary, rms_norm
@@ -54,7 +54,9 @@ class DecoderLayer(nn.Module):
         self.local_rope = spec.local_rope and spec.sliding_windows[layer_idx] is not None
         self.residual_multiplier = spec.residual_multiplier
 
-    def forward(self, x, position_ids, seq_ids, rotaries, k_cache, v_cache, window, one_row_per_slot):
+    def forward(
+        self, x, position_ids, seq_ids, rotaries, k_cache, v_cache, read: CacheRead, one_row_per_slot
+    ):
         h, k_cache, v_cache = self.self_attn(
             self.input_layernorm(x),
             position_ids,
@@ -62,7 +64,7 @@ class DecoderLayer(nn.Module):
             rotaries[1] if self.local_rope else rotaries[0],
             k_cache,
             v_cache,
-            window,
+            read,
             one_row_per_slot,
         )
         if self.sandwich_norms:
@@ -131,11 +133,10 @@ class DecoderModel(nn.Module):
         self.spec = spec
         self.layout = ShardLayout.of(spec, layers.tp_degree)
         self.functional_cache = functional_cache
+        self.kernels = kernels or KernelChoices()
         self.cache_lengths = cache_lengths(spec.sliding_windows, sequence_length, prefill_width)
         rings = [n if n < sequence_length else None for n in self.cache_lengths]
-        self.model = DecoderBody(
-            spec, self.layout, layers, functional_cache, rings, kernels or KernelChoices()
-        )
+        self.model = DecoderBody(spec, self.layout, layers, functional_cache, rings, self.kernels)
         self.lm_head = layers.column(
             spec.hidden_size, self.layout.padded_vocab, bias=False, gather_output=True
         )
@@ -214,10 +215,11 @@ class DecoderModel(nn.Module):
         # The multiplier rounded to the model dtype first, as Gemma3TextScaledWordEmbedding does.
         x = x * torch.tensor(self.spec.embedding_multiplier, dtype=x.dtype).item()
         rotaries = self.model.rotaries(position_ids, x.dtype)
+        read = cache_read(self.kernels, position_ids, seq_ids, window, one_row_per_slot)
         for i, layer in enumerate(self.model.layers):
             k_cache, v_cache = getattr(self, f"k_cache_{i}"), getattr(self, f"v_cache_{i}")
             x, k_cache, v_cache = layer(
-                x, position_ids, seq_ids, rotaries, k_cache, v_cache, window, one_row_per_slot
+                x, position_ids, seq_ids, rotaries, k_cache, v_cache, read, one_row_per_slot
             )
             if self.functional_cache:
                 setattr(self, f"k_cache_{i}", k_cache)

@@ -13,6 +13,10 @@
   a 256-token chunk 0.99x. Only where the graph compiler keeps a scalar read inside the graph
   (AOTInductor: an unbacked symbol with bound checks); under XLA it would sync the device,
   and NxD traces through XLA, so eager/XLA/Neuron gather.
+- live_window: every graph reads its positions' maximum as a scalar and attends over that
+  many cache positions (attention.CacheRead) rather than the whole bucket: a chunk or decode
+  step costs what its live context costs. Same condition as slot_view (a scalar read inside
+  the graph), so cpu only. Measured: see AGENTS.md's performance notes.
 - expert_selection: a MoE graph of M tokens gathers its selected experts' weights while
   M * top_k / E < this fraction, else runs every expert densely. 1.0 is neuronx-distributed's
   rule (DEFAULT_SELECTIVE_LOADING_THRESHOLD, modules/moe/model_utils.py, Release 2.29 / 0.18.0).
@@ -30,10 +34,13 @@ from dataclasses import dataclass
 class KernelChoices:
     sdpa_from_window: int | None = None
     slot_view: bool = False
+    live_window: bool = False
     expert_selection: float = 1.0
 
 
-BY_BACKEND = {"cpu": KernelChoices(sdpa_from_window=2048, slot_view=True, expert_selection=0.2)}
+BY_BACKEND = {
+    "cpu": KernelChoices(sdpa_from_window=2048, slot_view=True, live_window=True, expert_selection=0.2)
+}
 
 
 def kernel_choices(backend: str) -> KernelChoices:
