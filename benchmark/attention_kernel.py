@@ -17,7 +17,6 @@ import platform
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
@@ -26,6 +25,7 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path[:0] = [str(REPO), str(HERE)]
 
+from metrics import call_ms  # noqa: E402
 from serve_bench import FULL  # noqa: E402
 
 from optimum_neuron_chunked.checkpoints import COMMON, build_checkpoint  # noqa: E402
@@ -66,17 +66,6 @@ def compiled_call(kernel: str, kind: str, window: int, work: Path):
     return lambda: graph(*inputs)
 
 
-def measure(call, repeats: int) -> list[float]:
-    for _ in range(2):
-        call()
-    times = []
-    for _ in range(repeats):
-        started = time.perf_counter()
-        call()
-        times.append((time.perf_counter() - started) * 1e3)
-    return times
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -90,7 +79,7 @@ def main() -> int:
             for kind in ("cp", "tg"):
                 row = dict(kind=kind, window=window)
                 for kernel in KERNELS:
-                    times = measure(compiled_call(kernel, kind, window, Path(tmp)), args.repeats)
+                    times = call_ms(compiled_call(kernel, kind, window, Path(tmp)), args.repeats, warmup=2)
                     row[kernel] = dict(median_ms=statistics.median(times), spread=[min(times), max(times)])
                 row["speedup"] = row["masked_softmax"]["median_ms"] / row["sdpa"]["median_ms"]
                 print(row, flush=True)

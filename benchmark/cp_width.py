@@ -16,7 +16,6 @@ import json
 import platform
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -26,6 +25,7 @@ REPO = HERE.parent
 sys.path[:0] = [str(REPO), str(REPO / "tests"), str(HERE)]
 
 from fixtures.export_models import code_key  # noqa: E402
+from metrics import call_ms  # noqa: E402
 from serve_bench import FULL  # noqa: E402
 
 from optimum_neuron_chunked.checkpoints import COMMON, build_checkpoint  # noqa: E402
@@ -41,13 +41,7 @@ def time_width(ckpt: Path, work: Path, width: int, window: int, repeats: int) ->
                backend=FULL.backend, context_buckets=(window,), overwrite=True)  # fmt: skip
     model = NeuronModelForCausalLM.from_pretrained(out)
     ids = torch.randint(4, FULL.model["vocab_size"], (width,))
-    times = []
-    for i in range(repeats + 1):  # the first call is untimed (lazy init)
-        t0 = time.perf_counter()
-        model.runner.prefill(ids, window - width, 0)
-        if i:
-            times.append((time.perf_counter() - t0) * 1000)
-    return times
+    return call_ms(lambda: model.runner.prefill(ids, window - width, 0), repeats)
 
 
 def main(argv: list[str] | None = None) -> int:

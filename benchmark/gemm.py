@@ -14,7 +14,6 @@ import json
 import platform
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -22,6 +21,7 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE.parent), str(HERE.parent / "tests"), str(HERE)]
 
+from metrics import call_ms  # noqa: E402
 from serve_bench import FULL  # noqa: E402
 
 # (out, in) of the bench model's projections: q/o, k/v, gate/up, down
@@ -33,14 +33,7 @@ SHAPES = {
 
 
 def median_us(fn, repeats: int) -> float:
-    for _ in range(10):
-        fn()
-    times = []
-    for _ in range(repeats):
-        started = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - started) * 1e6)
-    return statistics.median(times)
+    return statistics.median(call_ms(fn, repeats, warmup=10)) * 1e3
 
 
 def measure(rows: int, out_features: int, in_features: int, repeats: int) -> dict:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import statistics
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -97,3 +99,16 @@ def median_of(runs: list[dict], *path: str) -> tuple[float, float]:
     if not values:
         return float("nan"), float("nan")
     return statistics.median(values), max(values) - min(values)
+
+
+def call_ms(fn: Callable[[], object], repeats: int, warmup: int = 1) -> list[float]:
+    """Milliseconds of each of `repeats` calls of `fn`, after `warmup` untimed ones (lazy init,
+    first-touch pages)."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - started) * 1e3)
+    return times

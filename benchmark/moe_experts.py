@@ -19,13 +19,14 @@ import json
 import platform
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+sys.path[:0] = [str(REPO), str(Path(__file__).resolve().parent)]
+
+from metrics import call_ms  # noqa: E402
 
 from optimum_neuron_chunked.modeling.kernels import kernel_choices  # noqa: E402
 from optimum_neuron_chunked.modeling.moe import MoeSpec, SparseMoE  # noqa: E402
@@ -38,13 +39,7 @@ TOKENS = [1, 2, 4, 8, 16, 64, 128, 256]
 
 
 def time_ms(fn, repeats: int) -> list[float]:
-    fn()  # warm-up
-    out = []
-    for _ in range(repeats):
-        started = time.perf_counter()
-        fn()
-        out.append((time.perf_counter() - started) * 1e3)
-    return out
+    return call_ms(fn, repeats)
 
 
 def measure(hidden: int, inter: int, experts: int, top_k: int, tokens: int, repeats: int) -> dict:

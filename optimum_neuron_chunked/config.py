@@ -129,20 +129,18 @@ class NeuronConfig:
 
     def width_for(self, tokens: int) -> int:
         """Narrowest compiled CP width that holds a chunk of `tokens` (chunked exports)."""
-        for width in self.prefill_widths:
-            if tokens <= width:
-                return width
-        raise NeuronConfigError(
-            f"a chunk of {tokens} tokens exceeds the chunk size {self.prefill_chunk_size}."
+        return _smallest_cover(
+            self.prefill_widths,
+            tokens,
+            f"a chunk of {tokens} tokens exceeds the chunk size {self.prefill_chunk_size}.",
         )
 
     def bucket_for(self, context_length: int) -> int:
         """Smallest compiled bucket that holds `context_length` positions."""
-        for bucket in self.context_buckets:
-            if context_length <= bucket:
-                return bucket
-        raise NeuronConfigError(
-            f"context of {context_length} tokens exceeds the compiled sequence_length {self.sequence_length}."
+        return _smallest_cover(
+            self.context_buckets,
+            context_length,
+            f"context of {context_length} tokens exceeds the compiled sequence_length {self.sequence_length}.",
         )
 
     def to_dict(self) -> dict:
@@ -193,3 +191,11 @@ def default_buckets(config: NeuronConfig) -> tuple[int, ...]:
     while buckets[-1] // 2 >= floor:
         buckets.append(buckets[-1] // 2)
     return tuple(sorted(buckets))
+
+
+def _smallest_cover(sizes: tuple[int, ...], needed: int, too_large: str) -> int:
+    """The first of ascending `sizes` that is at least `needed`."""
+    for size in sizes:
+        if needed <= size:
+            return size
+    raise NeuronConfigError(too_large)

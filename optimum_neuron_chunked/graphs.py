@@ -58,13 +58,17 @@ def cp_spec(config: NeuronConfig, width: int, window: int) -> GraphSpec:
     return GraphSpec("cp", 1, width, window, narrow=width < config.prefill_chunk_size)
 
 
+def ce_spec(window: int) -> GraphSpec:
+    return GraphSpec("ce", 1, window, window)
+
+
 def graph_specs(config: NeuronConfig) -> list[GraphSpec]:
     specs = []
     for window in config.context_buckets:
         if config.chunked:
             specs += [cp_spec(config, width, window) for width in config.prefill_widths]
         else:
-            specs.append(GraphSpec("ce", 1, window, window))
+            specs.append(ce_spec(window))
         specs.append(GraphSpec("tg", config.batch_size, 1, window))
     if config.chunked:
         specs.append(GraphSpec(COPY, 1, config.prefill_chunk_size, 0))
@@ -200,7 +204,7 @@ class GraphRunner:
         if self.config.chunked:
             spec = cp_spec(self.config, self.config.width_for(t), window)
         else:
-            spec = GraphSpec("ce", 1, window, window)
+            spec = ce_spec(window)
         positions = torch.arange(start, end, dtype=INDEX_DTYPE)
         ids = pad_repeat_last(token_ids.to(INDEX_DTYPE)[None], spec.width, dim=1)
         pos = pad_repeat_last(positions[None], spec.width, dim=1)
