@@ -5,8 +5,9 @@ after its request ends, until the slot is given to another request. So the index
 slot, the tokens whose K/V the slot holds (positions 0..n-1), and a new request reuses the
 longest common prefix with any slot by copying those positions into its own slot - or by no
 copy at all when vLLM's allocator gives it the very slot that holds them. Eviction is vLLM's
-block pool: a freed slot is reallocated least-recently-freed first, and reallocating a slot
-replaces what the index says it holds.
+block pool: a freed slot is reallocated most-recently-freed first (blocks without a hash go
+to the front of the free queue, `BlockPool.free_blocks`, vllm/v1/core/block_pool.py, 0.32),
+and reallocating a slot replaces what the index says it holds.
 """
 
 from __future__ import annotations
