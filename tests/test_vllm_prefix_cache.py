@@ -65,8 +65,7 @@ def test_a_shared_three_chunk_prefix_schedules_only_the_suffix(engine, hf_refere
 
 
 def test_a_finished_request_leaves_its_prefix_in_its_slot(engine, hf_reference):
-    """vLLM reuses the most recently freed block first (BlockPool.free_blocks, 0.32: LIFO for
-    blocks without a hash): the next request lands in the slot that holds the prefix."""
+    """Slot affinity: the next request lands in the free slot that holds its prefix."""
     system = prompt(96, seed=30)
     a, b = joined(system, prompt(10, seed=31)), joined(system, prompt(20, seed=32))
     engine.add("a", a, max_tokens=2)
@@ -84,14 +83,15 @@ def test_partial_hits_mid_chunk_and_the_prompt_repeated(engine, hf_reference):
     engine.run()
     engine.add("b", b, max_tokens=3)
     assert engine.run()[0] == "| b[45:75]"  # b in a's slot (slot 0), 45 tokens cached
-    engine.add("keep", prompt(20, seed=42), max_tokens=30)  # takes slot 0 and stays
+    # nothing shared: the slot freed longest ago (1), not the one b just left (vLLM's choice)
+    engine.add("keep", prompt(20, seed=42), max_tokens=30)
     engine.step()
-    engine.add("c", a, max_tokens=3)  # a again: slot 0 is taken, its prefix is gone
-    assert engine.step() == "keep | c[0:32]"  # a miss
+    engine.add("c", a, max_tokens=3)  # a again: slot 0 still holds b, i.e. a's first 45 tokens
+    assert engine.step() == "keep | c[45:70]"
     while len(engine.tokens["c"]) < 3:
         engine.step()
     d = joined(a[:50], prompt(5, seed=43))
-    engine.add("d", d, max_tokens=3)  # c's slot (1) holds a now
+    engine.add("d", d, max_tokens=3)  # c's slot (0) holds a now
     assert engine.step() == "keep | d[50:55]"
     engine.run()
     hf = hf_reference("llama")
@@ -109,6 +109,22 @@ def test_multi_turn_reuses_the_generated_tokens(engine, hf_reference):
     # a's last token never went through the decoder (it was sampled, not fed): 40 + 5 cached
     assert engine.run()[0] == "| b[45:58]"
     assert engine.tokens["b"] == hf_greedy(hf_reference("llama"), turn, 4)
+
+
+def test_a_chat_turn_after_an_unrelated_request_finds_its_history(engine, hf_reference):
+    """LRU eviction: an unrelated request takes the slot freed longest ago. vLLM alone would
+    hand it the block freed last - the chat's - and the next turn would compute it all again."""
+    a = prompt(40, seed=60)
+    engine.add("a", a, max_tokens=6)
+    engine.run()
+    engine.add("x", prompt(30, seed=61), max_tokens=2)
+    engine.run()
+    turn = joined(a, engine.tokens["a"], prompt(12, seed=62))
+    engine.add("b", turn, max_tokens=4)
+    assert engine.run()[0] == "| b[45:58]"  # no copy: b is in a's slot, only the new message computed
+    hf = hf_reference("llama")
+    assert engine.tokens["b"] == hf_greedy(hf, turn, 4)
+    assert engine.free_slots == 2
 
 
 def test_a_miss_and_a_source_slot_reused_in_between(engine, hf_reference):

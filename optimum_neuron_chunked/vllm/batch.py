@@ -6,9 +6,10 @@ KV-cache slot and the sampling state. Host sampling reuses vLLM's own `InputBatc
 derives the sampler's metadata (penalties, seeds, logits processors, ...) from that state.
 
 The slot of a request is its KV block: the cache is presented to vLLM as one block of
-`max_model_len` tokens per request, so block id b (1..B; 0 is vLLM's null block) is slot b-1
-and vLLM's block pool is the slot allocator - a finished or aborted request frees its slot
-in the scheduler itself.
+`max_model_len` tokens per request, so vLLM's block pool is the slot allocator - a finished or
+aborted request frees its slot in the scheduler itself. Block id b (1..B; 0 is vLLM's null
+block) is slot b-1, except with prefix caching, where the connector chooses the slot of each
+block it sees allocated (slot_assignment.py) and the step's `PrefixCopies` bring the choice.
 """
 
 from __future__ import annotations
@@ -20,17 +21,18 @@ from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.sample.logits_processor import build_logitsprocs
 from vllm.v1.worker.gpu_input_batch import CachedRequestState, InputBatch
 
+from .connector import PrefixCopies, is_prefix_cache_connector
 from .plan import ScheduledWork
 
 
-def slot_of(block_ids: tuple[list[int], ...]) -> int:
-    """KV-cache slot of a request from its block ids (one group, one block)."""
+def block_of(block_ids: tuple[list[int], ...]) -> int:
+    """The one KV block of a request (one group, one block)."""
     (blocks,) = block_ids
     if len(blocks) != 1:
         raise RuntimeError(
             f"expected one KV block per request, got {blocks}: check the platform's block_size"
         )
-    return blocks[0] - 1
+    return blocks[0]
 
 
 class BatchState:
@@ -53,11 +55,25 @@ class BatchState:
             logitsprocs_need_output_token_ids=bool(custom),
         )
         self.requests: dict[str, CachedRequestState] = {}
+        # block id -> slot, as the prefix-cache connector assigned them; None: slot = block - 1
+        self.block_slots: dict[int, int] | None = (
+            {} if is_prefix_cache_connector(vllm_config.kv_transfer_config) else None
+        )
         # Requests whose prompt logprobs are still to come: how many each asked for.
         self.prompt_logprobs: dict[str, int] = {}
 
+    def slot_of(self, block_ids: tuple[list[int], ...]) -> int:
+        block = block_of(block_ids)
+        if self.block_slots is None:
+            return block - 1
+        if block not in self.block_slots:
+            raise RuntimeError(f"block {block} was allocated without a slot from the prefix-cache connector")
+        return self.block_slots[block]
+
     def update(self, so: SchedulerOutput) -> None:
         """Apply what the scheduler changed since the last step (finished, new, advanced)."""
+        if isinstance(so.kv_connector_metadata, PrefixCopies):
+            self.block_slots.update(so.kv_connector_metadata.slots)
         batch = self.input_batch
         for req_id in so.finished_req_ids:
             self.requests.pop(req_id, None)
@@ -139,7 +155,7 @@ class BatchState:
             work.append(
                 ScheduledWork(
                     req_id=req_id,
-                    slot=slot_of(state.block_ids),
+                    slot=self.slot_of(state.block_ids),
                     start=start,
                     token_ids=tuple(known[start : start + n]),
                     num_prompt_tokens=state.num_prompt_tokens,

@@ -19,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
@@ -27,7 +28,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.logger import init_logger
 from vllm.v1.request import RequestStatus
 
-from .prefix_index import PrefixHit, PrefixIndex, SlotCopy, worth_waiting
+from .prefix_index import PrefixHit, PrefixIndex, SlotCopy, common_prefix_length, worth_waiting
+from .slot_assignment import SlotAssignment
 
 logger = init_logger(f"vllm.{__name__}")
 
@@ -40,6 +42,8 @@ class PrefixCopies(KVConnectorMetadata):
     """What the runner copies before the step's graphs, in this order."""
 
     copies: tuple[SlotCopy, ...] = ()
+    # (block id, slot) of the blocks allocated this step (slot_assignment.py)
+    slots: tuple[tuple[int, int], ...] = ()
 
 
 def is_prefix_cache_connector(kv_transfer_config) -> bool:
@@ -59,6 +63,8 @@ class PrefixCopyConnector(KVConnectorBase_V1):
         # index reads them only when a new request looks up (not on every decode step)
         self._live_computed: dict[int, int] = {}
         self._copies: list[SlotCopy] = []
+        self.slots = SlotAssignment(vllm_config.scheduler_config.max_num_seqs)
+        self._assigned: list[tuple[int, int]] = []
 
     # -- scheduler side ----------------------------------------------------------------------
 
@@ -97,12 +103,9 @@ class PrefixCopyConnector(KVConnectorBase_V1):
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
         (block_ids,) = blocks.get_block_ids()
-        slot = block_ids[0] - 1
         promised = self._promised.pop(request.request_id, None)
         hit = PrefixHit(promised.source, num_external_tokens) if promised and num_external_tokens else None
-        # a request resumed after preemption may come back to another slot
-        for old in self._slots_of(request):
-            del self._live[old], self._live_computed[old]
+        slot = self._slot_for(request, block_ids[0])
         copy = self.index.admit(slot, request.prompt_token_ids, hit)
         self._live[slot] = request
         self._live_computed[slot] = len(self.index.held(slot))
@@ -112,6 +115,30 @@ class PrefixCopyConnector(KVConnectorBase_V1):
                 "prefix hit: %s copies %d tokens from slot %d", request.request_id, copy.length, copy.source
             )
 
+    def _slot_for(self, request, block: int) -> int:
+        """The slot the request's block stands for: kept by a request that keeps its block (a
+        streaming session's next input), else chosen by affinity/LRU (slot_assignment.py).
+        vLLM frees a preempted request's block without telling the connector: a block or a
+        request found with a stale slot gives that slot back first."""
+        mapped = self.slots.slot_of(block)
+        if mapped is not None and self._live.get(mapped, request).request_id == request.request_id:
+            self._live.pop(mapped, None)
+            self._live_computed.pop(mapped, None)
+            return mapped
+        stale = self._slots_of(request) + ([mapped] if mapped is not None else [])
+        for slot in stale:
+            self._live.pop(slot, None)
+            self._live_computed.pop(slot, None)
+            self.slots.release(slot)
+        prompt = np.asarray(request.prompt_token_ids, dtype=np.int64)
+        slot = self.slots.assign(block, lambda s: self._reusable(prompt, s))
+        self._assigned.append((block, slot))
+        return slot
+
+    def _reusable(self, prompt: np.ndarray, slot: int) -> int:
+        n = min(common_prefix_length(prompt, self.index.held(slot)), len(prompt) - 1)
+        return n if n >= self.index.min_hit else 0
+
     def build_connector_meta(self, scheduler_output) -> PrefixCopies:
         # What the live slots hold once this step ran (it runs before the next schedule).
         # Called before the scheduler adds this step's tokens to num_computed_tokens
@@ -119,7 +146,8 @@ class PrefixCopyConnector(KVConnectorBase_V1):
         scheduled = scheduler_output.num_scheduled_tokens
         for slot, request in self._live.items():
             self._live_computed[slot] = request.num_computed_tokens + scheduled.get(request.request_id, 0)
-        meta, self._copies = PrefixCopies(tuple(self._copies)), []
+        meta = PrefixCopies(tuple(self._copies), tuple(self._assigned))
+        self._copies, self._assigned = [], []
         return meta
 
     def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
@@ -128,6 +156,7 @@ class PrefixCopyConnector(KVConnectorBase_V1):
             # the slot keeps what was computed until it is given to another request
             self.index.set(slot, request.all_token_ids[: request.num_computed_tokens])
             del self._live[slot], self._live_computed[slot]
+            self.slots.release(slot)
         return False, None
 
     # -- worker side: never built (the runner runs the copies) ---------------------------------
