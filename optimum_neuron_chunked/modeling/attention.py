@@ -237,17 +237,19 @@ class Attention(nn.Module):
             return nn.functional.scaled_dot_product_attention(
                 q, keys, values, attn_mask=mask, scale=self.scale, enable_gqa=True
             )
-        groups = self.num_heads // self.num_kv_heads
-        q = q.reshape(n, self.num_kv_heads, groups * t, self.head_dim)
-        scores = torch.matmul(q, keys.transpose(2, 3)) * self.scale  # [N, Hkv, G*T, W]
-        read = keys.shape[2]
-        scores = scores.view(n, self.num_kv_heads, groups, t, read)
-        mask = attention_mask(position_ids, key_positions, self.sliding_window)[:, :, None]  # [N, 1, 1, T, W]
-        scores = torch.where(mask, scores.float(), MASK_VALUE)
+        groups, kv_heads, read = self.num_heads // self.num_kv_heads, self.num_kv_heads, keys.shape[2]
+        # Batched 3-D products over (row, KV head) and a mask made at the scores' shape: no
+        # view of a scores buffer feeds a matmul (AOTInductor cannot lay one out when its live
+        # width is unbacked and a dim is 1). Query positions are tiled group-major, as q.
+        q = q.reshape(n * kv_heads, groups * t, self.head_dim)
+        keys, values = keys.reshape(n * kv_heads, read, -1), values.reshape(n * kv_heads, read, -1)
+        mask = attention_mask(position_ids.repeat(1, groups), key_positions, self.sliding_window)
+        mask = mask.expand(n, kv_heads, groups * t, read).reshape(n * kv_heads, groups * t, read)
+        scores = torch.where(mask, (torch.bmm(q, keys.transpose(1, 2)) * self.scale).float(), MASK_VALUE)
         if self.sinks is not None:  # eager_attention_forward of gpt_oss: an extra column, dropped after
-            sinks = self.sinks.float().view(1, self.num_kv_heads, groups, 1, 1).expand(n, -1, -1, t, 1)
+            sinks = self.sinks.float().view(1, kv_heads, groups, 1).repeat_interleave(t, dim=2)
+            sinks = sinks.expand(n, -1, -1, -1).reshape(n * kv_heads, groups * t, 1)
             probs = torch.softmax(torch.cat([scores, sinks], dim=-1), dim=-1)[..., :read]
         else:
             probs = torch.softmax(scores, dim=-1)
-        probs = probs.to(q.dtype).view(n, self.num_kv_heads, groups * t, read)
-        return torch.matmul(probs, values).view(n, self.num_heads, t, self.head_dim)
+        return torch.bmm(probs.to(values.dtype), values).view(n, self.num_heads, t, self.head_dim)
