@@ -1,0 +1,119 @@
+"""Where a workload's wall time goes, step by step: engine_bench's W2 on one of our contenders,
+each step's time grouped by what the runner planned (decode rows, prefill calls and their
+widths/windows). Answers "which kind of step costs the time", which the W2 summary cannot.
+
+    python benchmark/step_trace.py [--contender chunked] [--quick]
+
+Prints the groups (steps, total s, median ms) and saves them to results/steps-<date>-vm-<contender>.{md,json}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import statistics
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path[:0] = [str(HERE.parent), str(HERE.parent / "tests"), str(HERE)]
+
+from engine_bench import FULL_LOADS, QUICK_LOADS, engine_args, w2  # noqa: E402
+from engine_loop import EngineLoop  # noqa: E402
+from serve_bench import FULL, QUICK, add_shape_arguments, describe, exports, shaped  # noqa: E402
+
+
+def step_runner(loop: EngineLoop):
+    """Our StepRunner inside the in-process engine core (VLLM_ENABLE_V1_MULTIPROCESSING=0)."""
+    return loop.engine.engine_core.engine_core.model_executor.driver_worker.worker.runner
+
+
+def step_kind(plan, config) -> str:
+    """'tg + cp256@w2048 + cp64@w512' (chunked) or 'tg + ce@w1024' (standard): the graph calls a
+    plan makes, each prefill call at the bucket covering its end."""
+    if plan is None:
+        return "empty"
+    parts = ["tg"] if plan.decodes else []
+    for c in plan.chunks:
+        end = c.start + len(c.token_ids)
+        graph = f"cp{config.width_for(len(c.token_ids))}" if config.chunked else "ce"
+        parts.append(f"{graph}@w{config.bucket_for(end)}")
+    return " + ".join(parts)
+
+
+def trace_w2(loop: EngineLoop, loads, seed: int) -> tuple[dict, list[tuple[str, float]]]:
+    runner, kinds = step_runner(loop), []
+    step = loop.step
+
+    def traced_step():  # our loop's method, not vLLM's: the plan is read after each step
+        finished = step()
+        kinds.append((step_kind(runner.last_plan, runner.config), loop.steps[-1].ms))
+        return finished
+
+    loop.step = traced_step
+    summary = w2(loop, loads, seed)
+    loop.step = step
+    return summary, kinds
+
+
+def group(kinds: list[tuple[str, float]]) -> list[dict]:
+    by_kind = defaultdict(list)
+    for kind, ms in kinds:
+        by_kind[kind].append(ms)
+    rows = [
+        dict(kind=k, steps=len(v), total_s=round(sum(v) / 1000, 2), median_ms=round(statistics.median(v), 1))
+        for k, v in by_kind.items()
+    ]
+    return sorted(rows, key=lambda r: -r["total_s"])
+
+
+def render(contender: str, setup: str, summary: dict, rows: list[dict]) -> str:
+    wall = summary["wall_s"]
+    lines = [
+        f"# W2 step by step: {contender} ({datetime.date.today().isoformat()}, vm)",
+        "",
+        f"Setup: {setup}. One W2 run (seed 200): {summary['output_tok_s']:.1f} output tok/s, "
+        f"wall {wall:.1f} s, {sum(r['steps'] for r in rows)} steps.",
+        "",
+        "| steps | total s | share of wall | median ms | graph calls |",
+        "|---|---|---|---|---|",
+    ]
+    lines += [
+        f"| {r['steps']} | {r['total_s']:.2f} | {r['total_s'] / wall:.1%} | {r['median_ms']:.1f} | {r['kind']} |"
+        for r in rows
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--contender", default="chunked", choices=("chunked", "chunked-whole", "std"))
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--work", type=Path, default=Path.home() / ".cache" / "optimum-neuron-chunked" / "bench")
+    p.add_argument("--results", type=Path, default=HERE / "results")
+    add_shape_arguments(p)
+    args = p.parse_args(argv)
+    setup, loads = (QUICK, QUICK_LOADS) if args.quick else (FULL, FULL_LOADS)
+    setup = shaped(setup, args)
+    work = args.work / ("quick" if args.quick else "full")
+    work.mkdir(parents=True, exist_ok=True)
+    kind = "std" if args.contender == "std" else "chunked"
+    _, folders, _ = exports(setup, work, kinds=(kind,))
+    loop = EngineLoop(**engine_args(args.contender, str(folders[kind]), setup))
+    loop.warm_up_buckets(setup.chunk, setup.seq)
+    summary, kinds = trace_w2(loop, loads, seed=200)
+    loop.close()
+    rows = group(kinds)
+    text = render(args.contender, describe(setup), summary, rows)
+    print(text)
+    date = datetime.date.today().isoformat()
+    out = args.results / f"steps-{date}-vm{'-quick' if args.quick else ''}-{args.contender}"
+    out.with_suffix(".json").write_text(json.dumps(dict(summary=summary, groups=rows), indent=1))
+    out.with_suffix(".md").write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
