@@ -39,10 +39,12 @@ def median_us(fn, repeats: int) -> float:
 def measure(rows: int, out_features: int, in_features: int, repeats: int) -> dict:
     x, w = torch.randn(rows, in_features), torch.randn(out_features, in_features)
     packed = torch.ops.mkldnn._reorder_linear_weight(w, rows)
+    w_in_out = w.t().contiguous()  # the same weight stored [in, out]: sgemm without transposing B
     aten = median_us(lambda: torch.nn.functional.linear(x, w), repeats)
+    aten_in_out = median_us(lambda: torch.mm(x, w_in_out), repeats)
     onednn = median_us(lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""), repeats)
     flops, weight_bytes = 2 * rows * out_features * in_features, w.numel() * 4
-    return {"rows": rows, "aten_us": aten, "onednn_us": onednn,
+    return {"rows": rows, "aten_us": aten, "aten_in_out_us": aten_in_out, "onednn_us": onednn,
             "aten_gflops": flops / aten / 1e3, "onednn_gflops": flops / onednn / 1e3,
             "aten_weight_gb_s": weight_bytes / aten / 1e3, "onednn_weight_gb_s": weight_bytes / onednn / 1e3}  # fmt: skip
 
@@ -59,13 +61,13 @@ def main(argv: list[str] | None = None) -> int:
     date = datetime.date.today().isoformat()
     lines = [f"# Linear layers, ATen (MKL) vs oneDNN prepacked ({date}, {platform.node()}, "
              f"{torch.get_num_threads()} threads)", "",
-             "| layer [out, in] | M | ATen us (GFLOP/s, weight GB/s) | oneDNN prepacked us (GFLOP/s, weight GB/s) | ratio |",
-             "|---|---|---|---|---|"]  # fmt: skip
+             "| layer [out, in] | M | ATen us (GFLOP/s, weight GB/s) | ATen, weight [in, out] us | oneDNN prepacked us (GFLOP/s, weight GB/s) | ratio |",
+             "|---|---|---|---|---|---|"]  # fmt: skip
     for name, rows in results.items():
         for r in rows:
             lines.append(
                 f"| {name} {list(SHAPES[name])} | {r['rows']} | {r['aten_us']:.0f} ({r['aten_gflops']:.0f}, "
-                f"{r['aten_weight_gb_s']:.1f}) | {r['onednn_us']:.0f} ({r['onednn_gflops']:.0f}, "
+                f"{r['aten_weight_gb_s']:.1f}) | {r['aten_in_out_us']:.0f} | {r['onednn_us']:.0f} ({r['onednn_gflops']:.0f}, "
                 f"{r['onednn_weight_gb_s']:.1f}) | {r['onednn_us'] / r['aten_us']:.2f} |"
             )
     out = HERE / "results" / f"gemm-{date}-vm"
