@@ -1,12 +1,15 @@
-"""Before/after of graph code on the same shapes: CP calls of two exports, interleaved in one
+"""Before/after of graph code on the same shapes: CP or TG calls of two exports, interleaved in one
 process (this machine's speed drifts by 20-30 % between runs minutes apart, so separate runs
 cannot show a 5-10 % change). An export keeps the graphs it was compiled with, so the
 "before" folder is one exported by the older code (benchmark exports are keyed by it).
 
     python benchmark/ab_exports.py BEFORE_DIR AFTER_DIR [--calls 16] [--tokens T] [--end P] [--tag NAME]
+    python benchmark/ab_exports.py BEFORE_DIR AFTER_DIR --decode 1900,300,... [--calls 16] [--tag NAME]
 
 --tokens: the chunk's real tokens (default the chunk size); --end: the position after its last
-token (default the sequence length: the largest bucket, read whole).
+token (default the sequence length: the largest bucket, read whole). --decode: a TG step
+instead, one row per listed context length (slots 0, 1, ...: a row decodes at position
+length - 1), the rest of the batch padding.
 """
 
 from __future__ import annotations
@@ -54,6 +57,25 @@ def interleaved_ms(
     return times
 
 
+def interleaved_decode_ms(
+    folders: dict[str, Path], calls: int, contexts: list[int]
+) -> dict[str, list[float]]:
+    """One TG step of rows at `contexts` (one per slot), each export in turn; first round untimed."""
+    models = {name: NeuronModelForCausalLM.from_pretrained(f) for name, f in folders.items()}
+    rows = len(contexts)
+    ids = torch.randint(4, 1000, (rows,), generator=torch.Generator().manual_seed(0))
+    positions, slots = torch.tensor(contexts) - 1, torch.arange(rows)
+    params, rand = torch.tensor([[1.0, 1.0, 1.0]] * rows), torch.zeros(rows)  # greedy (top-k 1)
+    times = {name: [] for name in models}
+    for i in range(calls + 1):
+        for name, model in models.items():
+            started = time.perf_counter()
+            model.runner.decode(ids, positions, slots, params, rand, need_logits=False)
+            if i:
+                times[name].append((time.perf_counter() - started) * 1000)
+    return times
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("before", type=Path)
@@ -61,14 +83,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--calls", type=int, default=16)
     p.add_argument("--tokens", type=int, default=None)
     p.add_argument("--end", type=int, default=None)
+    p.add_argument("--decode", help="TG rows' context lengths, comma-separated (one row per slot)")
     p.add_argument("--tag", default="")
     args = p.parse_args(argv)
-    times = interleaved_ms({"before": args.before, "after": args.after}, args.calls, args.tokens, args.end)
+    folders = {"before": args.before, "after": args.after}
+    if args.decode:
+        contexts = [int(n) for n in args.decode.split(",")]
+        times = interleaved_decode_ms(folders, args.calls, contexts)
+        what = f"TG calls: a decode step of {len(contexts)} rows at contexts {contexts}"
+    else:
+        times = interleaved_ms(folders, args.calls, args.tokens, args.end)
+        what = f"CP calls: a chunk of {args.tokens or 'C'} tokens ending at position {args.end or 'S'}"
     date = datetime.date.today().isoformat()
-    lines = [f"# CP calls, two exports interleaved ({date}, {platform.node()})", "",
+    lines = [f"# Two exports interleaved ({date}, {platform.node()})", "",
              f"before: `{args.before.name}`", f"after: `{args.after.name}`", "",
-             f"A chunk of {args.tokens or 'C'} tokens ending at position {args.end or 'S'}; "
-             f"median [min-max] of {args.calls} calls each.", "", "| export | ms per call |", "|---|---|"]  # fmt: skip
+             f"{what}; median [min-max] of {args.calls} calls each.", "", "| export | ms per call |",
+             "|---|---|"]  # fmt: skip
     for name, t in times.items():
         lines.append(f"| {name} | {statistics.median(t):.1f} [{min(t):.1f}-{max(t):.1f}] |")
     ratio = statistics.median(times["after"]) / statistics.median(times["before"])

@@ -159,10 +159,11 @@ def test_ring_layers_equal_position_indexed_layers_over_stale_slots(family):
 @pytest.mark.parametrize("family", ["llama", "gemma3_text", "qwen3_moe"])
 def test_fused_attention_kernel_equals_the_masked_softmax(family):
     """SDPA (the cpu backend's core from its threshold window up) over slot views (its chunks
-    read slot 1 as a scalar), and the masked softmax over the live positions only (live_window),
-    against the reference masked softmax over gathered bucket windows, eager here (the cpu
-    parity tests run it compiled): chunks, then decodes with an idle slot, over stale slots;
-    gemma3's ring layers included."""
+    read slot 1 as a scalar), the masked softmax over the live positions only (live_window),
+    and per decode row over its own slot and position (per_row_live), against the reference
+    masked softmax over gathered bucket windows, eager here (the cpu parity tests run it
+    compiled): chunks, then decodes with an idle slot, over stale slots; gemma3's ring layers
+    included."""
     from optimum_neuron_chunked.modeling import model_from_spec
     from optimum_neuron_chunked.modeling.kernels import KernelChoices, kernel_choices
 
@@ -172,8 +173,9 @@ def test_fused_attention_kernel_equals_the_masked_softmax(family):
     spec = build_model(AutoConfig.from_pretrained(path), config).spec
     models = []
     choices = [
-        KernelChoices(sdpa_from_window=1, slot_view=True, live_window=True),
+        KernelChoices(sdpa_from_window=1, slot_view=True, live_window=True, per_row_live=True),
         KernelChoices(live_window=True),
+        KernelChoices(per_row_live=True),
         KernelChoices(),  # the reference: masked softmax over gathered bucket windows
     ]
     for kernels in choices:
@@ -210,9 +212,9 @@ def test_fused_attention_kernel_equals_the_masked_softmax(family):
 def test_cpu_kernels_compiled_by_aotinductor_equal_the_masked_softmax(tmp_path, kind):
     """The cpu backend's kernels as AOTInductor compiles them - SDPA (test windows are below
     its threshold, so the cpu parity tests do not reach it), a view of slot 1 read as a scalar,
-    attention over the live positions read as a scalar - against eager's masked softmax over
-    gathered bucket windows: a chunk graph, and a decode graph with an idle slot, over stale
-    caches."""
+    attention over the live positions read as a scalar, per decode row (per_row_live) - against
+    eager's masked softmax over gathered bucket windows: a chunk graph, and a decode graph with
+    an idle slot, over stale caches."""
     from optimum_neuron_chunked.graphs import GraphSpec, example_inputs, graph_module
     from optimum_neuron_chunked.modeling import model_from_spec
     from optimum_neuron_chunked.modeling.kernels import KernelChoices
@@ -221,7 +223,7 @@ def test_cpu_kernels_compiled_by_aotinductor_equal_the_masked_softmax(tmp_path, 
     hf = AutoModelForCausalLM.from_pretrained(path)
     config = NeuronConfig(batch_size=2, sequence_length=SEQ, prefill_chunk_size=CHUNK, backend="cpu")
     spec = build_model(AutoConfig.from_pretrained(path), config).spec
-    kernels = KernelChoices(sdpa_from_window=1, slot_view=True, live_window=True)
+    kernels = KernelChoices(sdpa_from_window=1, slot_view=True, live_window=True, per_row_live=True)
     models = [model_from_spec(spec, config, kernels=kernels), model_from_spec(spec, config)]
     graph = GraphSpec("cp", 1, CHUNK, SEQ) if kind == "cp" else GraphSpec("tg", 2, 1, SEQ)
     for model in models:

@@ -74,11 +74,14 @@ class CacheRead:
       the live context costs rather than the bucket.
     slot: a one-row graph's slot as a scalar (kernels.slot_view: attend over a view of it),
       else None (gather the rows' windows).
+    rows: a one-row-per-slot graph's (slot, live) per row as scalars (kernels.per_row_live:
+      each row attends over its own live context in a view of its slot), else None.
     """
 
     window: int
     live: int | torch.SymInt
     slot: int | torch.SymInt | None = None
+    rows: tuple[tuple[int | torch.SymInt, int | torch.SymInt], ...] | None = None
 
 
 def cache_read(
@@ -98,7 +101,19 @@ def cache_read(
     if kernels.slot_view and not one_row_per_slot and seq_ids.shape[0] == 1:
         slot = seq_ids[0].item()
         torch._check(slot >= 0)
-    return CacheRead(window, live, slot)
+    rows = None
+    if kernels.per_row_live and one_row_per_slot:
+        rows = tuple(_row_read(seq_ids[i], position_ids[i], window) for i in range(seq_ids.shape[0]))
+    return CacheRead(window, live, slot, rows)
+
+
+def _row_read(slot_id: torch.Tensor, positions: torch.Tensor, window: int) -> tuple:
+    """(slot, live) of one row as scalars, with the bounds torch.export needs."""
+    slot, live = slot_id.item(), positions.max().item() + 1
+    torch._check(slot >= 0)
+    torch._check(live >= 1)
+    torch._check(live <= window)
+    return slot, live
 
 
 def write_cache(
@@ -187,7 +202,9 @@ class Attention(nn.Module):
         v_cache = write_cache(v_cache, seq_ids, cache_index, v, self.functional_cache)
         # a ring layer reads its whole ring
         window, live = (read.window, read.live) if self.ring is None else (self.ring, self.ring)
-        if one_row_per_slot:
+        if one_row_per_slot and read.rows is not None and self.ring is None:
+            out = self._attend_per_row(q, k_cache, v_cache, position_ids, read.rows, window)
+        elif one_row_per_slot:
             out = self._attend_in_slot_order(q, k_cache, v_cache, seq_ids, position_ids, window, live)
         else:
             keys, values = self._row_windows(k_cache, v_cache, seq_ids, read.slot, live)
@@ -222,6 +239,20 @@ class Attention(nn.Module):
         keys, values = k_cache[:, :, :live], v_cache[:, :, :live]
         key_positions = self._key_positions(pos_slots, live)
         return self._attend(q_slots, keys, values, pos_slots, key_positions, window).index_select(0, seq_ids)
+
+    def _attend_per_row(self, q, k_cache, v_cache, position_ids, rows, window) -> torch.Tensor:
+        """A step with one row per slot (TG) where each row reads its own slot and live length
+        (CacheRead.rows): the step reads the sum of the rows' contexts, not rows x the longest.
+        Padded rows repeat a real row: the same result, computed twice."""
+        outs = []
+        for i, (slot, live) in enumerate(rows):
+            torch._check(slot < k_cache.shape[0])
+            keys, values = k_cache[slot, :, :live][None], v_cache[slot, :, :live][None]
+            key_positions = self._key_positions(position_ids[i : i + 1], live)
+            outs.append(
+                self._attend(q[i : i + 1], keys, values, position_ids[i : i + 1], key_positions, window)
+            )
+        return torch.cat(outs)
 
     def _attend(self, q, keys, values, position_ids, key_positions, window: int) -> torch.Tensor:
         """q [N, Hq, T, D] over keys/values [N, Hkv, W, D] -> [N, Hq, T, D]; `window` is the

@@ -17,6 +17,11 @@
   many cache positions (attention.CacheRead) rather than the whole bucket: a chunk or decode
   step costs what its live context costs. Same condition as slot_view (a scalar read inside
   the graph), so cpu only. Measured: see AGENTS.md's performance notes.
+- per_row_live: decode graphs (one row per slot) read each row's slot and position as scalars
+  and attend per row over a view of its slot up to its own position, instead of every slot up
+  to the longest row's: a step reads the sum of the rows' contexts (W2's rows hold 128-2048
+  tokens each). Same condition as slot_view (scalar reads inside the graph), so cpu only; ring
+  layers keep reading whole rings in slot order. Measured: see AGENTS.md's performance notes.
 - expert_selection: a MoE graph of M tokens gathers its selected experts' weights while
   M * top_k / E < this fraction, else runs every expert densely. 1.0 is neuronx-distributed's
   rule (DEFAULT_SELECTIVE_LOADING_THRESHOLD, modules/moe/model_utils.py, Release 2.29 / 0.18.0).
@@ -35,11 +40,14 @@ class KernelChoices:
     sdpa_from_window: int | None = None
     slot_view: bool = False
     live_window: bool = False
+    per_row_live: bool = False
     expert_selection: float = 1.0
 
 
 BY_BACKEND = {
-    "cpu": KernelChoices(sdpa_from_window=2048, slot_view=True, live_window=True, expert_selection=0.2)
+    "cpu": KernelChoices(
+        sdpa_from_window=2048, slot_view=True, live_window=True, per_row_live=True, expert_selection=0.2
+    )
 }
 
 
