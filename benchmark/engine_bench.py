@@ -25,7 +25,6 @@ import argparse
 import datetime
 import json
 import os
-import platform
 import random
 import statistics
 import subprocess
@@ -40,6 +39,7 @@ sys.path[:0] = [str(REPO), str(REPO / "tests"), str(HERE)]
 
 from client import prompt_ids  # noqa: E402
 from engine_loop import NATIVE_ENV, EngineLoop  # noqa: E402
+from host import describe_host  # noqa: E402
 from metrics import summarize_load, summarize_stall, values_at  # noqa: E402
 from serve_bench import FULL, QUICK, Setup, add_shape_arguments, describe, exports, shaped  # noqa: E402
 
@@ -206,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
         contenders[name] = run_contender(name, model, args.quick, args.repeats, work)
         print(f"{name} done", file=sys.stderr, flush=True)
     date = datetime.date.today().isoformat()
-    results = dict(date=date, machine=f"{platform.node()} {os.cpu_count()} cpus", repeats=args.repeats,
+    results = dict(date=date, machine=describe_host(), repeats=args.repeats,
                    setup=describe(setup),
                    loads=str(loads), contenders=contenders)  # fmt: skip
     name = f"engine-{date}-vm{'-quick' if args.quick else ''}{'-' + args.tag if args.tag else ''}"

@@ -20,7 +20,6 @@ import argparse
 import datetime
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -33,6 +32,7 @@ REPO = HERE.parent
 sys.path[:0] = [str(REPO), str(REPO / "tests"), str(HERE)]
 
 from engine_loop import NATIVE_ENV, EngineLoop  # noqa: E402
+from host import describe_host  # noqa: E402
 from serve_bench import FULL, QUICK, Setup, add_shape_arguments, describe, exports, shaped  # noqa: E402
 
 from optimum_neuron_chunked.vllm.limits import full_chunk_budget  # noqa: E402
@@ -243,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
                 summary = {k: round(v, 1) for k, v in result.items() if isinstance(v, float)}
                 print(f"repeat {repeat} {kind:11s} {name:10s} {json.dumps(summary)}", flush=True)
     date = datetime.date.today().isoformat()
-    results = dict(date=date, machine=f"{platform.node()} {os.cpu_count()} cpus", repeats=args.repeats,
+    results = dict(date=date, machine=describe_host(), repeats=args.repeats,
                    setup=describe(setup),
                    workload=asdict(load), runs=runs, copy_cost=copy_cost(chunked))  # fmt: skip
     name = f"prefix-{date}-vm{'-quick' if args.quick else ''}{'-' + args.tag if args.tag else ''}"
