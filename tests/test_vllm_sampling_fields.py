@@ -34,6 +34,22 @@ def test_a_field_set_away_from_its_default_is_honoured(field):
 
 
 @pytest.mark.parametrize("export_dir", export_params(["llama-2x4x32-eager"]), indirect=True)
+@pytest.mark.parametrize("asked", [dict(temperature=0.0), dict(temperature=0.8, top_k=5, top_p=0.9)])
+def test_plain_requests_as_vllm_prepares_them_sample_on_device(export_dir, llm, asked):  # noqa: F811
+    """The runner sees the parameters after vLLM's front end has filled in what it resolves
+    itself (stop ids, watermarking, ...): those must not send a plain request to the host."""
+    from vllm import SamplingParams
+
+    engine = llm.llm_engine
+    request = engine.input_processor.process_inputs(
+        "plain", {"prompt_token_ids": [5, 6, 7]}, SamplingParams(max_tokens=4, **asked),
+        supported_tasks=engine.get_supported_tasks(),
+    )  # fmt: skip
+    assert host_fields(request.sampling_params) == []
+    assert on_device_eligible(request.sampling_params, max_topk=256, vocab_size=512)
+
+
+@pytest.mark.parametrize("export_dir", export_params(["llama-2x4x32-eager"]), indirect=True)
 def test_logprob_token_ids_come_with_every_token(export_dir, llm):  # noqa: F811
     from vllm import SamplingParams
 

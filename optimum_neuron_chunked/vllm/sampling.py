@@ -42,20 +42,26 @@ OUTPUT_FIELDS = frozenset(
         "_eos_token_id",
         "_all_stop_token_ids",
         "skip_reading_prefix_cache",
+        # The platform refuses --watermark-config (features.py), so vLLM's front end resolves
+        # every request's `watermarking` to False (InputProcessor.apply_watermarking,
+        # vllm/v1/engine/input_processor.py, 0.32): no watermark is ever asked of a sampler.
+        "watermarking",
     }
 )
 _DEFAULTS = SamplingParams()
+# The fields a request may set that send it to the host, with their defaults: read once
+# (msgspec's field listing costs ~0.5 ms, and this is asked per row per step).
+_HOST_ONLY_DEFAULTS = tuple(
+    (f.name, getattr(_DEFAULTS, f.name))
+    for f in msgspec.structs.fields(SamplingParams)
+    if f.name not in DEVICE_FIELDS | OUTPUT_FIELDS
+)
 
 
 def host_fields(params: SamplingParams) -> list[str]:
     """Fields away from their default that on-device sampling does not implement: an
     allow-list, so a field vLLM adds later is sampled on the host, never dropped."""
-    return [
-        f.name
-        for f in msgspec.structs.fields(SamplingParams)
-        if f.name not in DEVICE_FIELDS | OUTPUT_FIELDS
-        and getattr(params, f.name) != getattr(_DEFAULTS, f.name)
-    ]
+    return [name for name, default in _HOST_ONLY_DEFAULTS if getattr(params, name) != default]
 
 
 def on_device_eligible(params: SamplingParams, max_topk: int, vocab_size: int) -> bool:
