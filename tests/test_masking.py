@@ -160,7 +160,8 @@ def test_ring_layers_equal_position_indexed_layers_over_stale_slots(family):
 def test_fused_attention_kernel_equals_the_masked_softmax(family):
     """SDPA (the cpu backend's core from its threshold window up) over slot views (its chunks
     read slot 1 as a scalar), the masked softmax over the live positions only (live_window),
-    and per decode row over its own slot and position (per_row_live), against the reference
+    per decode row over its own slot and position (per_row_live) with the decode rows' linear
+    layers as dot products (rowwise_linear_rows), against the reference
     masked softmax over gathered bucket windows, eager here (the cpu parity tests run it
     compiled): chunks, then decodes with an idle slot, over stale slots; gemma3's ring layers
     included."""
@@ -173,7 +174,9 @@ def test_fused_attention_kernel_equals_the_masked_softmax(family):
     spec = build_model(AutoConfig.from_pretrained(path), config).spec
     models = []
     choices = [
-        KernelChoices(sdpa_from_window=1, slot_view=True, live_window=True, per_row_live=True),
+        KernelChoices(
+            sdpa_from_window=1, slot_view=True, live_window=True, per_row_live=True, rowwise_linear_rows=2
+        ),
         KernelChoices(live_window=True),
         KernelChoices(per_row_live=True),
         KernelChoices(),  # the reference: masked softmax over gathered bucket windows
@@ -212,9 +215,10 @@ def test_fused_attention_kernel_equals_the_masked_softmax(family):
 def test_cpu_kernels_compiled_by_aotinductor_equal_the_masked_softmax(tmp_path, kind):
     """The cpu backend's kernels as AOTInductor compiles them - SDPA (test windows are below
     its threshold, so the cpu parity tests do not reach it), a view of slot 1 read as a scalar,
-    attention over the live positions read as a scalar, per decode row (per_row_live) - against
-    eager's masked softmax over gathered bucket windows: a chunk graph, and a decode graph with
-    an idle slot, over stale caches."""
+    attention over the live positions read as a scalar, per decode row (per_row_live), decode
+    rows' linear layers as dot products (rowwise_linear_rows) - against eager's masked softmax
+    over gathered bucket windows and ATen's linear: a chunk graph, and a decode graph with an
+    idle slot, over stale caches."""
     from optimum_neuron_chunked.graphs import GraphSpec, example_inputs, graph_module
     from optimum_neuron_chunked.modeling import model_from_spec
     from optimum_neuron_chunked.modeling.kernels import KernelChoices
@@ -223,7 +227,9 @@ def test_cpu_kernels_compiled_by_aotinductor_equal_the_masked_softmax(tmp_path, 
     hf = AutoModelForCausalLM.from_pretrained(path)
     config = NeuronConfig(batch_size=2, sequence_length=SEQ, prefill_chunk_size=CHUNK, backend="cpu")
     spec = build_model(AutoConfig.from_pretrained(path), config).spec
-    kernels = KernelChoices(sdpa_from_window=1, slot_view=True, live_window=True, per_row_live=True)
+    kernels = KernelChoices(
+        sdpa_from_window=1, slot_view=True, live_window=True, per_row_live=True, rowwise_linear_rows=2
+    )
     models = [model_from_spec(spec, config, kernels=kernels), model_from_spec(spec, config)]
     graph = GraphSpec("cp", 1, CHUNK, SEQ) if kind == "cp" else GraphSpec("tg", 2, 1, SEQ)
     for model in models:
@@ -246,3 +252,19 @@ def test_cpu_kernels_compiled_by_aotinductor_equal_the_masked_softmax(tmp_path, 
             if kind == "tg":  # (tokens, logits): row 0 is the idle-ish slot at position 0
                 got, want = got[1][1], want[1][1]
             torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("shape", [(2, 1, 24), (3, 24), (1, 5, 24)])
+def test_rowwise_linear_equals_linear(shape, bias):
+    """kernels.rowwise_linear_rows: up to max_rows rows as dot products, more through ATen;
+    the same parameters either way."""
+    from optimum_neuron_chunked.modeling.layers import RowwiseLinear
+
+    torch.manual_seed(0)
+    rowwise = RowwiseLinear(24, 40, bias=bias, max_rows=3)
+    linear = torch.nn.Linear(24, 40, bias=bias)
+    linear.load_state_dict(rowwise.state_dict())
+    x = torch.randn(shape)
+    with torch.no_grad():
+        torch.testing.assert_close(rowwise(x), linear(x), atol=1e-5, rtol=1e-5)

@@ -129,11 +129,11 @@ class DecoderModel(nn.Module):
         kernels: KernelChoices | None = None,
     ):
         super().__init__()
-        layers = layers or TorchLayers()
+        self.kernels = kernels or KernelChoices()
+        layers = layers or TorchLayers(self.kernels.rowwise_linear_rows)
         self.spec = spec
         self.layout = ShardLayout.of(spec, layers.tp_degree)
         self.functional_cache = functional_cache
-        self.kernels = kernels or KernelChoices()
         self.cache_lengths = cache_lengths(spec.sliding_windows, sequence_length, prefill_width)
         rings = [n if n < sequence_length else None for n in self.cache_lengths]
         self.model = DecoderBody(spec, self.layout, layers, functional_cache, rings, self.kernels)

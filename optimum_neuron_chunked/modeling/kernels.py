@@ -28,6 +28,11 @@
   On CPU the gather copies the weights it selects (and first-touches new pages), so it pays
   only for small selections: 0.2 sits between the measured wins at 1/16 and 1/8 and the
   losses at 1/4 (benchmark/moe_experts.py, results moe-2026-11-23-vm).
+- rowwise_linear_rows: linear layers over at most this many rows (decode graphs: one row per
+  slot) compute each output as a dot product, which AOTInductor fuses into one kernel reading
+  each weight row once for all rows (layers.RowwiseLinear); ATen's GEMM (MKL sgemm) streams a
+  decode step's weights at 4-6 GB/s on this AMD host, a quarter of its read bandwidth.
+  0: always ATen. Measured: see AGENTS.md's performance notes.
 """
 
 from __future__ import annotations
@@ -42,11 +47,17 @@ class KernelChoices:
     live_window: bool = False
     per_row_live: bool = False
     expert_selection: float = 1.0
+    rowwise_linear_rows: int = 0
 
 
 BY_BACKEND = {
     "cpu": KernelChoices(
-        sdpa_from_window=2048, slot_view=True, live_window=True, per_row_live=True, expert_selection=0.2
+        sdpa_from_window=2048,
+        slot_view=True,
+        live_window=True,
+        per_row_live=True,
+        expert_selection=0.2,
+        rowwise_linear_rows=8,
     )
 }
 

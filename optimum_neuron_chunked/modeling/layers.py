@@ -79,3 +79,23 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+
+
+class RowwiseLinear(nn.Linear):
+    """nn.Linear that computes up to `max_rows` input rows as one dot product per (row, output
+    feature), written so that AOTInductor fuses the rows into one kernel: each weight row is
+    read once and multiplied by every input row (kernels.rowwise_linear_rows). More rows go
+    to ATen's GEMM. Same parameters, so the same checkpoint names and tensors."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, max_rows: int):
+        super().__init__(in_features, out_features, bias=bias)
+        self.max_rows = max_rows
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, x.shape[-1])
+        if rows.shape[0] > self.max_rows:  # static: shapes are fixed when a graph is traced
+            return super().forward(x)
+        y = torch.stack([(self.weight * row).sum(-1) for row in rows.unbind(0)])
+        if self.bias is not None:
+            y = y + self.bias
+        return y.reshape(*x.shape[:-1], self.out_features)

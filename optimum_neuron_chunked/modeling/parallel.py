@@ -24,6 +24,7 @@ from torch import nn
 
 from ..config import NeuronConfigError
 from .family import FamilySpec
+from .layers import RowwiseLinear
 
 # Weight name suffix -> dimension split across ranks (absent: replicated on every rank).
 PARTITION_DIMS = {
@@ -135,14 +136,23 @@ def rank_shard(tp_state: dict[str, torch.Tensor], tp_degree: int, rank: int) -> 
 
 
 class TorchLayers:
-    """tp 1: plain torch layers (cpu and eager backends)."""
+    """tp 1: plain torch layers (cpu and eager backends). `rowwise_rows`: linear layers take
+    inputs of up to that many rows as dot products (kernels.rowwise_linear_rows; 0: never)."""
 
     tp_degree = 1
 
+    def __init__(self, rowwise_rows: int = 0):
+        self.rowwise_rows = rowwise_rows
+
     def column(self, in_features: int, out_features: int, bias: bool, gather_output: bool = False):
-        return nn.Linear(in_features, out_features, bias=bias)
+        return self._linear(in_features, out_features, bias)
 
     def row(self, in_features: int, out_features: int, bias: bool):
+        return self._linear(in_features, out_features, bias)
+
+    def _linear(self, in_features: int, out_features: int, bias: bool) -> nn.Linear:
+        if self.rowwise_rows:
+            return RowwiseLinear(in_features, out_features, bias, self.rowwise_rows)
         return nn.Linear(in_features, out_features, bias=bias)
 
     def embedding(self, vocab_size: int, hidden_size: int):
