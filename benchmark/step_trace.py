@@ -43,13 +43,16 @@ def step_kind(plan, config) -> str:
     return " + ".join(parts)
 
 
-def trace_w2(loop: EngineLoop, loads, seed: int) -> tuple[dict, list[tuple[str, float]]]:
+def trace_w2(loop: EngineLoop, loads, seed: int) -> tuple[dict, list[tuple[str, float, int]]]:
+    """W2's summary and, per step, (graph calls, ms, decode rows)."""
     runner, kinds = step_runner(loop), []
     step = loop.step
 
     def traced_step():  # our loop's method, not vLLM's: the plan is read after each step
         finished = step()
-        kinds.append((step_kind(runner.last_plan, runner.config), loop.steps[-1].ms))
+        plan = runner.last_plan
+        rows = len(plan.decodes) if plan is not None else 0
+        kinds.append((step_kind(plan, runner.config), loop.steps[-1].ms, rows))
         return finished
 
     loop.step = traced_step
@@ -58,9 +61,16 @@ def trace_w2(loop: EngineLoop, loads, seed: int) -> tuple[dict, list[tuple[str, 
     return summary, kinds
 
 
-def group(kinds: list[tuple[str, float]]) -> list[dict]:
+def decode_rows(kinds: list[tuple[str, float, int]], batch: int) -> dict:
+    """How full the decode (TG) calls were: each call computes `batch` rows, real or padding."""
+    rows = [n for _, _, n in kinds if n]
+    return dict(tg_calls=len(rows), real_rows_per_call=round(statistics.mean(rows), 2) if rows else 0.0,
+                padding_share=round(1 - sum(rows) / (batch * len(rows)), 3) if rows else 0.0)  # fmt: skip
+
+
+def group(kinds: list[tuple[str, float, int]]) -> list[dict]:
     by_kind = defaultdict(list)
-    for kind, ms in kinds:
+    for kind, ms, _ in kinds:
         by_kind[kind].append(ms)
     rows = [
         dict(kind=k, steps=len(v), total_s=round(sum(v) / 1000, 2), median_ms=round(statistics.median(v), 1))
@@ -69,13 +79,14 @@ def group(kinds: list[tuple[str, float]]) -> list[dict]:
     return sorted(rows, key=lambda r: -r["total_s"])
 
 
-def render(contender: str, setup: str, summary: dict, rows: list[dict]) -> str:
+def render(contender: str, setup: str, summary: dict, rows: list[dict], tg: dict) -> str:
     wall = summary["wall_s"]
     lines = [
         f"# W2 step by step: {contender} ({datetime.date.today().isoformat()}, vm)",
         "",
         f"Setup: {setup}. One W2 run (seed 200): {summary['output_tok_s']:.1f} output tok/s, "
-        f"wall {wall:.1f} s, {sum(r['steps'] for r in rows)} steps.",
+        f"wall {wall:.1f} s, {sum(r['steps'] for r in rows)} steps. Decode calls: {tg['tg_calls']}, "
+        f"{tg['real_rows_per_call']} real rows per call ({tg['padding_share']:.0%} of rows padding).",
         "",
         "| steps | total s | share of wall | median ms | graph calls |",
         "|---|---|---|---|---|",
@@ -105,12 +116,14 @@ def main(argv: list[str] | None = None) -> int:
     loop.warm_up_buckets(setup.chunk, setup.seq)
     summary, kinds = trace_w2(loop, loads, seed=200)
     loop.close()
-    rows = group(kinds)
-    text = render(args.contender, describe(setup), summary, rows)
+    rows, tg = group(kinds), decode_rows(kinds, setup.batch)
+    text = render(args.contender, describe(setup), summary, rows, tg)
     print(text)
     date = datetime.date.today().isoformat()
     out = args.results / f"steps-{date}-vm{'-quick' if args.quick else ''}-{args.contender}"
-    out.with_suffix(".json").write_text(json.dumps(dict(summary=summary, groups=rows), indent=1))
+    out.with_suffix(".json").write_text(
+        json.dumps(dict(summary=summary, decode_calls=tg, groups=rows), indent=1)
+    )
     out.with_suffix(".md").write_text(text)
     return 0
 

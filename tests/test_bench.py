@@ -36,6 +36,13 @@ def test_load_summary_counts_failures_and_throughput():
     assert figures["ttft"]["p50"] == pytest.approx(0.2)
 
 
+def test_decode_rows_counts_the_padding_of_decode_calls():
+    from step_trace import decode_rows
+
+    steps = [("tg", 20.0, 3), ("cp256@w512", 90.0, 0), ("tg + cp256@w512", 120.0, 8)]
+    assert decode_rows(steps, batch=8) == dict(tg_calls=2, real_rows_per_call=5.5, padding_share=0.312)
+
+
 @pytest.mark.slow
 def test_quick_mode_produces_the_report(tmp_path):
     from serve_bench import main
