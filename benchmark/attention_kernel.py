@@ -1,11 +1,17 @@
-"""CP and TG graph time on the cpu backend (AOTInductor) with each attention core: the masked
-softmax (what eager/XLA/Neuron run) vs SDPA; sets modeling/kernels.py's sdpa_from_window. Serving benchmark's model (serve_bench.FULL), fp32, this machine's CPU.
+"""CP, CE and TG graph time on the cpu backend (AOTInductor) with each attention core: the
+masked softmax (what eager/XLA/Neuron run) vs SDPA; sets modeling/kernels.py's
+sdpa_prefill_from_window (CP, CE) and sdpa_decode_from_window (TG).
+Serving benchmark's model (serve_bench.FULL), fp32, this machine's CPU. Every other kernel
+choice is the cpu backend's (live window, slot views, per-row decode, rowwise linears).
 
-Each graph is compiled once per kernel and called with its live context filling the window
-(a chunk ending at the window's last position; every decode row at window - 2). Prints the
-median ms [min-max] per call and writes benchmark/results/attention-<date>-<host>.{json,md}.
+Each graph is compiled once per core; the two are called in turn (this machine drifts by
+20-30 % within minutes, so separate runs cannot show a 10 % difference). A chunk of C tokens
+ends at --end, a CE prompt holds --end tokens (default: the window); decode rows sit at
+--decode contexts (default: every row at the window's last position). Prints the median ms [min-max] per call and writes
+benchmark/results/attention-<date>-<host>[-tag].{json,md}.
 
-    python benchmark/attention_kernel.py [--windows 512,4096] [--repeats 7]
+    python benchmark/attention_kernel.py [--windows 512,4096] [--kinds cp,ce,tg] [--end 512]
+                                         [--decode 150,...] [--repeats 7] [--tag NAME]
 """
 
 from __future__ import annotations
@@ -17,6 +23,8 @@ import platform
 import statistics
 import sys
 import tempfile
+import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -25,33 +33,43 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path[:0] = [str(REPO), str(HERE)]
 
-from metrics import call_ms  # noqa: E402
 from serve_bench import FULL  # noqa: E402
 
 from optimum_neuron_chunked.checkpoints import COMMON, build_checkpoint  # noqa: E402
 from optimum_neuron_chunked.config import NeuronConfig  # noqa: E402
 from optimum_neuron_chunked.graphs import GraphSpec, example_inputs, graph_module  # noqa: E402
 from optimum_neuron_chunked.modeling import family_spec, model_from_spec  # noqa: E402
-from optimum_neuron_chunked.modeling.kernels import KernelChoices  # noqa: E402
+from optimum_neuron_chunked.modeling.kernels import kernel_choices  # noqa: E402
 
-KERNELS = {"masked_softmax": KernelChoices(), "sdpa": KernelChoices(sdpa_from_window=1)}
+KERNELS = {
+    "masked_softmax": replace(
+        kernel_choices("cpu"), sdpa_prefill_from_window=None, sdpa_decode_from_window=None
+    ),
+    "sdpa": replace(kernel_choices("cpu"), sdpa_prefill_from_window=1, sdpa_decode_from_window=1),
+}
 
 
-def compiled_call(kernel: str, kind: str, window: int, work: Path):
+def compiled_call(
+    kernel: str, kind: str, window: int, work: Path, end: int | None, contexts: list[int] | None
+):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     ckpt = build_checkpoint("bench", work / "checkpoint", config={**COMMON, **FULL.model})
     config = NeuronConfig(
         batch_size=FULL.batch,
         sequence_length=FULL.seq,
-        prefill_chunk_size=FULL.chunk,
+        prefill_chunk_size=0 if kind == "ce" else FULL.chunk,
         context_buckets=(window, FULL.seq) if window < FULL.seq else (FULL.seq,),
         backend="cpu",
     )
     family = family_spec(AutoConfig.from_pretrained(ckpt))
     model = model_from_spec(family, config, kernels=KERNELS[kernel])
     model.load_weights(model.weights_from_hf(AutoModelForCausalLM.from_pretrained(ckpt)))
-    spec = GraphSpec("cp", 1, FULL.chunk, window) if kind == "cp" else GraphSpec("tg", FULL.batch, 1, window)
+    spec = {
+        "cp": GraphSpec("cp", 1, FULL.chunk, window),
+        "ce": GraphSpec("ce", 1, window, window),
+        "tg": GraphSpec("tg", FULL.batch, 1, window),
+    }[kind]
     with torch.no_grad():
         program = torch.export.export(graph_module(model.eval(), spec, config), example_inputs(spec, config))
         package = torch._inductor.aoti_compile_and_package(
@@ -60,10 +78,29 @@ def compiled_call(kernel: str, kind: str, window: int, work: Path):
     graph = torch._inductor.aoti_load_package(package)
     inputs = list(example_inputs(spec, config))
     if kind == "cp":
-        inputs[1] = torch.arange(window - FULL.chunk, window, dtype=inputs[1].dtype)[None]
+        last = end or window
+        inputs[1] = torch.arange(last - FULL.chunk, last, dtype=inputs[1].dtype)[None]
+    elif kind == "ce":  # a prompt of `end` tokens, padded to the bucket by repeating the last
+        last = end or window
+        inputs[1] = torch.arange(window, dtype=inputs[1].dtype).clamp(max=last - 1)[None]
     else:
-        inputs[1] = torch.full_like(inputs[1], window - 2)
+        rows = contexts or [window] * FULL.batch
+        inputs[1] = (torch.tensor(rows + rows[-1:] * (FULL.batch - len(rows))) - 1)[:, None].to(
+            inputs[1].dtype
+        )
     return lambda: graph(*inputs)
+
+
+def interleaved_ms(calls: dict[str, object], repeats: int, warmup: int = 2) -> dict[str, list[float]]:
+    """Each call in turn, `repeats` rounds after `warmup` untimed ones."""
+    times = {name: [] for name in calls}
+    for i in range(warmup + repeats):
+        for name, call in calls.items():
+            started = time.perf_counter()
+            call()
+            if i >= warmup:
+                times[name].append((time.perf_counter() - started) * 1000)
+    return times
 
 
 def main() -> int:
@@ -71,15 +108,22 @@ def main() -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--windows", default="512,4096")
+    parser.add_argument(
+        "--end", type=int, default=None, help="the chunk's end position (default: the window)"
+    )
+    parser.add_argument("--decode", default=None, help="decode rows' context lengths, comma-separated")
+    parser.add_argument("--kinds", default="cp,tg")
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--tag", default="")
     args = parser.parse_args()
+    contexts = [int(n) for n in args.decode.split(",")] if args.decode else None
     rows = []
     with tempfile.TemporaryDirectory(prefix="attention-") as tmp:
         for window in [int(w) for w in args.windows.split(",")]:
-            for kind in ("cp", "tg"):
-                row = dict(kind=kind, window=window)
-                for kernel in KERNELS:
-                    times = call_ms(compiled_call(kernel, kind, window, Path(tmp)), args.repeats, warmup=2)
+            for kind in args.kinds.split(","):
+                calls = {k: compiled_call(k, kind, window, Path(tmp), args.end, contexts) for k in KERNELS}
+                row = dict(kind=kind, window=window, end=args.end, decode=contexts)
+                for kernel, times in interleaved_ms(calls, args.repeats).items():
                     row[kernel] = dict(median_ms=statistics.median(times), spread=[min(times), max(times)])
                 row["speedup"] = row["masked_softmax"]["median_ms"] / row["sdpa"]["median_ms"]
                 print(row, flush=True)
@@ -87,11 +131,13 @@ def main() -> int:
     meta = dict(
         model=FULL.model, batch=FULL.batch, chunk=FULL.chunk, repeats=args.repeats, torch=torch.__version__
     )
-    stamp = f"attention-{datetime.date.today()}-{platform.node()}"
+    stamp = f"attention-{datetime.date.today()}-{platform.node()}{'-' + args.tag if args.tag else ''}"
     lines = [
         f"# Attention core on the cpu backend ({stamp})",
         "",
         f"`{json.dumps(meta)}` - ms per graph call, median [min-max]",
+        "",
+        f"Chunk end: {args.end or 'the window'}; decode contexts: {contexts or 'every row at the window'}.",
         "",
         "| graph | window | masked softmax | SDPA | speedup |",
         "|---|---|---|---|---|",
@@ -99,8 +145,8 @@ def main() -> int:
     for r in rows:
         m, s = r["masked_softmax"], r["sdpa"]
         lines.append(
-            f"| {r['kind']} ({FULL.chunk if r['kind'] == 'cp' else FULL.batch} "
-            f"{'tokens' if r['kind'] == 'cp' else 'rows'}) | {r['window']} | {m['median_ms']:.1f} "
+            f"| {r['kind']} ({ {'cp': FULL.chunk, 'ce': r['window'], 'tg': FULL.batch}[r['kind']] } "
+            f"{'rows' if r['kind'] == 'tg' else 'tokens'}) | {r['window']} | {m['median_ms']:.1f} "
             f"[{m['spread'][0]:.1f}-{m['spread'][1]:.1f}] | {s['median_ms']:.1f} "
             f"[{s['spread'][0]:.1f}-{s['spread'][1]:.1f}] | {r['speedup']:.2f}x |"
         )

@@ -16,7 +16,7 @@ Workloads (prefix caching off everywhere; fresh token ids per repeat):
 Each contender runs in its own process (vLLM picks its platform once per process).
 
     python benchmark/engine_bench.py [--quick] [--repeats 3] [--contenders chunked,native-budget]
-                                     [--buckets 512,...,4096] [--prefill-widths 64,128,256]
+                                     [--buckets 512,...,4096] [--prefill-widths 64,128,256] [--decode-widths 4,8]
 """
 
 from __future__ import annotations

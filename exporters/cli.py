@@ -92,6 +92,16 @@ def add_export_arguments(parser: argparse.ArgumentParser) -> None:
         "alone). A chunk runs in the narrowest that holds it: short chunks (a prompt's last, a "
         "prefix-cache hit's suffix) cost less, each width adds one graph per context bucket.",
     )
+    parser.add_argument(
+        "--decode-widths",
+        "--decode_widths",
+        type=int_list,
+        default=(),
+        dest="decode_widths",
+        help="Comma-separated TG graph widths in rows, the batch size the largest (default: the batch "
+        "size alone). A decode step runs in the narrowest that holds its rows: steps with few running "
+        "requests cost less, each width adds one graph per context bucket.",
+    )
     parser.add_argument("--overwrite", action="store_true", help="Replace a non-empty OUT folder.")
     parser.add_argument("output", help="Output folder.")
 
@@ -131,6 +141,7 @@ def run_export(args: argparse.Namespace) -> int:
             max_topk=args.max_topk,
             context_buckets=args.context_buckets,
             prefill_widths=args.prefill_widths,
+            decode_widths=args.decode_widths,
             overwrite=args.overwrite,
             console=console,
         )

@@ -33,6 +33,7 @@ def model_card(model: str, config: NeuronConfig) -> str:
         "prefill": prefill,
         "context buckets": ", ".join(map(str, config.context_buckets)),
         "prefill widths": ", ".join(map(str, config.prefill_widths)) or "-",
+        "decode widths (rows)": ", ".join(map(str, config.decode_widths)),
         "dtype": config.dtype,
         "tensor parallel degree": config.tp_degree,
         "on-device sampling": f"top-k <= {config.max_topk}" if config.on_device_sampling else "off",

@@ -46,6 +46,7 @@ def export(
     max_topk: int = 256,
     context_buckets: tuple[int, ...] = (),
     prefill_widths: tuple[int, ...] = (),
+    decode_widths: tuple[int, ...] = (),
     overwrite: bool = False,
     console: Console | None = None,
 ) -> Path:
@@ -75,6 +76,7 @@ def export(
         instance_type=resolve_instance_type(instance_type) if backend == "neuron" else "",
         context_buckets=tuple(context_buckets),
         prefill_widths=tuple(prefill_widths),
+        decode_widths=tuple(decode_widths),
         model_type=spec.model_type,
     )
     _check_shapes(hf_config, config)

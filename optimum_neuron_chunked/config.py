@@ -34,6 +34,9 @@ class NeuronConfig:
     a step attends only over the smallest bucket that covers its live context.
     prefill_widths: the CP graph widths, the chunk size the largest; a chunk runs in the
     narrowest that holds it (short chunks: a prompt's last, a prefix hit's suffix).
+    decode_widths: the TG graph widths (rows), batch_size the largest; a decode step runs in
+    the narrowest that holds its rows, so a step with few running requests does not compute
+    the whole batch.
     """
 
     batch_size: int
@@ -48,6 +51,7 @@ class NeuronConfig:
     instance_type: str = ""  # neuron backend: trn1 | inf2 | trn2 (the compile target)
     context_buckets: tuple[int, ...] = ()
     prefill_widths: tuple[int, ...] = ()
+    decode_widths: tuple[int, ...] = ()
     model_type: str = ""
     package_version: str = __version__
     extra: dict = field(default_factory=dict, compare=False, hash=False)
@@ -58,6 +62,9 @@ class NeuronConfig:
         object.__setattr__(self, "context_buckets", tuple(sorted(set(self.context_buckets))))
         widths = self.prefill_widths or ((self.prefill_chunk_size,) if self.chunked else ())
         object.__setattr__(self, "prefill_widths", tuple(sorted(set(widths))))
+        object.__setattr__(
+            self, "decode_widths", tuple(sorted(set(self.decode_widths or (self.batch_size,))))
+        )
         self._validate()
 
     def _validate(self) -> None:
@@ -112,6 +119,12 @@ class NeuronConfig:
                 f"size, the chunk size included: pass --prefill-widths with --prefill-chunk-size "
                 f"{self.prefill_chunk_size or 'C'} as the largest."
             )
+        if self.decode_widths[-1] != self.batch_size or self.decode_widths[0] < 1:
+            fail(
+                f"decode widths {list(self.decode_widths)} must be row counts from 1 up to the batch "
+                f"size, the batch size included: pass --decode-widths with --batch_size "
+                f"{self.batch_size} as the largest."
+            )
         if self.context_buckets[0] < max(self.prefill_chunk_size, 1):
             fail(
                 f"context bucket {self.context_buckets[0]} is smaller than the chunk size "
@@ -135,6 +148,14 @@ class NeuronConfig:
             f"a chunk of {tokens} tokens exceeds the chunk size {self.prefill_chunk_size}.",
         )
 
+    def decode_width_for(self, rows: int) -> int:
+        """Narrowest compiled TG width that holds a decode step of `rows` rows."""
+        return _smallest_cover(
+            self.decode_widths,
+            rows,
+            f"a decode step of {rows} rows exceeds the batch size {self.batch_size}.",
+        )
+
     def bucket_for(self, context_length: int) -> int:
         """Smallest compiled bucket that holds `context_length` positions."""
         return _smallest_cover(
@@ -147,6 +168,7 @@ class NeuronConfig:
         d = dataclasses.asdict(self)
         d["context_buckets"] = list(self.context_buckets)
         d["prefill_widths"] = list(self.prefill_widths)
+        d["decode_widths"] = list(self.decode_widths)
         return d
 
     @classmethod
@@ -160,6 +182,7 @@ class NeuronConfig:
         d = {k: v for k, v in d.items() if k in known}
         d["context_buckets"] = tuple(d.get("context_buckets", ()))
         d["prefill_widths"] = tuple(d.get("prefill_widths", ()))  # absent: the chunk size alone
+        d["decode_widths"] = tuple(d.get("decode_widths", ()))  # absent: the batch size alone
         return cls(**d)
 
     def save(self, directory: str | Path, files: dict[str, dict] | None = None) -> None:

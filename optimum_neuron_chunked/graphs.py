@@ -5,6 +5,7 @@ that turns real inputs into those shapes.
   cp_w{W}  [1, C]  one prefill chunk attending over context bucket W (chunked exports)
   cp_w{W}_c{N}  [1, N]  the same for chunks of at most N < C tokens (`prefill_widths`)
   tg_w{W}  [B, 1]  one decode step for up to B slots attending over context bucket W
+  tg_w{W}_r{N}  [N, 1]  the same for steps of at most N < B rows (`decode_widths`)
   copy     [1, C]  copies C positions' K/V from one slot to another, every layer (chunked
                    exports: prefix caching puts a cached prefix into a new request's slot)
 
@@ -42,13 +43,15 @@ class GraphSpec:
     batch: int  # rows
     width: int  # tokens per row (copy: positions per call)
     window: int  # context bucket: positions attended over (copy: 0, it attends over nothing)
-    narrow: bool = False  # a CP graph narrower than the chunk size (named by its width)
+    narrow: bool = False  # a CP graph narrower than the chunk size, a TG graph than the batch
 
     @property
     def name(self) -> str:
         if self.kind == COPY:
             return self.kind
-        return f"{self.kind}_w{self.window}" + (f"_c{self.width}" if self.narrow else "")
+        if not self.narrow:
+            return f"{self.kind}_w{self.window}"
+        return f"{self.kind}_w{self.window}" + (f"_r{self.batch}" if self.kind == "tg" else f"_c{self.width}")
 
 
 COPY = "copy"
@@ -56,6 +59,10 @@ COPY = "copy"
 
 def cp_spec(config: NeuronConfig, width: int, window: int) -> GraphSpec:
     return GraphSpec("cp", 1, width, window, narrow=width < config.prefill_chunk_size)
+
+
+def tg_spec(config: NeuronConfig, rows: int, window: int) -> GraphSpec:
+    return GraphSpec("tg", rows, 1, window, narrow=rows < config.batch_size)
 
 
 def ce_spec(window: int) -> GraphSpec:
@@ -69,7 +76,7 @@ def graph_specs(config: NeuronConfig) -> list[GraphSpec]:
             specs += [cp_spec(config, width, window) for width in config.prefill_widths]
         else:
             specs.append(ce_spec(window))
-        specs.append(GraphSpec("tg", config.batch_size, 1, window))
+        specs += [tg_spec(config, rows, window) for rows in config.decode_widths]
     if config.chunked:
         specs.append(GraphSpec(COPY, 1, config.prefill_chunk_size, 0))
     return specs
@@ -238,7 +245,8 @@ class GraphRunner:
         rand: torch.Tensor,  # [N]
         need_logits: bool = True,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """One TG step for N <= batch_size slots -> (tokens [N], logits [N, V] or None).
+        """One TG step for N <= batch_size slots -> (tokens [N], logits [N, V] or None), in the
+        narrowest TG graph that holds N rows.
 
         Logits are fetched from the graph's outputs only if `need_logits` (or if the export
         samples on the host, where the tokens come from them)."""
@@ -248,12 +256,14 @@ class GraphRunner:
         if len(set(seq_ids.tolist())) != n:
             # two rows of one slot would write the same cache row; one would get the other's result
             raise ValueError(f"a decode step takes distinct slots, got {seq_ids.tolist()}")
-        window = self.config.bucket_for(int(positions.max()) + 1)
+        spec = tg_spec(
+            self.config, self.config.decode_width_for(n), self.config.bucket_for(int(positions.max()) + 1)
+        )
         inputs = [x.to(INDEX_DTYPE) for x in (token_ids[:, None], positions[:, None], seq_ids)]
         if self.config.on_device_sampling:
             inputs += [params.float(), rand.float()]
-        inputs = [pad_repeat_last(x, batch, dim=0) for x in inputs]
-        outputs = self.graphs[f"tg_w{window}"](*inputs)
+        inputs = [pad_repeat_last(x, spec.batch, dim=0) for x in inputs]
+        outputs = self.graphs[spec.name](*inputs)
         if self.config.on_device_sampling:
             tokens, logits = outputs
             return tokens.cpu()[:n].clone(), logits.cpu()[:n].clone() if need_logits else None

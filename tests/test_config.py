@@ -52,6 +52,9 @@ def test_bucket_for_picks_the_smallest_cover():
             dict(batch_size=1, sequence_length=128, prefill_chunk_size=64, prefill_widths=(0, 64)),
             "from 1 up to the chunk size",
         ),
+        (dict(batch_size=4, sequence_length=128, decode_widths=(1, 2)), "--batch_size 4 as the largest"),
+        (dict(batch_size=4, sequence_length=128, decode_widths=(1, 8)), "--batch_size 4 as the largest"),
+        (dict(batch_size=4, sequence_length=128, decode_widths=(0, 4)), "from 1 up to the batch size"),
     ],
 )
 def test_invalid_configs_say_what_to_change(kwargs, message):
@@ -91,6 +94,25 @@ def test_prefill_widths():
     d = chunked.to_dict()
     del d["prefill_widths"]
     assert NeuronConfig.from_dict(d) == chunked
+
+
+def test_decode_widths():
+    plain = NeuronConfig(batch_size=4, sequence_length=1024, prefill_chunk_size=128)
+    assert plain.decode_widths == (4,) and [plain.decode_width_for(n) for n in (1, 4)] == [4, 4]
+    narrow = NeuronConfig(batch_size=4, sequence_length=1024, prefill_chunk_size=128, decode_widths=(4, 1, 2))
+    assert narrow.decode_widths == (1, 2, 4)
+    assert [narrow.decode_width_for(n) for n in (1, 2, 3, 4)] == [1, 2, 4, 4]
+    with pytest.raises(NeuronConfigError, match="exceeds the batch size 4"):
+        narrow.decode_width_for(5)
+    assert [(s.name, s.batch) for s in graph_specs(narrow) if s.kind == "tg"] == [
+        ("tg_w512_r1", 1), ("tg_w512_r2", 2), ("tg_w512", 4),
+        ("tg_w1024_r1", 1), ("tg_w1024_r2", 2), ("tg_w1024", 4),
+    ]  # fmt: skip
+    # an export written before the field existed: the batch size alone
+    d = narrow.to_dict()
+    assert d["decode_widths"] == [1, 2, 4]
+    del d["decode_widths"]
+    assert NeuronConfig.from_dict(d) == plain
 
 
 def phi3_config(**kw):

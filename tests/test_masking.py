@@ -175,7 +175,12 @@ def test_fused_attention_kernel_equals_the_masked_softmax(family):
     models = []
     choices = [
         KernelChoices(
-            sdpa_from_window=1, slot_view=True, live_window=True, per_row_live=True, rowwise_linear_rows=2
+            sdpa_prefill_from_window=1,
+            sdpa_decode_from_window=1,
+            slot_view=True,
+            live_window=True,
+            per_row_live=True,
+            rowwise_linear_rows=2,
         ),
         KernelChoices(live_window=True),
         KernelChoices(per_row_live=True),
@@ -187,7 +192,10 @@ def test_fused_attention_kernel_equals_the_masked_softmax(family):
         for cache in model.cache_names():
             getattr(model, cache).normal_(0, 100, generator=torch.Generator().manual_seed(5))
         models.append(model)
-    assert kernel_choices("neuron").sdpa_from_window is None and kernel_choices("cpu").sdpa_from_window
+    assert (
+        kernel_choices("neuron").sdpa_prefill_from_window is None
+        and kernel_choices("cpu").sdpa_prefill_from_window
+    )
     tokens, start = torch.randint(4, 380, (80,), generator=torch.Generator().manual_seed(4)), 0
     for width in [16, 5, 16, 16]:
         piece = tokens[start : start + width]
@@ -210,6 +218,35 @@ def test_fused_attention_kernel_equals_the_masked_softmax(family):
             start += 1
 
 
+@pytest.mark.parametrize("prefill_from, decode_from", [(1, None), (None, 1), (SEQ, SEQ + 1)])
+def test_sdpa_is_chosen_per_graph_kind_and_bucket(monkeypatch, prefill_from, decode_from):
+    """kernels.sdpa_prefill_from_window / sdpa_decode_from_window: a chunk (one row) and a decode
+    step (one row per slot) each take SDPA only from their own threshold on."""
+    from optimum_neuron_chunked.modeling import model_from_spec
+    from optimum_neuron_chunked.modeling.kernels import KernelChoices
+
+    path = checkpoint_path("llama")
+    config = NeuronConfig(batch_size=2, sequence_length=SEQ, prefill_chunk_size=CHUNK, backend="eager")
+    spec = build_model(AutoConfig.from_pretrained(path), config).spec
+    kernels = KernelChoices(sdpa_prefill_from_window=prefill_from, sdpa_decode_from_window=decode_from)
+    model = model_from_spec(spec, config, kernels=kernels).eval()
+    calls = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    monkeypatch.setattr(
+        torch.nn.functional, "scaled_dot_product_attention", lambda *a, **k: calls.append(1) or sdpa(*a, **k)
+    )
+    run_chunk(model, torch.arange(5, 5 + CHUNK), start=0)
+    prefill_calls = len(calls)
+    with torch.no_grad():
+        model.hidden_states(torch.tensor([[3], [4]]), torch.tensor([[CHUNK], [0]]), torch.tensor([0, 1]), SEQ,
+                            one_row_per_slot=True)  # fmt: skip
+    layers = len(model.model.layers)
+    assert (prefill_calls, len(calls) - prefill_calls) == (
+        layers if prefill_from is not None and SEQ >= prefill_from else 0,
+        layers if decode_from is not None and SEQ >= decode_from else 0,
+    )
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["cp", "tg"])
 def test_cpu_kernels_compiled_by_aotinductor_equal_the_masked_softmax(tmp_path, kind):
@@ -228,7 +265,12 @@ def test_cpu_kernels_compiled_by_aotinductor_equal_the_masked_softmax(tmp_path, 
     config = NeuronConfig(batch_size=2, sequence_length=SEQ, prefill_chunk_size=CHUNK, backend="cpu")
     spec = build_model(AutoConfig.from_pretrained(path), config).spec
     kernels = KernelChoices(
-        sdpa_from_window=1, slot_view=True, live_window=True, per_row_live=True, rowwise_linear_rows=2
+        sdpa_prefill_from_window=1,
+        sdpa_decode_from_window=1,
+        slot_view=True,
+        live_window=True,
+        per_row_live=True,
+        rowwise_linear_rows=2,
     )
     models = [model_from_spec(spec, config, kernels=kernels), model_from_spec(spec, config)]
     graph = GraphSpec("cp", 1, CHUNK, SEQ) if kind == "cp" else GraphSpec("tg", 2, 1, SEQ)

@@ -1,8 +1,10 @@
+
 """The neuron backend around the SDK: targets, cores, config rules, the traced bundle's
 module and weight names, and clear refusals on a host without the SDK or a device."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 
@@ -109,6 +111,15 @@ def test_weight_shards_match_the_bundle_names(tmp_path, family, tp):
     for rank, file in enumerate(NeuronBackend().weight_files(config)):
         shard = load_file(tmp_path / file)
         assert {name: t.shape for name, t in shard.items()} == expected, f"rank {rank}"
+
+
+def test_priority_graph_is_the_widest_tg_in_rows_and_bucket():
+    """NxD lays weights out for the priority graph: the full-batch TG at the largest bucket,
+    not a narrow decode width listed after it."""
+    config = dataclasses.replace(neuron_config(tp=1), decode_widths=(1, 2))
+    names = [s.name for s in graph_specs(config)]
+    assert {"tg_w32_r1", "tg_w64_r1", "tg_w64"} <= set(names)
+    assert priority_graph(graph_specs(config)) == "tg_w64"
 
 
 def test_bundle_runs_the_selected_graph():

@@ -32,13 +32,18 @@ CENSUS: dict[str, HloReport] = {}  # printed at the end of the session (conftest
 
 
 def export_config(
-    chunked: bool, dtype: str = "float32", prompt_logits: bool = False, prefill_widths: tuple[int, ...] = ()
+    chunked: bool,
+    dtype: str = "float32",
+    prompt_logits: bool = False,
+    prefill_widths: tuple[int, ...] = (),
+    decode_widths: tuple[int, ...] = (),
 ) -> NeuronConfig:
     return NeuronConfig(
         batch_size=2,
         sequence_length=SEQUENCE_LENGTH,
         prefill_chunk_size=CHUNK if chunked else 0,
         prefill_widths=prefill_widths,
+        decode_widths=decode_widths,
         context_buckets=BUCKETS,
         dtype=dtype,
         max_topk=MAX_TOPK,
@@ -137,6 +142,31 @@ def test_narrow_prefill_graphs_on_xla_equal_eager():
     pair.assert_caches_equal()
     assert fallback_ops() == []
     check_hlo(pair, "llama", "narrow-chunked")
+
+
+def test_narrow_decode_graphs_on_xla_equal_eager():
+    """--decode-widths: one-row steps in the one-row TG graph of each bucket, two-row steps in the
+    batch's; the one-row graph still writes and reads the cache by slot."""
+    pair = Pair("llama", export_config(chunked=True, decode_widths=(1, 2)))
+    reset_counters()
+    a, b = tokens(2 * CHUNK - 2, seed=7), tokens(CHUNK - 2, seed=8)
+    pair.prefill(a[:CHUNK], 0, slot=1)
+    pair.prefill(a[CHUNK:], CHUNK, slot=1)
+    pair.prefill(b, 0, slot=0)
+    # (slots, positions): one row in bucket 64, two rows, one row, one row crossing into 128, two
+    steps = (([1], [62]), ([0, 1], [30, 63]), ([0], [31]), ([1], [64]), ([0, 1], [32, 65]))
+    for i, (slots, positions) in enumerate(steps):
+        n = len(slots)
+        ids = tokens(n, seed=20 + i)
+        pair.decode(ids, torch.tensor(positions), torch.tensor(slots), SAMPLING[-n:], RAND[-n:])
+    pair.assert_caches_equal()
+    assert fallback_ops() == []
+    ran = {"cp_w64", "tg_w64", "tg_w64_r1", "tg_w128", "tg_w128_r1"}
+    assert ran <= set(pair.xla.hlo)
+    for name in ran:
+        report = pair.xla.hlo[name]
+        assert report.forbidden == [] and report.dynamic_shapes == [], name
+        CENSUS[f"llama narrow-decode {name}"] = report
 
 
 @pytest.mark.parametrize("chunked", [True, False], ids=["chunked", "standard"])

@@ -152,8 +152,11 @@ class Attention(nn.Module):
     ):
         super().__init__()
         kernels = kernels or KernelChoices()
-        # gpt-oss's sinks join the softmax: SDPA has no place for them (kernels.py)
-        self.sdpa_from_window = None if spec.attention_sinks else kernels.sdpa_from_window
+        # SDPA from these buckets on, prefill (CP/CE) and decode (TG) graphs apart (kernels.py);
+        # none for gpt-oss: its sinks join the softmax, where SDPA has no place for them
+        sinks = spec.attention_sinks
+        self.sdpa_prefill_from = None if sinks else kernels.sdpa_prefill_from_window
+        self.sdpa_decode_from = None if sinks else kernels.sdpa_decode_from_window
         self.functional_cache, self.use_rope = functional_cache, use_rope
         self.ring = ring  # cache length of a ring layer (see ring_length); None: position-indexed
         d, hidden = spec.head_dim, spec.hidden_size
@@ -202,14 +205,16 @@ class Attention(nn.Module):
         v_cache = write_cache(v_cache, seq_ids, cache_index, v, self.functional_cache)
         # a ring layer reads its whole ring
         window, live = (read.window, read.live) if self.ring is None else (self.ring, self.ring)
+        sdpa_from = self.sdpa_decode_from if one_row_per_slot else self.sdpa_prefill_from
+        sdpa = sdpa_from is not None and window >= sdpa_from
         if one_row_per_slot and read.rows is not None and self.ring is None:
-            out = self._attend_per_row(q, k_cache, v_cache, position_ids, read.rows, window)
+            out = self._attend_per_row(q, k_cache, v_cache, position_ids, read.rows, sdpa)
         elif one_row_per_slot:
-            out = self._attend_in_slot_order(q, k_cache, v_cache, seq_ids, position_ids, window, live)
+            out = self._attend_in_slot_order(q, k_cache, v_cache, seq_ids, position_ids, live, sdpa)
         else:
             keys, values = self._row_windows(k_cache, v_cache, seq_ids, read.slot, live)
             key_positions = self._key_positions(position_ids, live)
-            out = self._attend(q, keys, values, position_ids, key_positions, window)
+            out = self._attend(q, keys, values, position_ids, key_positions, sdpa)
         return self.o_proj(out.transpose(1, 2).reshape(n, t, -1)), k_cache, v_cache
 
     def _row_windows(self, k_cache, v_cache, seq_ids, slot, live) -> tuple[torch.Tensor, torch.Tensor]:
@@ -228,7 +233,7 @@ class Attention(nn.Module):
             return torch.arange(window, device=position_ids.device)[None]
         return ring_positions(position_ids[:, -1], self.ring)
 
-    def _attend_in_slot_order(self, q, k_cache, v_cache, seq_ids, position_ids, window, live) -> torch.Tensor:
+    def _attend_in_slot_order(self, q, k_cache, v_cache, seq_ids, position_ids, live, sdpa) -> torch.Tensor:
         """A step with one row per slot (TG) attends over views of the cache: gathering every
         row's window would copy the whole live cache each step. Rows are moved to their slots
         and back; a slot with no row attends to whatever it holds, and the result is dropped.
@@ -238,9 +243,9 @@ class Attention(nn.Module):
         pos_slots = position_ids.new_zeros(slots, position_ids.shape[1]).index_copy(0, seq_ids, position_ids)
         keys, values = k_cache[:, :, :live], v_cache[:, :, :live]
         key_positions = self._key_positions(pos_slots, live)
-        return self._attend(q_slots, keys, values, pos_slots, key_positions, window).index_select(0, seq_ids)
+        return self._attend(q_slots, keys, values, pos_slots, key_positions, sdpa).index_select(0, seq_ids)
 
-    def _attend_per_row(self, q, k_cache, v_cache, position_ids, rows, window) -> torch.Tensor:
+    def _attend_per_row(self, q, k_cache, v_cache, position_ids, rows, sdpa) -> torch.Tensor:
         """A step with one row per slot (TG) where each row reads its own slot and live length
         (CacheRead.rows): the step reads the sum of the rows' contexts, not rows x the longest.
         Padded rows repeat a real row: the same result, computed twice."""
@@ -250,19 +255,19 @@ class Attention(nn.Module):
             keys, values = k_cache[slot, :, :live][None], v_cache[slot, :, :live][None]
             key_positions = self._key_positions(position_ids[i : i + 1], live)
             outs.append(
-                self._attend(q[i : i + 1], keys, values, position_ids[i : i + 1], key_positions, window)
+                self._attend(q[i : i + 1], keys, values, position_ids[i : i + 1], key_positions, sdpa)
             )
         return torch.cat(outs)
 
-    def _attend(self, q, keys, values, position_ids, key_positions, window: int) -> torch.Tensor:
-        """q [N, Hq, T, D] over keys/values [N, Hkv, W, D] -> [N, Hq, T, D]; `window` is the
-        graph's bucket (static), W the positions read (the bucket or the live length).
+    def _attend(self, q, keys, values, position_ids, key_positions, sdpa: bool) -> torch.Tensor:
+        """q [N, Hq, T, D] over keys/values [N, Hkv, W, D] -> [N, Hq, T, D], W the positions
+        read (the bucket or the live length); `sdpa`: the fused core, else the masked softmax.
 
         Grouped-query attention without expanding K/V: query heads k*G..k*G+G-1 share KV
         head k (transformers' repeat_kv order), so they are stacked along the query axis.
         """
         n, _, t, _ = q.shape
-        if self.sdpa_from_window is not None and window >= self.sdpa_from_window:
+        if sdpa:
             # GQA order as ours: query head h uses KV head h // groups
             mask = attention_mask(position_ids, key_positions, self.sliding_window)  # [N, 1, T, W]
             return nn.functional.scaled_dot_product_attention(

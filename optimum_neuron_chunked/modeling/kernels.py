@@ -1,11 +1,12 @@
 """Per-backend choices of how the same math is computed, made here only (by measurement).
 
-- sdpa_from_window: graphs attending over at least this many positions compute attention
-  with SDPA, which AOTInductor lowers to a fused CPU kernel that never materialises the
-  [T, W] scores; below it, and on backends without it (None), the explicit masked softmax
-  with MASK_VALUE (eager's reference; XLA / Neuron: exp of dtype-min NaNs there). Measured on
-  the cpu backend (benchmark/attention_kernel.py, attention-2026-11-23-vm-*): SDPA loses
-  10-16 % at windows 512-1024 and wins 1.34x on a 256-token chunk at 2048 and 4096.
+- sdpa_prefill_from_window / sdpa_decode_from_window: prefill (CP, CE) / decode (TG) graphs
+  whose bucket is at least this many positions compute attention with SDPA, which
+  AOTInductor lowers to a fused CPU kernel that never materialises the [T, W] scores; below
+  it, and on backends without it (None), the explicit masked softmax with MASK_VALUE (eager's
+  reference; XLA / Neuron: exp of dtype-min NaNs there). Measured on the cpu backend with its
+  other choices (benchmark/attention_kernel.py, the two cores interleaved): see AGENTS.md's
+  performance notes.
 - slot_view: one-row graphs (CP, CE) read their slot id as a scalar and attend over a view
   of the slot's cache instead of gathering its window (a copy of every layer's K/V window
   per call). Measured on the bench model at window 4096, two exports interleaved
@@ -42,7 +43,8 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class KernelChoices:
-    sdpa_from_window: int | None = None
+    sdpa_prefill_from_window: int | None = None
+    sdpa_decode_from_window: int | None = None
     slot_view: bool = False
     live_window: bool = False
     per_row_live: bool = False
@@ -52,7 +54,8 @@ class KernelChoices:
 
 BY_BACKEND = {
     "cpu": KernelChoices(
-        sdpa_from_window=2048,
+        sdpa_prefill_from_window=1,
+        sdpa_decode_from_window=None,
         slot_view=True,
         live_window=True,
         per_row_live=True,

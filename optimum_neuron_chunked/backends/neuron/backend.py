@@ -119,8 +119,9 @@ def unshared(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def priority_graph(specs: list[GraphSpec]) -> str:
-    """The widest TG graph: decode is the hot path, its weight layout is imposed on the rest."""
-    return max((s for s in specs if s.kind == "tg"), key=lambda s: s.window).name
+    """The widest TG graph (bucket, then rows): decode is the hot path, its weight layout is
+    imposed on the rest."""
+    return max((s for s in specs if s.kind == "tg"), key=lambda s: (s.window, s.batch)).name
 
 
 class GraphBundle(nn.Module):

@@ -1,0 +1,90 @@
+"""Narrow TG graphs (`decode_widths`): a decode step runs in the narrowest compiled width that
+holds its rows, and what it computes equals HF transformers whatever width ran it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from fixtures.export_models import BUCKETS, CHUNK, SEQUENCE_LENGTH, checkpoint_path
+from transformers import AutoModelForCausalLM
+
+from exporters.neuron import export
+from optimum_neuron_chunked import NeuronModelForCausalLM
+from optimum_neuron_chunked.config import NeuronConfig
+from optimum_neuron_chunked.graphs import GraphRunner, graph_specs
+
+LOGITS_TOLERANCE = 1e-4
+
+
+def test_each_step_runs_in_the_narrowest_width_that_holds_its_rows():
+    cfg = NeuronConfig(batch_size=4, sequence_length=SEQUENCE_LENGTH, prefill_chunk_size=CHUNK,
+                       context_buckets=BUCKETS, decode_widths=(1, 2, 4))  # fmt: skip
+    calls = []
+
+    def graph(name):
+        def run(ids, positions, seq_ids, params, rand):
+            calls.append((name, seq_ids.tolist(), positions[:, 0].tolist()))
+            return torch.arange(ids.shape[0]), torch.zeros(ids.shape[0], 4)
+
+        return run
+
+    runner = GraphRunner(cfg, {s.name: graph(s.name) for s in graph_specs(cfg)})
+
+    def step(slots: list[int], positions: list[int]) -> list[int]:
+        n = len(slots)
+        tokens, _ = runner.decode(torch.ones(n), torch.tensor(positions), torch.tensor(slots),
+                                  torch.ones(n, 3), torch.zeros(n))  # fmt: skip
+        return tokens.tolist()
+
+    assert step([3], [10]) == [0]
+    assert step([2, 0], [70, 5]) == [0, 1]
+    assert step([2, 0, 1], [70, 5, 9]) == [0, 1, 2]  # three rows: padded to 4 by repeating the last
+    assert calls == [
+        ("tg_w64_r1", [3], [10]),
+        ("tg_w128_r2", [2, 0], [70, 5]),
+        ("tg_w128", [2, 0, 1, 1], [70, 5, 9, 9]),
+    ]
+    with pytest.raises(ValueError, match="1 to 4 rows"):
+        step([0, 1, 2, 3, 3], [1, 1, 1, 1, 1])
+
+
+class RecordingGraphs(dict):
+    """The loaded graphs, recording which ran."""
+
+    def __init__(self, graphs):
+        super().__init__(graphs)
+        self.ran = []
+
+    def __getitem__(self, name):
+        self.ran.append(name)
+        return super().__getitem__(name)
+
+
+@pytest.mark.parametrize("backend", ["eager", pytest.param("cpu", marks=pytest.mark.slow)])
+def test_narrow_decode_steps_match_transformers(backend, tmp_path):
+    path = checkpoint_path("llama")
+    out = export(str(path), tmp_path / "export", batch_size=2, sequence_length=SEQUENCE_LENGTH,
+                 prefill_chunk_size=CHUNK, backend=backend, context_buckets=BUCKETS,
+                 decode_widths=(1, 2))  # fmt: skip
+    model = NeuronModelForCausalLM.from_pretrained(out)
+    model.runner.graphs = RecordingGraphs(model.runner.graphs)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    prompts = [torch.randint(4, 380, (n,), generator=torch.Generator().manual_seed(n)) for n in (20, 62)]
+    seqs = [p.clone() for p in prompts]
+    for slot, p in enumerate(prompts):
+        first = model.prefill(p, slot).argmax()
+        seqs[slot] = torch.cat([p, first[None]])
+    # both rows (the batch's width), then slot 1 alone (width 1) into the second bucket, then both
+    for slots in ([0, 1], [1], [1], [0, 1]):
+        last = torch.stack([seqs[s][-1] for s in slots])
+        positions = torch.tensor([len(seqs[s]) - 1 for s in slots])
+        tokens, logits = model.decode(last, positions, torch.tensor(slots))
+        for row, s in enumerate(slots):
+            with torch.no_grad():
+                want = hf(seqs[s][None]).logits[0, -1]
+            torch.testing.assert_close(logits[row], want, atol=LOGITS_TOLERANCE, rtol=0)
+            assert int(tokens[row]) == int(want.argmax())
+            seqs[s] = torch.cat([seqs[s], tokens[row : row + 1]])
+    assert [n for n in model.runner.graphs.ran if n.startswith("tg")] == [
+        "tg_w64", "tg_w64_r1", "tg_w128_r1", "tg_w128",
+    ]  # fmt: skip
