@@ -1,4 +1,3 @@
-
 """The neuron backend around the SDK: targets, cores, config rules, the traced bundle's
 module and weight names, and clear refusals on a host without the SDK or a device."""
 
