@@ -10,8 +10,19 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from optimum_neuron_chunked.config import NeuronConfig
 from optimum_neuron_chunked.graphs import PrefillGraph, pad_repeat_last
 from optimum_neuron_chunked.modeling import build_model
+from optimum_neuron_chunked.modeling.kernels import KernelChoices
 
 CHUNK, SEQ = 16, 64
+
+# every cpu-backend kernel switched on, SDPA in decode graphs as well
+EVERY_KERNEL = KernelChoices(
+    sdpa_prefill_from_window=1,
+    sdpa_decode_from_window=1,
+    slot_view=True,
+    live_window=True,
+    per_row_live=True,
+    rowwise_linear_rows=2,
+)
 
 
 @pytest.fixture(scope="module")
@@ -166,7 +177,7 @@ def test_fused_attention_kernel_equals_the_masked_softmax(family):
     compiled): chunks, then decodes with an idle slot, over stale slots; gemma3's ring layers
     included."""
     from optimum_neuron_chunked.modeling import model_from_spec
-    from optimum_neuron_chunked.modeling.kernels import KernelChoices, kernel_choices
+    from optimum_neuron_chunked.modeling.kernels import kernel_choices
 
     path = checkpoint_path(family)
     hf = AutoModelForCausalLM.from_pretrained(path)
@@ -174,14 +185,7 @@ def test_fused_attention_kernel_equals_the_masked_softmax(family):
     spec = build_model(AutoConfig.from_pretrained(path), config).spec
     models = []
     choices = [
-        KernelChoices(
-            sdpa_prefill_from_window=1,
-            sdpa_decode_from_window=1,
-            slot_view=True,
-            live_window=True,
-            per_row_live=True,
-            rowwise_linear_rows=2,
-        ),
+        EVERY_KERNEL,
         KernelChoices(live_window=True),
         KernelChoices(per_row_live=True),
         KernelChoices(),  # the reference: masked softmax over gathered bucket windows
@@ -223,7 +227,6 @@ def test_sdpa_is_chosen_per_graph_kind_and_bucket(monkeypatch, prefill_from, dec
     """kernels.sdpa_prefill_from_window / sdpa_decode_from_window: a chunk (one row) and a decode
     step (one row per slot) each take SDPA only from their own threshold on."""
     from optimum_neuron_chunked.modeling import model_from_spec
-    from optimum_neuron_chunked.modeling.kernels import KernelChoices
 
     path = checkpoint_path("llama")
     config = NeuronConfig(batch_size=2, sequence_length=SEQ, prefill_chunk_size=CHUNK, backend="eager")
@@ -250,29 +253,20 @@ def test_sdpa_is_chosen_per_graph_kind_and_bucket(monkeypatch, prefill_from, dec
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["cp", "tg"])
 def test_cpu_kernels_compiled_by_aotinductor_equal_the_masked_softmax(tmp_path, kind):
-    """The cpu backend's kernels as AOTInductor compiles them - SDPA (test windows are below
-    its threshold, so the cpu parity tests do not reach it), a view of slot 1 read as a scalar,
+    """The cpu backend's kernels as AOTInductor compiles them - SDPA in decode graphs too (the
+    cpu backend's decode graphs keep the masked softmax), a view of slot 1 read as a scalar,
     attention over the live positions read as a scalar, per decode row (per_row_live), decode
     rows' linear layers as dot products (rowwise_linear_rows) - against eager's masked softmax
     over gathered bucket windows and ATen's linear: a chunk graph, and a decode graph with an
     idle slot, over stale caches."""
     from optimum_neuron_chunked.graphs import GraphSpec, example_inputs, graph_module
     from optimum_neuron_chunked.modeling import model_from_spec
-    from optimum_neuron_chunked.modeling.kernels import KernelChoices
 
     path = checkpoint_path("qwen3")
     hf = AutoModelForCausalLM.from_pretrained(path)
     config = NeuronConfig(batch_size=2, sequence_length=SEQ, prefill_chunk_size=CHUNK, backend="cpu")
     spec = build_model(AutoConfig.from_pretrained(path), config).spec
-    kernels = KernelChoices(
-        sdpa_prefill_from_window=1,
-        sdpa_decode_from_window=1,
-        slot_view=True,
-        live_window=True,
-        per_row_live=True,
-        rowwise_linear_rows=2,
-    )
-    models = [model_from_spec(spec, config, kernels=kernels), model_from_spec(spec, config)]
+    models = [model_from_spec(spec, config, kernels=EVERY_KERNEL), model_from_spec(spec, config)]
     graph = GraphSpec("cp", 1, CHUNK, SEQ) if kind == "cp" else GraphSpec("tg", 2, 1, SEQ)
     for model in models:
         model.load_weights(model.weights_from_hf(hf))
