@@ -22,6 +22,7 @@ EVERY_KERNEL = KernelChoices(
     live_window=True,
     per_row_live=True,
     rowwise_linear_rows=2,
+    onednn_linear=True,
 )
 
 
@@ -290,17 +291,18 @@ def test_cpu_kernels_compiled_by_aotinductor_equal_the_masked_softmax(tmp_path, 
             torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
 
 
+@pytest.mark.parametrize("onednn", [False, True])
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("shape", [(2, 1, 24), (3, 24), (1, 5, 24)])
-def test_rowwise_linear_equals_linear(shape, bias):
-    """kernels.rowwise_linear_rows: up to max_rows rows as dot products, more through ATen;
-    the same parameters either way."""
-    from optimum_neuron_chunked.modeling.layers import RowwiseLinear
+def test_cpu_linear_equals_linear(shape, bias, onednn):
+    """kernels.rowwise_linear_rows / onednn_linear: up to rowwise_rows rows as dot products,
+    more through oneDNN or ATen; the same parameters either way."""
+    from optimum_neuron_chunked.modeling.layers import CpuLinear
 
     torch.manual_seed(0)
-    rowwise = RowwiseLinear(24, 40, bias=bias, max_rows=3)
+    cpu = CpuLinear(24, 40, bias=bias, rowwise_rows=3, onednn=onednn)
     linear = torch.nn.Linear(24, 40, bias=bias)
-    linear.load_state_dict(rowwise.state_dict())
+    linear.load_state_dict(cpu.state_dict())
     x = torch.randn(shape)
     with torch.no_grad():
-        torch.testing.assert_close(rowwise(x), linear(x), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(cpu(x), linear(x), atol=1e-5, rtol=1e-5)

@@ -130,7 +130,7 @@ class DecoderModel(nn.Module):
     ):
         super().__init__()
         self.kernels = kernels or KernelChoices()
-        layers = layers or TorchLayers(self.kernels.rowwise_linear_rows)
+        layers = layers or TorchLayers(self.kernels.rowwise_linear_rows, self.kernels.onednn_linear)
         self.spec = spec
         self.layout = ShardLayout.of(spec, layers.tp_degree)
         self.functional_cache = functional_cache

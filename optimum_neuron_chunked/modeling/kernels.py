@@ -31,9 +31,13 @@
   losses at 1/4 (benchmark/moe_experts.py, results moe-2026-11-23-vm).
 - rowwise_linear_rows: linear layers over at most this many rows (decode graphs: one row per
   slot) compute each output as a dot product, which AOTInductor fuses into one kernel reading
-  each weight row once for all rows (layers.RowwiseLinear); ATen's GEMM (MKL sgemm) streams a
+  each weight row once for all rows (layers.CpuLinear); ATen's GEMM (MKL sgemm) streams a
   decode step's weights at 4-6 GB/s on this AMD host, a quarter of its read bandwidth.
   0: always ATen. Measured: see AGENTS.md's performance notes.
+- onednn_linear: linear layers over more rows (chunks) call oneDNN's matmul
+  (torch.ops.mkldnn._linear_pointwise) on the plain weight instead of ATen's MKL sgemm, which
+  does not use AVX-512 on AMD hosts: 2.4x at 256 rows on an avx512 EPYC (benchmark/gemm.py).
+  The weight stays the one shared constant (no prepacked copy per graph).
 """
 
 from __future__ import annotations
@@ -50,6 +54,7 @@ class KernelChoices:
     per_row_live: bool = False
     expert_selection: float = 1.0
     rowwise_linear_rows: int = 0
+    onednn_linear: bool = False
 
 
 BY_BACKEND = {
@@ -61,6 +66,7 @@ BY_BACKEND = {
         per_row_live=True,
         expert_selection=0.2,
         rowwise_linear_rows=8,
+        onednn_linear=True,
     )
 }
 

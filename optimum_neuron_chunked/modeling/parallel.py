@@ -24,7 +24,7 @@ from torch import nn
 
 from ..config import NeuronConfigError
 from .family import FamilySpec
-from .layers import RowwiseLinear
+from .layers import CpuLinear
 
 # Weight name suffix -> dimension split across ranks (absent: replicated on every rank).
 PARTITION_DIMS = {
@@ -137,12 +137,13 @@ def rank_shard(tp_state: dict[str, torch.Tensor], tp_degree: int, rank: int) -> 
 
 class TorchLayers:
     """tp 1: plain torch layers (cpu and eager backends). `rowwise_rows`: linear layers take
-    inputs of up to that many rows as dot products (kernels.rowwise_linear_rows; 0: never)."""
+    inputs of up to that many rows as dot products (kernels.rowwise_linear_rows; 0: never);
+    `onednn`: more rows through oneDNN's matmul (kernels.onednn_linear). See CpuLinear."""
 
     tp_degree = 1
 
-    def __init__(self, rowwise_rows: int = 0):
-        self.rowwise_rows = rowwise_rows
+    def __init__(self, rowwise_rows: int = 0, onednn: bool = False):
+        self.rowwise_rows, self.onednn = rowwise_rows, onednn
 
     def column(self, in_features: int, out_features: int, bias: bool, gather_output: bool = False):
         return self._linear(in_features, out_features, bias)
@@ -151,8 +152,8 @@ class TorchLayers:
         return self._linear(in_features, out_features, bias)
 
     def _linear(self, in_features: int, out_features: int, bias: bool) -> nn.Linear:
-        if self.rowwise_rows:
-            return RowwiseLinear(in_features, out_features, bias, self.rowwise_rows)
+        if self.rowwise_rows or self.onednn:
+            return CpuLinear(in_features, out_features, bias, self.rowwise_rows, self.onednn)
         return nn.Linear(in_features, out_features, bias=bias)
 
     def embedding(self, vocab_size: int, hidden_size: int):
