@@ -1,7 +1,8 @@
-"""The linear layers of the bench model on this CPU: what our graphs call (ATen `linear`, MKL
-sgemm here) against oneDNN with prepacked weights (what vLLM's CPU engine dispatches to:
-`dispatch_cpu_unquantized_gemm`, vllm/model_executor/layers/utils.py, vLLM 0.32), by rows M
-(8: a decode step, 64-256: a chunk). fp32; median of repeats.
+"""The linear layers of the bench model on this CPU: ATen `linear` (MKL sgemm), oneDNN on the
+plain weight (what the cpu backend's chunk graphs call, layers.CpuLinear) and oneDNN with
+prepacked weights (what vLLM's CPU engine dispatches to: `dispatch_cpu_unquantized_gemm`,
+vllm/model_executor/layers/utils.py, vLLM 0.32), by rows M (8: a decode step, 64-256: a
+chunk). fp32; median of repeats.
 
     python benchmark/gemm.py [--rows 8,64,256] [--repeats 200]
 """
@@ -11,7 +12,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import platform
 import statistics
 import sys
 from pathlib import Path
@@ -21,6 +21,7 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE.parent), str(HERE.parent / "tests"), str(HERE)]
 
+from host import describe_host  # noqa: E402
 from metrics import call_ms  # noqa: E402
 from serve_bench import FULL  # noqa: E402
 
@@ -43,8 +44,10 @@ def measure(rows: int, out_features: int, in_features: int, repeats: int) -> dic
     aten = median_us(lambda: torch.nn.functional.linear(x, w), repeats)
     aten_in_out = median_us(lambda: torch.mm(x, w_in_out), repeats)
     onednn = median_us(lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""), repeats)
+    plain = median_us(lambda: torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [None], ""), repeats)
     flops, weight_bytes = 2 * rows * out_features * in_features, w.numel() * 4
     return {"rows": rows, "aten_us": aten, "aten_in_out_us": aten_in_out, "onednn_us": onednn,
+            "onednn_plain_us": plain,
             "aten_gflops": flops / aten / 1e3, "onednn_gflops": flops / onednn / 1e3,
             "aten_weight_gb_s": weight_bytes / aten / 1e3, "onednn_weight_gb_s": weight_bytes / onednn / 1e3}  # fmt: skip
 
@@ -59,15 +62,15 @@ def main(argv: list[str] | None = None) -> int:
         for name, shape in SHAPES.items()
     }
     date = datetime.date.today().isoformat()
-    lines = [f"# Linear layers, ATen (MKL) vs oneDNN prepacked ({date}, {platform.node()}, "
+    lines = [f"# Linear layers, ATen (MKL) vs oneDNN ({date}, {describe_host()}, "
              f"{torch.get_num_threads()} threads)", "",
-             "| layer [out, in] | M | ATen us (GFLOP/s, weight GB/s) | ATen, weight [in, out] us | oneDNN prepacked us (GFLOP/s, weight GB/s) | ratio |",
-             "|---|---|---|---|---|---|"]  # fmt: skip
+             "| layer [out, in] | M | ATen us (GFLOP/s, weight GB/s) | ATen, weight [in, out] us | oneDNN plain weight us | oneDNN prepacked us (GFLOP/s, weight GB/s) | prepacked / ATen |",
+             "|---|---|---|---|---|---|---|"]  # fmt: skip
     for name, rows in results.items():
         for r in rows:
             lines.append(
                 f"| {name} {list(SHAPES[name])} | {r['rows']} | {r['aten_us']:.0f} ({r['aten_gflops']:.0f}, "
-                f"{r['aten_weight_gb_s']:.1f}) | {r['aten_in_out_us']:.0f} | {r['onednn_us']:.0f} ({r['onednn_gflops']:.0f}, "
+                f"{r['aten_weight_gb_s']:.1f}) | {r['aten_in_out_us']:.0f} | {r['onednn_plain_us']:.0f} | {r['onednn_us']:.0f} ({r['onednn_gflops']:.0f}, "
                 f"{r['onednn_weight_gb_s']:.1f}) | {r['onednn_us'] / r['aten_us']:.2f} |"
             )
     out = HERE / "results" / f"gemm-{date}-vm"
