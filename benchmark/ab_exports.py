@@ -20,18 +20,19 @@ import json
 import platform
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 HERE = Path(__file__).resolve().parent
-sys.path[:0] = [str(HERE.parent)]
+sys.path[:0] = [str(HERE.parent), str(HERE)]
+
+from metrics import interleaved_ms  # noqa: E402
 
 from optimum_neuron_chunked import NeuronModelForCausalLM  # noqa: E402
 
 
-def interleaved_ms(
+def interleaved_prefill_ms(
     folders: dict[str, Path], calls: int, tokens: int | None = None, end: int | None = None
 ) -> dict[str, list[float]]:
     """One chunk of `tokens` ending before position `end`, each export in turn, each call on
@@ -47,14 +48,11 @@ def interleaved_ms(
     batch = min(m.neuron_config.batch_size for m in models.values())
     tokens, end = tokens or width, end or seq
     ids = torch.randint(4, 1000, (tokens,), generator=torch.Generator().manual_seed(0))
-    times = {name: [] for name in models}
-    for i in range(calls + 1):
-        for name, model in models.items():
-            started = time.perf_counter()
-            model.runner.prefill(ids, end - tokens, i % batch)
-            if i:
-                times[name].append((time.perf_counter() - started) * 1000)
-    return times
+    prefill = {
+        name: lambda i, m=model: m.runner.prefill(ids, end - tokens, i % batch)
+        for name, model in models.items()
+    }
+    return interleaved_ms(prefill, calls)
 
 
 def interleaved_decode_ms(
@@ -66,14 +64,11 @@ def interleaved_decode_ms(
     ids = torch.randint(4, 1000, (rows,), generator=torch.Generator().manual_seed(0))
     positions, slots = torch.tensor(contexts) - 1, torch.arange(rows)
     params, rand = torch.tensor([[1.0, 1.0, 1.0]] * rows), torch.zeros(rows)  # greedy (top-k 1)
-    times = {name: [] for name in models}
-    for i in range(calls + 1):
-        for name, model in models.items():
-            started = time.perf_counter()
-            model.runner.decode(ids, positions, slots, params, rand, need_logits=False)
-            if i:
-                times[name].append((time.perf_counter() - started) * 1000)
-    return times
+    decode = {
+        name: lambda _i, m=model: m.runner.decode(ids, positions, slots, params, rand, need_logits=False)
+        for name, model in models.items()
+    }
+    return interleaved_ms(decode, calls)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -92,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
         times = interleaved_decode_ms(folders, args.calls, contexts)
         what = f"TG calls: a decode step of {len(contexts)} rows at contexts {contexts}"
     else:
-        times = interleaved_ms(folders, args.calls, args.tokens, args.end)
+        times = interleaved_prefill_ms(folders, args.calls, args.tokens, args.end)
         what = f"CP calls: a chunk of {args.tokens or 'C'} tokens ending at position {args.end or 'S'}"
     date = datetime.date.today().isoformat()
     lines = [f"# Two exports interleaved ({date}, {platform.node()})", "",

@@ -23,7 +23,6 @@ import platform
 import statistics
 import sys
 import tempfile
-import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -33,6 +32,7 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path[:0] = [str(REPO), str(HERE)]
 
+from metrics import interleaved_ms  # noqa: E402
 from serve_bench import FULL  # noqa: E402
 
 from optimum_neuron_chunked.checkpoints import COMMON, build_checkpoint  # noqa: E402
@@ -88,19 +88,7 @@ def compiled_call(
         inputs[1] = (torch.tensor(rows + rows[-1:] * (FULL.batch - len(rows))) - 1)[:, None].to(
             inputs[1].dtype
         )
-    return lambda: graph(*inputs)
-
-
-def interleaved_ms(calls: dict[str, object], repeats: int, warmup: int = 2) -> dict[str, list[float]]:
-    """Each call in turn, `repeats` rounds after `warmup` untimed ones."""
-    times = {name: [] for name in calls}
-    for i in range(warmup + repeats):
-        for name, call in calls.items():
-            started = time.perf_counter()
-            call()
-            if i >= warmup:
-                times[name].append((time.perf_counter() - started) * 1000)
-    return times
+    return lambda _round: graph(*inputs)
 
 
 def main() -> int:
@@ -123,7 +111,7 @@ def main() -> int:
             for kind in args.kinds.split(","):
                 calls = {k: compiled_call(k, kind, window, Path(tmp), args.end, contexts) for k in KERNELS}
                 row = dict(kind=kind, window=window, end=args.end, decode=contexts)
-                for kernel, times in interleaved_ms(calls, args.repeats).items():
+                for kernel, times in interleaved_ms(calls, args.repeats, warmup=2).items():
                     row[kernel] = dict(median_ms=statistics.median(times), spread=[min(times), max(times)])
                 row["speedup"] = row["masked_softmax"]["median_ms"] / row["sdpa"]["median_ms"]
                 print(row, flush=True)

@@ -112,3 +112,19 @@ def call_ms(fn: Callable[[], object], repeats: int, warmup: int = 1) -> list[flo
         fn()
         times.append((time.perf_counter() - started) * 1e3)
     return times
+
+
+def interleaved_ms(
+    calls: dict[str, Callable[[int], object]], repeats: int, warmup: int = 1
+) -> dict[str, list[float]]:
+    """Milliseconds per call of each of `calls`, called in turn with the round's index (the
+    host drifts 20-30 % within minutes: only interleaved calls compare), `repeats` rounds after
+    `warmup` untimed ones."""
+    times = {name: [] for name in calls}
+    for i in range(warmup + repeats):
+        for name, call in calls.items():
+            started = time.perf_counter()
+            call(i)
+            if i >= warmup:
+                times[name].append((time.perf_counter() - started) * 1e3)
+    return times
