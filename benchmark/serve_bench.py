@@ -57,6 +57,7 @@ class Setup:
     buckets: tuple[int, ...] = ()  # context buckets of the exports; () = the exporter's default
     widths: tuple[int, ...] = ()  # CP widths of the chunked export; () = the chunk size alone
     decode_widths: tuple[int, ...] = ()  # TG widths (rows) of every export; () = the batch alone
+    mixed_step: bool = False  # the chunked export has MX graphs (decodes + a chunk in one call)
 
 
 FULL = Setup(
@@ -109,6 +110,9 @@ def add_shape_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--decode-widths", help="every export's TG widths in rows, comma-separated, B last (default: B)"
     )
+    p.add_argument(
+        "--mixed-step", action="store_true", help="the chunked export runs decodes + a chunk in one MX call"
+    )
 
 
 def shaped(setup: Setup, args: argparse.Namespace) -> Setup:
@@ -122,6 +126,7 @@ def shaped(setup: Setup, args: argparse.Namespace) -> Setup:
         buckets=ints(args.buckets) or setup.buckets,
         widths=ints(args.prefill_widths) or setup.widths,
         decode_widths=ints(args.decode_widths) or setup.decode_widths,
+        mixed_step=args.mixed_step or setup.mixed_step,
     )
 
 
@@ -129,7 +134,8 @@ def describe(setup: Setup) -> str:
     shape = f"B={setup.batch} S={setup.seq} C={setup.chunk} {setup.backend} {setup.model}"
     shape += f" buckets {list(setup.buckets)}" if setup.buckets else ""
     shape += f" prefill widths {list(setup.widths)}" if setup.widths else ""
-    return shape + (f" decode widths {list(setup.decode_widths)}" if setup.decode_widths else "")
+    shape += f" decode widths {list(setup.decode_widths)}" if setup.decode_widths else ""
+    return shape + (" mixed steps" if setup.mixed_step else "")
 
 
 def exports(setup: Setup, work: Path, kinds=("std", "chunked")) -> tuple[Path, dict[str, Path], dict]:
@@ -142,15 +148,16 @@ def exports(setup: Setup, work: Path, kinds=("std", "chunked")) -> tuple[Path, d
         chunk = setup.chunk if kind == "chunked" else 0
         # keyed by the graph code too: a cached export of older model code is not reused
         widths = setup.widths if kind == "chunked" else ()
+        mixed = setup.mixed_step and kind == "chunked"
         tags = (("b", setup.buckets), ("w", widths), ("r", setup.decode_widths))
-        shape = "".join(f"-{tag}{'.'.join(map(str, v))}" for tag, v in tags if v)
+        shape = "".join(f"-{tag}{'.'.join(map(str, v))}" for tag, v in tags if v) + ("-mx" if mixed else "")
         out = work / f"{kind}-{setup.batch}x{setup.seq}x{chunk}{shape}-{setup.backend}-{code_key()}"
         started = time.perf_counter()
         if not (out / "neuron_config.json").is_file():
             export(str(ckpt), out, batch_size=setup.batch, sequence_length=setup.seq,
                    prefill_chunk_size=chunk, backend=setup.backend, overwrite=True,
                    context_buckets=setup.buckets, prefill_widths=widths,
-                   decode_widths=setup.decode_widths)  # fmt: skip
+                   decode_widths=setup.decode_widths, mixed_step=mixed)  # fmt: skip
             info[kind] = {"export_s": round(time.perf_counter() - started, 1)}
         else:
             info[kind] = {"export_s": None}  # cached: see the results file of the run that built it

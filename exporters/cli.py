@@ -102,6 +102,15 @@ def add_export_arguments(parser: argparse.ArgumentParser) -> None:
         "size alone). A decode step runs in the narrowest that holds its rows: steps with few running "
         "requests cost less, each width adds one graph per context bucket.",
     )
+    parser.add_argument(
+        "--mixed-step",
+        "--mixed_step",
+        action="store_true",
+        dest="mixed_step",
+        help="With --prefill-chunk-size: add an MX graph per context bucket that runs a step's decodes "
+        "and a full prefill chunk in one call, reading every weight once for both (default: off; "
+        "decodes and chunks run in their own TG and CP calls).",
+    )
     parser.add_argument("--overwrite", action="store_true", help="Replace a non-empty OUT folder.")
     parser.add_argument("output", help="Output folder.")
 
@@ -142,6 +151,7 @@ def run_export(args: argparse.Namespace) -> int:
             context_buckets=args.context_buckets,
             prefill_widths=args.prefill_widths,
             decode_widths=args.decode_widths,
+            mixed_step=args.mixed_step,
             overwrite=args.overwrite,
             console=console,
         )

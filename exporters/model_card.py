@@ -34,6 +34,7 @@ def model_card(model: str, config: NeuronConfig) -> str:
         "context buckets": ", ".join(map(str, config.context_buckets)),
         "prefill widths": ", ".join(map(str, config.prefill_widths)) or "-",
         "decode widths (rows)": ", ".join(map(str, config.decode_widths)),
+        "mixed steps (decodes + a chunk in one call)": "yes" if config.mixed_step else "no",
         "dtype": config.dtype,
         "tensor parallel degree": config.tp_degree,
         "on-device sampling": f"top-k <= {config.max_topk}" if config.on_device_sampling else "off",

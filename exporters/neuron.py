@@ -47,6 +47,7 @@ def export(
     context_buckets: tuple[int, ...] = (),
     prefill_widths: tuple[int, ...] = (),
     decode_widths: tuple[int, ...] = (),
+    mixed_step: bool = False,
     overwrite: bool = False,
     console: Console | None = None,
 ) -> Path:
@@ -77,6 +78,7 @@ def export(
         context_buckets=tuple(context_buckets),
         prefill_widths=tuple(prefill_widths),
         decode_widths=tuple(decode_widths),
+        mixed_step=mixed_step,
         model_type=spec.model_type,
     )
     _check_shapes(hf_config, config)

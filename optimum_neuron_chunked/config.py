@@ -37,6 +37,8 @@ class NeuronConfig:
     decode_widths: the TG graph widths (rows), batch_size the largest; a decode step runs in
     the narrowest that holds its rows, so a step with few running requests does not compute
     the whole batch.
+    mixed_step: MX graphs (one per bucket) run a step's decode rows and a full chunk in one
+    call, reading every weight once for both (Sarathi-Serve's piggybacked decodes).
     """
 
     batch_size: int
@@ -52,6 +54,7 @@ class NeuronConfig:
     context_buckets: tuple[int, ...] = ()
     prefill_widths: tuple[int, ...] = ()
     decode_widths: tuple[int, ...] = ()
+    mixed_step: bool = False  # chunked exports: MX graphs run a step's decodes and a full chunk in one call
     model_type: str = ""
     package_version: str = __version__
     extra: dict = field(default_factory=dict, compare=False, hash=False)
@@ -124,6 +127,11 @@ class NeuronConfig:
                 f"decode widths {list(self.decode_widths)} must be row counts from 1 up to the batch "
                 f"size, the batch size included: pass --decode-widths with --batch_size "
                 f"{self.batch_size} as the largest."
+            )
+        if self.mixed_step and not self.chunked:
+            fail(
+                "--mixed-step runs decodes with a prefill chunk in one graph: it needs a chunked "
+                "export, pass --prefill-chunk-size too."
             )
         if self.context_buckets[0] < max(self.prefill_chunk_size, 1):
             fail(

@@ -6,6 +6,8 @@ that turns real inputs into those shapes.
   cp_w{W}_c{N}  [1, N]  the same for chunks of at most N < C tokens (`prefill_widths`)
   tg_w{W}  [B, 1]  one decode step for up to B slots attending over context bucket W
   tg_w{W}_r{N}  [N, 1]  the same for steps of at most N < B rows (`decode_widths`)
+  mx_w{W}  [B, 1] + [1, C]  a mixed step: decode rows and one full chunk in one call
+                   (`mixed_step`): projections and MLP once over B + C rows, attention per part
   copy     [1, C]  copies C positions' K/V from one slot to another, every layer (chunked
                    exports: prefix caching puts a cached prefix into a new request's slot)
 
@@ -39,9 +41,9 @@ INDEX_DTYPE = torch.int32
 
 @dataclass(frozen=True)
 class GraphSpec:
-    kind: str  # "ce" | "cp" | "tg" | "copy"
-    batch: int  # rows
-    width: int  # tokens per row (copy: positions per call)
+    kind: str  # "ce" | "cp" | "tg" | "mx" | "copy"
+    batch: int  # rows (mx: decode rows)
+    width: int  # tokens per row (mx: of its chunk; copy: positions per call)
     window: int  # context bucket: positions attended over (copy: 0, it attends over nothing)
     narrow: bool = False  # a CP graph narrower than the chunk size, a TG graph than the batch
 
@@ -65,6 +67,10 @@ def tg_spec(config: NeuronConfig, rows: int, window: int) -> GraphSpec:
     return GraphSpec("tg", rows, 1, window, narrow=rows < config.batch_size)
 
 
+def mx_spec(config: NeuronConfig, window: int) -> GraphSpec:
+    return GraphSpec("mx", config.batch_size, config.prefill_chunk_size, window)
+
+
 def ce_spec(window: int) -> GraphSpec:
     return GraphSpec("ce", 1, window, window)
 
@@ -77,6 +83,8 @@ def graph_specs(config: NeuronConfig) -> list[GraphSpec]:
         else:
             specs.append(ce_spec(window))
         specs += [tg_spec(config, rows, window) for rows in config.decode_widths]
+        if config.mixed_step:
+            specs.append(mx_spec(config, window))
     if config.chunked:
         specs.append(GraphSpec(COPY, 1, config.prefill_chunk_size, 0))
     return specs
@@ -119,6 +127,39 @@ class DecodeGraph(nn.Module):
         return sample(logits, sampling_params, rand, self.max_topk), logits
 
 
+class MixedGraph(nn.Module):
+    """MX: decode rows [B, 1] and a chunk [1, C] of another slot in one call ->
+    (sampled tokens [B], decode logits [B, V], chunk logits [1, V]) or the two logits alone
+    without ODS. The chunk's logits are its last real token's, as PrefillGraph's."""
+
+    def __init__(self, model: DecoderModel, window: int, on_device_sampling: bool, max_topk: int):
+        super().__init__()
+        self.model, self.window = model, window
+        self.on_device_sampling, self.max_topk = on_device_sampling, max_topk
+
+    def forward(
+        self,
+        input_ids,
+        position_ids,
+        seq_ids,
+        chunk_ids,
+        chunk_positions,
+        chunk_seq_ids,
+        sampling_params=None,
+        rand=None,
+    ):
+        decode, chunk = self.model.parts_hidden_states(
+            ((input_ids, position_ids, seq_ids, True), (chunk_ids, chunk_positions, chunk_seq_ids, False)),
+            self.window,
+        )
+        last = torch.argmax(chunk_positions, dim=1)  # padding repeats the last real position
+        logits = self.model.logits(torch.cat([decode[:, 0], chunk[0, last]]))
+        decode_logits, chunk_logits = logits[:-1], logits[-1:]
+        if not self.on_device_sampling:
+            return decode_logits, chunk_logits
+        return sample(decode_logits, sampling_params, rand, self.max_topk), decode_logits, chunk_logits
+
+
 class CopyGraph(nn.Module):
     """copy: positions [1, C] of slot seq_ids[0] -> the same positions of slot seq_ids[1]."""
 
@@ -137,6 +178,8 @@ def graph_module(model: DecoderModel, spec: GraphSpec, config: NeuronConfig) -> 
         return CopyGraph(model)
     if spec.kind == "tg":
         return DecodeGraph(model, spec.window, config.on_device_sampling, config.max_topk)
+    if spec.kind == "mx":
+        return MixedGraph(model, spec.window, config.on_device_sampling, config.max_topk)
     return PrefillGraph(model, spec.window, config.prompt_logits)
 
 
@@ -144,15 +187,19 @@ def example_inputs(spec: GraphSpec, config: NeuronConfig) -> tuple[torch.Tensor,
     """Inputs of the static shapes a graph is traced and compiled with."""
     if spec.kind == COPY:
         return torch.arange(spec.width, dtype=INDEX_DTYPE)[None], torch.arange(2, dtype=INDEX_DTYPE)
-    positions = torch.arange(spec.width, dtype=INDEX_DTYPE)[None].expand(spec.batch, -1).contiguous()
-    inputs = (
-        torch.zeros(spec.batch, spec.width, dtype=INDEX_DTYPE),
-        positions,
-        torch.arange(spec.batch, dtype=INDEX_DTYPE),
-    )
-    if spec.kind == "tg" and config.on_device_sampling:
+    if spec.kind == "mx":  # decode rows in slots 0..B-1, the chunk in slot 0 (shapes only)
+        inputs = _token_inputs(spec.batch, 1) + _token_inputs(1, spec.width)
+    else:
+        inputs = _token_inputs(spec.batch, spec.width)
+    if spec.kind in ("tg", "mx") and config.on_device_sampling:
         inputs += (torch.zeros(spec.batch, 3), torch.zeros(spec.batch))
     return inputs
+
+
+def _token_inputs(rows: int, width: int) -> tuple[torch.Tensor, ...]:
+    """(token ids, positions [rows, width], slots [rows])"""
+    positions = torch.arange(width, dtype=INDEX_DTYPE)[None].expand(rows, -1).contiguous()
+    return torch.zeros(rows, width, dtype=INDEX_DTYPE), positions, torch.arange(rows, dtype=INDEX_DTYPE)
 
 
 def pad_repeat_last(x: torch.Tensor, length: int, dim: int) -> torch.Tensor:
@@ -250,22 +297,74 @@ class GraphRunner:
 
         Logits are fetched from the graph's outputs only if `need_logits` (or if the export
         samples on the host, where the tokens come from them)."""
-        n, batch = token_ids.shape[0], self.config.batch_size
+        n = self._check_decode_rows(seq_ids)
+        spec = tg_spec(
+            self.config, self.config.decode_width_for(n), self.config.bucket_for(int(positions.max()) + 1)
+        )
+        inputs = [
+            pad_repeat_last(x, spec.batch, dim=0) for x in (token_ids[:, None], positions[:, None], seq_ids)
+        ]
+        outputs = self.graphs[spec.name](*self._decode_inputs(inputs, params, rand, spec.batch))
+        if not self.config.on_device_sampling:
+            outputs = (outputs,)
+        return self._decode_outputs(outputs, n, params, rand, need_logits)
+
+    def decode_with_chunk(
+        self,
+        token_ids: torch.Tensor,  # [N]
+        positions: torch.Tensor,  # [N]
+        seq_ids: torch.Tensor,  # [N]
+        params: torch.Tensor,  # [N, 3]
+        rand: torch.Tensor,  # [N]
+        chunk_ids: torch.Tensor,  # [C]: a full chunk
+        chunk_start: int,
+        chunk_seq_id: int,
+        need_logits: bool = True,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        """A decode step and a full prefill chunk of another slot in one MX call (mixed_step
+        exports) -> (tokens [N], decode logits [N, V] or None, the chunk's last logits [V])."""
+        n, c = self._check_decode_rows(seq_ids), self.config.prefill_chunk_size
+        if not self.config.mixed_step or chunk_ids.shape[0] != c or chunk_seq_id in seq_ids.tolist():
+            raise ValueError(
+                f"a mixed step takes decode rows and a full chunk of {c} tokens of another slot "
+                f"(mixed_step exports): got {chunk_ids.shape[0]} tokens in slot {chunk_seq_id}, "
+                f"decoding slots {seq_ids.tolist()}, mixed_step={self.config.mixed_step}"
+            )
+        chunk_end = chunk_start + c
+        spec = mx_spec(self.config, self.config.bucket_for(max(int(positions.max()) + 1, chunk_end)))
+        rows = [
+            pad_repeat_last(x, spec.batch, dim=0) for x in (token_ids[:, None], positions[:, None], seq_ids)
+        ]
+        chunk = [
+            chunk_ids[None],
+            torch.arange(chunk_start, chunk_end)[None],
+            torch.tensor([chunk_seq_id]),
+        ]
+        outputs = self.graphs[spec.name](*self._decode_inputs(rows + chunk, params, rand, spec.batch))
+        tokens, logits = self._decode_outputs(outputs[:-1], n, params, rand, need_logits)
+        return tokens, logits, outputs[-1].cpu()[0].clone()
+
+    def _check_decode_rows(self, seq_ids: torch.Tensor) -> int:
+        n, batch = seq_ids.shape[0], self.config.batch_size
         if not 0 < n <= batch:
             raise ValueError(f"a decode step takes 1 to {batch} rows, got {n}")
         if len(set(seq_ids.tolist())) != n:
             # two rows of one slot would write the same cache row; one would get the other's result
             raise ValueError(f"a decode step takes distinct slots, got {seq_ids.tolist()}")
-        spec = tg_spec(
-            self.config, self.config.decode_width_for(n), self.config.bucket_for(int(positions.max()) + 1)
-        )
-        inputs = [x.to(INDEX_DTYPE) for x in (token_ids[:, None], positions[:, None], seq_ids)]
+        return n
+
+    def _decode_inputs(self, tokens: list, params: torch.Tensor, rand: torch.Tensor, batch: int) -> list:
+        """A decode graph's inputs as traced: integers INDEX_DTYPE, and the sampling inputs
+        padded to the graph's rows where it samples on device."""
+        inputs = [x.to(INDEX_DTYPE) for x in tokens]
         if self.config.on_device_sampling:
-            inputs += [params.float(), rand.float()]
-        inputs = [pad_repeat_last(x, spec.batch, dim=0) for x in inputs]
-        outputs = self.graphs[spec.name](*inputs)
+            inputs += [pad_repeat_last(x.float(), batch, dim=0) for x in (params, rand)]
+        return inputs
+
+    def _decode_outputs(self, outputs: tuple, n: int, params, rand, need_logits: bool):
+        """(tokens, logits) or (logits,) of a decode graph -> (tokens [N], logits [N, V] or None)."""
         if self.config.on_device_sampling:
             tokens, logits = outputs
             return tokens.cpu()[:n].clone(), logits.cpu()[:n].clone() if need_logits else None
-        logits = outputs.cpu()[:n].clone()
+        logits = outputs[0].cpu()[:n].clone()
         return sample(logits, params.float(), rand.float(), self.config.max_topk), logits

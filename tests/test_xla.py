@@ -37,6 +37,7 @@ def export_config(
     prompt_logits: bool = False,
     prefill_widths: tuple[int, ...] = (),
     decode_widths: tuple[int, ...] = (),
+    mixed_step: bool = False,
 ) -> NeuronConfig:
     return NeuronConfig(
         batch_size=2,
@@ -44,6 +45,7 @@ def export_config(
         prefill_chunk_size=CHUNK if chunked else 0,
         prefill_widths=prefill_widths,
         decode_widths=decode_widths,
+        mixed_step=mixed_step,
         context_buckets=BUCKETS,
         dtype=dtype,
         max_topk=MAX_TOPK,
@@ -89,6 +91,15 @@ class Pair:
             want_tokens, want_logits = self.eager.decode(ids, positions, slots, params, rand)
         got_tokens, got_logits = self.device.decode(ids, positions, slots, params, rand)
         torch.testing.assert_close(got_logits, want_logits, atol=TOLERANCE, rtol=0)
+        assert got_tokens.tolist() == want_tokens.tolist()
+
+    def decode_with_chunk(self, ids, positions, slots, params, rand, chunk, start, chunk_slot) -> None:
+        args = (ids, positions, slots, params, rand, chunk, start, chunk_slot)
+        with torch.no_grad():
+            want_tokens, want_logits, want_chunk = self.eager.decode_with_chunk(*args)
+        got_tokens, got_logits, got_chunk = self.device.decode_with_chunk(*args)
+        torch.testing.assert_close(got_logits, want_logits, atol=TOLERANCE, rtol=0)
+        torch.testing.assert_close(got_chunk, want_chunk, atol=TOLERANCE, rtol=0)
         assert got_tokens.tolist() == want_tokens.tolist()
 
     def copy_prefix(self, source: int, target: int, length: int) -> None:
@@ -167,6 +178,28 @@ def test_narrow_decode_graphs_on_xla_equal_eager():
         report = pair.xla.hlo[name]
         assert report.forbidden == [] and report.dynamic_shapes == [], name
         CENSUS[f"llama narrow-decode {name}"] = report
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_mixed_graphs_on_xla_equal_eager(family):
+    """--mixed-step: one decode row (padded to the batch) with a full chunk of the other slot, in
+    each bucket; the chunk then continues in CP and both rows decode through TG."""
+    pair = Pair(family, export_config(chunked=True, mixed_step=True))
+    reset_counters()
+    a, b = tokens(CHUNK - 7, seed=9), tokens(3 * CHUNK, seed=10)
+    pair.prefill(a, 0, slot=0)
+    for i, start in enumerate(range(0, 2 * CHUNK + 1, CHUNK)):  # buckets 64, 64, 128
+        row = (torch.tensor([5 + i]), torch.tensor([len(a) + i]), torch.tensor([0]), SAMPLING[1:], RAND[1:])
+        pair.decode_with_chunk(*row, b[start : start + CHUNK], start, 1)
+    pair.decode(
+        torch.tensor([7, 9]), torch.tensor([len(a) + 3, len(b)]), torch.tensor([0, 1]), SAMPLING, RAND
+    )
+    pair.assert_caches_equal()
+    assert fallback_ops() == []
+    for name in ("mx_w64", "mx_w128"):
+        report = pair.xla.hlo[name]
+        assert report.forbidden == [] and report.dynamic_shapes == [], name
+        CENSUS[f"{family} mixed {name}"] = report
 
 
 @pytest.mark.parametrize("chunked", [True, False], ids=["chunked", "standard"])

@@ -136,6 +136,24 @@ def write_cache(
     return torch.index_put(cache, index, values.transpose(1, 2))
 
 
+@dataclass(frozen=True)
+class GraphPart:
+    """Rows of one graph call that attend alike: a prefill chunk ([1, T]) or decode rows
+    ([B, 1], one row per slot). A graph call is one part (CE, CP, TG) or a mixed step's two
+    (decode rows, then a chunk): the projections and the MLP run once over every part's
+    tokens, each part attends over its own slots (Attention.forward)."""
+
+    position_ids: torch.Tensor  # [N, T]
+    seq_ids: torch.Tensor  # [N]
+    read: CacheRead
+    one_row_per_slot: bool
+    rotaries: tuple  # (cos, sin) of the global rotary, and of the local one or None
+
+    @property
+    def tokens(self) -> int:
+        return self.position_ids.shape[0] * self.position_ids.shape[1]
+
+
 class Attention(nn.Module):
     """Heads held by this rank: all of them at tp 1 (see parallel.py for the split)."""
 
@@ -147,6 +165,7 @@ class Attention(nn.Module):
         layers,
         functional_cache: bool,
         use_rope: bool = True,
+        local_rope: bool = False,
         ring: int | None = None,
         kernels: KernelChoices | None = None,
     ):
@@ -158,6 +177,7 @@ class Attention(nn.Module):
         self.sdpa_prefill_from = None if sinks else kernels.sdpa_prefill_from_window
         self.sdpa_decode_from = None if sinks else kernels.sdpa_decode_from_window
         self.functional_cache, self.use_rope = functional_cache, use_rope
+        self.local_rope = local_rope  # gemma3's sliding layers: the local rotary (GraphPart.rotaries)
         self.ring = ring  # cache length of a ring layer (see ring_length); None: position-indexed
         d, hidden = spec.head_dim, spec.hidden_size
         self.num_heads, self.num_kv_heads, self.head_dim = layout.heads_per_rank, layout.kv_heads_per_rank, d
@@ -177,27 +197,39 @@ class Attention(nn.Module):
 
     def forward(
         self,
-        x: torch.Tensor,  # [N, T, H]
-        position_ids: torch.Tensor,  # [N, T]
-        seq_ids: torch.Tensor,  # [N]
-        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        x: torch.Tensor,  # [1, R, H]: every part's tokens, part after part
+        parts: tuple[GraphPart, ...],
         k_cache: torch.Tensor,  # [B, Hkv, S, D]
         v_cache: torch.Tensor,  # [B, Hkv, S, D]
-        read: CacheRead,
-        one_row_per_slot: bool,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """-> (output [N, T, H], k_cache, v_cache): the caches written, in place or anew.
+        """-> (output [1, R, H], k_cache, v_cache): the caches written, in place or anew.
+        The projections run once over all R tokens; each part writes and attends on its own
+        (parts hold distinct slots, so the order of their writes does not matter)."""
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        outs, offset = [], 0
+        for part in parts:
+            rows = slice(offset, offset + part.tokens)
+            out, k_cache, v_cache = self._part(part, q[0, rows], k[0, rows], v[0, rows], k_cache, v_cache)
+            outs.append(out)
+            offset += part.tokens
+        out = outs[0] if len(outs) == 1 else torch.cat(outs)
+        return self.o_proj(out[None]), k_cache, v_cache
 
-        `one_row_per_slot` is the graph kind's choice (TG: N = batch_size rows), never
+    def _part(self, part: GraphPart, q, k, v, k_cache, v_cache):
+        """One part's q/k/v rows [n * t, heads * D] -> (attention output [n * t, Hq * D], caches).
+
+        `part.one_row_per_slot` is the graph kind's choice (TG: N = batch_size rows), never
         inferred from a shape, so a new graph cannot silently take the other path."""
-        n, t, _ = x.shape
-        q = self.q_proj(x).view(n, t, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(n, t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(n, t, self.num_kv_heads, self.head_dim)
+        n, t = part.position_ids.shape
+        position_ids, seq_ids, read = part.position_ids, part.seq_ids, part.read
+        q = q.reshape(n, t, self.num_heads, self.head_dim)
+        k = k.reshape(n, t, self.num_kv_heads, self.head_dim)
+        v = v.reshape(n, t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = q.transpose(1, 2), k.transpose(1, 2)  # [N, Hq, T, D], [N, Hkv, T, D]
         if self.use_rope:
+            cos_sin = part.rotaries[1] if self.local_rope else part.rotaries[0]
             q, k = apply_rotary(q, *cos_sin), apply_rotary(k, *cos_sin)
 
         cache_index = position_ids if self.ring is None else torch.remainder(position_ids, self.ring)
@@ -205,6 +237,7 @@ class Attention(nn.Module):
         v_cache = write_cache(v_cache, seq_ids, cache_index, v, self.functional_cache)
         # a ring layer reads its whole ring
         window, live = (read.window, read.live) if self.ring is None else (self.ring, self.ring)
+        one_row_per_slot = part.one_row_per_slot
         sdpa_from = self.sdpa_decode_from if one_row_per_slot else self.sdpa_prefill_from
         sdpa = sdpa_from is not None and window >= sdpa_from
         if one_row_per_slot and read.rows is not None and self.ring is None:
@@ -215,7 +248,7 @@ class Attention(nn.Module):
             keys, values = self._row_windows(k_cache, v_cache, seq_ids, read.slot, live)
             key_positions = self._key_positions(position_ids, live)
             out = self._attend(q, keys, values, position_ids, key_positions, sdpa)
-        return self.o_proj(out.transpose(1, 2).reshape(n, t, -1)), k_cache, v_cache
+        return out.transpose(1, 2).reshape(n * t, -1), k_cache, v_cache
 
     def _row_windows(self, k_cache, v_cache, seq_ids, slot, live) -> tuple[torch.Tensor, torch.Tensor]:
         """The first `live` cache positions of each row's slot: keys, values [N, Hkv, W, D].

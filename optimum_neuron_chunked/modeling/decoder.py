@@ -7,7 +7,7 @@ import functools
 import torch
 from torch import nn
 
-from .attention import Attention, CacheRead, cache_lengths, cache_read, write_cache
+from .attention import Attention, GraphPart, cache_lengths, cache_read, write_cache
 from .family import FamilySpec
 from .kernels import KernelChoices
 from .layers import MLP, Rotary, rms_norm
@@ -35,6 +35,7 @@ class DecoderLayer(nn.Module):
             layers,
             functional_cache,
             spec.uses_rope(layer_idx),
+            spec.local_rope and window is not None,
             ring,
             kernels,
         )
@@ -51,22 +52,11 @@ class DecoderLayer(nn.Module):
         if self.sandwich_norms:
             self.pre_feedforward_layernorm = norm()
             self.post_feedforward_layernorm = norm()
-        self.local_rope = spec.local_rope and spec.sliding_windows[layer_idx] is not None
         self.residual_multiplier = spec.residual_multiplier
 
-    def forward(
-        self, x, position_ids, seq_ids, rotaries, k_cache, v_cache, read: CacheRead, one_row_per_slot
-    ):
-        h, k_cache, v_cache = self.self_attn(
-            self.input_layernorm(x),
-            position_ids,
-            seq_ids,
-            rotaries[1] if self.local_rope else rotaries[0],
-            k_cache,
-            v_cache,
-            read,
-            one_row_per_slot,
-        )
+    def forward(self, x: torch.Tensor, parts: tuple[GraphPart, ...], k_cache, v_cache):
+        """x [1, R, H]: every part's tokens (Attention.forward)."""
+        h, k_cache, v_cache = self.self_attn(self.input_layernorm(x), parts, k_cache, v_cache)
         if self.sandwich_norms:
             x = x + self.post_attention_layernorm(h)
             return (
@@ -204,27 +194,45 @@ class DecoderModel(nn.Module):
         window: int,
         one_row_per_slot: bool = False,
     ) -> torch.Tensor:
-        """[N, T] tokens at [N, T] positions of slots [N] -> final-norm hidden states [N, T, H].
+        """[N, T] tokens at [N, T] positions of slots [N] -> final-norm hidden states [N, T, H]."""
+        (hidden,) = self.parts_hidden_states(((input_ids, position_ids, seq_ids, one_row_per_slot),), window)
+        return hidden
+
+    def parts_hidden_states(self, parts: tuple[tuple, ...], window: int) -> tuple[torch.Tensor, ...]:
+        """One graph call over parts (input_ids [N, T], position_ids [N, T], seq_ids [N],
+        one_row_per_slot), every part attending over context bucket `window` -> each part's
+        final-norm hidden states [N, T, H]. Embeddings, projections and MLP run once over all
+        the parts' tokens (attention.GraphPart).
 
         Integer inputs may arrive as int32 (graphs.INDEX_DTYPE): they are widened here, once,
         because index_put/index_copy want int64 indices and XLA refuses to mix S32 with the
         S64 of torch.arange (the head index of the functional cache write).
         """
-        input_ids, position_ids, seq_ids = input_ids.long(), position_ids.long(), seq_ids.long()
-        x = self.model.embed_tokens(input_ids)
+        parts = [(ids.long(), pos.long(), seq.long(), one_row) for ids, pos, seq, one_row in parts]
+        x = self.model.embed_tokens(torch.cat([ids.reshape(-1) for ids, *_ in parts])[None])  # [1, R, H]
         # The multiplier rounded to the model dtype first, as Gemma3TextScaledWordEmbedding does.
         x = x * torch.tensor(self.spec.embedding_multiplier, dtype=x.dtype).item()
-        rotaries = self.model.rotaries(position_ids, x.dtype)
-        read = cache_read(self.kernels, position_ids, seq_ids, window, one_row_per_slot)
+        graph_parts = tuple(
+            GraphPart(
+                pos,
+                seq,
+                cache_read(self.kernels, pos, seq, window, one_row),
+                one_row,
+                self.model.rotaries(pos, x.dtype),
+            )
+            for _, pos, seq, one_row in parts
+        )
         for i, layer in enumerate(self.model.layers):
             k_cache, v_cache = getattr(self, f"k_cache_{i}"), getattr(self, f"v_cache_{i}")
-            x, k_cache, v_cache = layer(
-                x, position_ids, seq_ids, rotaries, k_cache, v_cache, read, one_row_per_slot
-            )
+            x, k_cache, v_cache = layer(x, graph_parts, k_cache, v_cache)
             if self.functional_cache:
                 setattr(self, f"k_cache_{i}", k_cache)
                 setattr(self, f"v_cache_{i}", v_cache)
-        return self.model.norm(x)
+        hidden = self.model.norm(x)[0]
+        sizes = [p.tokens for p in graph_parts]
+        return tuple(
+            h.view(*p.position_ids.shape, -1) for h, p in zip(hidden.split(sizes), graph_parts, strict=True)
+        )
 
     def copy_positions(self, position_ids: torch.Tensor, seq_ids: torch.Tensor) -> None:
         """Copy the K/V of `position_ids` [1, T] from slot seq_ids[0] to slot seq_ids[1], every

@@ -6,6 +6,7 @@ model. The runner converts vLLM's SchedulerOutput into `ScheduledWork` and execu
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from .prefix_index import SlotCopy
@@ -72,6 +73,12 @@ class StepPlan:
     chunks: tuple[PrefillChunk, ...]
     order: tuple[str, ...]  # every scheduled request, in the scheduler's order
     copies: tuple[SlotCopy, ...] = ()  # cached prefixes into new requests' slots, run first
+    fused: int | None = None  # index of the chunk that runs with the decodes in one MX call
+
+    @property
+    def separate_chunks(self) -> tuple[PrefillChunk, ...]:
+        """The chunks that run in their own CP calls."""
+        return tuple(c for i, c in enumerate(self.chunks) if i != self.fused)
 
     @property
     def sampling_req_ids(self) -> tuple[str, ...]:
@@ -100,6 +107,19 @@ def plan_step(
         raise PlanError(f"two requests share a KV-cache slot: {[(w.req_id, w.slot) for w in work]}")
     _check_copies(copies, work)
     return StepPlan(tuple(decodes), tuple(chunks), tuple(w.req_id for w in work), tuple(copies))
+
+
+def fuse_chunk(plan: StepPlan, chunk_size: int, apart: frozenset[str] = frozenset()) -> StepPlan:
+    """The plan with its first full chunk (`chunk_size` tokens) set to run with the decodes in
+    one MX call (mixed_step exports), where the step has decodes. A shorter chunk keeps its
+    narrower CP graph (the MX graph would compute the padding), and a request in `apart`
+    (prompt logprobs: every position's logits, which MX does not return) keeps CP."""
+    if not plan.decodes:
+        return plan
+    for i, c in enumerate(plan.chunks):
+        if len(c.token_ids) == chunk_size and c.req_id not in apart:
+            return dataclasses.replace(plan, fused=i)
+    return plan
 
 
 def _check_copies(copies: tuple[SlotCopy, ...], work: list[ScheduledWork]) -> None:
@@ -141,4 +161,8 @@ def describe(plan: StepPlan) -> str:
     parts += [f"{len(plan.decodes)} decodes"] if plan.decodes else []
     if plan.chunks:
         parts.append(describe_chunks(plan))
-    return " + ".join(parts)
+    line = " + ".join(parts)
+    if plan.fused is not None:
+        c = plan.chunks[plan.fused]
+        line += f" (decodes with {c.req_id}[{c.start}:{c.start + len(c.token_ids)}] in one call)"
+    return line

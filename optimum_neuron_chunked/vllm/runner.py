@@ -18,7 +18,7 @@ from vllm.v1.sample.sampler import Sampler
 from ..loader import NeuronModelForCausalLM
 from .batch import BatchState
 from .connector import PrefixCopies
-from .plan import StepPlan, describe, plan_step
+from .plan import StepPlan, describe, fuse_chunk, plan_step
 from .prompt_logprobs import add_chunk
 from .sampling import device_sampling_inputs, host_sample, on_device_eligible
 
@@ -58,6 +58,8 @@ class StepRunner:
         plan = plan_step(
             self.batch.scheduled_work(so), self.config.prefill_chunk_size, self.config.batch_size, copies
         )
+        if self.config.mixed_step:
+            plan = fuse_chunk(plan, self.config.prefill_chunk_size, frozenset(self.batch.prompt_logprobs))
         self.last_plan = plan
         logger.debug("step: %s", describe(plan))
         result = StepResult(plan)
@@ -94,14 +96,16 @@ class StepRunner:
             on_device_eligible(p, self.config.max_topk, self.vocab_size) for p in params
         )
         sampling, rand = device_sampling_inputs(params, self.rng)
-        tokens, logits = self.model.decode(
-            torch.tensor([d.token_id for d in decodes]),
-            torch.tensor([d.position for d in decodes]),
-            torch.tensor([d.slot for d in decodes]),
-            sampling,
-            rand,
-            need_logits=not on_device,
-        )
+        rows = [torch.tensor([getattr(d, f) for d in decodes]) for f in ("token_id", "position", "slot")]
+        if result.plan.fused is None:
+            tokens, logits = self.model.decode(*rows, sampling, rand, need_logits=not on_device)
+        else:
+            chunk = result.plan.chunks[result.plan.fused]
+            tokens, logits, chunk_logits = self.model.runner.decode_with_chunk(
+                *rows, sampling, rand, torch.tensor(chunk.token_ids), chunk.start, chunk.slot, not on_device
+            )
+            if chunk.samples:
+                result.host_logits[chunk.req_id] = chunk_logits
         for i, d in enumerate(decodes):
             if on_device:
                 result.device_tokens[d.req_id] = int(tokens[i])
@@ -109,7 +113,7 @@ class StepRunner:
                 result.host_logits[d.req_id] = logits[i]
 
     def _run_chunks(self, result: StepResult) -> None:
-        for chunk in result.plan.chunks:
+        for chunk in result.plan.separate_chunks:
             tokens = torch.tensor(chunk.token_ids)
             wanted = self.batch.prompt_logprobs.get(chunk.req_id)
             if wanted is None:

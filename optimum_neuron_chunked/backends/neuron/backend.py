@@ -103,7 +103,8 @@ class NeuronBackend(Backend):
         # zero-initialised device state shared by every graph.
         nxd_model.set_weights([load_file(export_dir / path) for path in self.weight_files(config)])
         nxd_model.to_neuron()
-        lazy = {spec.name for spec in specs if spec.kind == "tg" and config.on_device_sampling}
+        # decode graphs sampling on device: fetch the tokens, leave the logits unless wanted
+        lazy = {spec.name for spec in specs if spec.kind in ("tg", "mx") and config.on_device_sampling}
         return {spec.name: NeuronGraph(nxd_model, spec.name, spec.name in lazy) for spec in specs}
 
 
