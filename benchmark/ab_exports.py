@@ -5,11 +5,14 @@ cannot show a 5-10 % change). An export keeps the graphs it was compiled with, s
 
     python benchmark/ab_exports.py BEFORE_DIR AFTER_DIR [--calls 16] [--tokens T] [--end P] [--tag NAME]
     python benchmark/ab_exports.py BEFORE_DIR AFTER_DIR --decode 1900,300,... [--calls 16] [--tag NAME]
+    python benchmark/ab_exports.py BEFORE_DIR AFTER_DIR --mixed 1900,300,... [--end P] [--tag NAME]
 
 --tokens: the chunk's real tokens (default the chunk size); --end: the position after its last
 token (default the sequence length: the largest bucket, read whole). --decode: a TG step
 instead, one row per listed context length (slots 0, 1, ...: a row decodes at position
-length - 1), the rest of the batch padding.
+length - 1), the rest of the batch padding. --mixed: a mixed step, the decode rows of --decode
+with a full chunk ending at --end in the next slot: BEFORE runs TG then CP (two calls), AFTER
+one MX call (a --mixed-step export; the same folder may be both).
 """
 
 from __future__ import annotations
@@ -71,6 +74,29 @@ def interleaved_decode_ms(
     return interleaved_ms(decode, calls)
 
 
+def interleaved_mixed_ms(
+    folders: dict[str, Path], calls: int, contexts: list[int], end: int | None
+) -> dict[str, list[float]]:
+    """A mixed step, each export in turn: "before" as TG + CP calls, "after" as one MX call."""
+    models = {name: NeuronModelForCausalLM.from_pretrained(f) for name, f in folders.items()}
+    rows, width = len(contexts), models["after"].neuron_config.prefill_chunk_size
+    end = end or models["after"].neuron_config.sequence_length
+    ids = torch.randint(4, 1000, (rows,), generator=torch.Generator().manual_seed(0))
+    chunk = torch.randint(4, 1000, (width,), generator=torch.Generator().manual_seed(1))
+    positions, slots = torch.tensor(contexts) - 1, torch.arange(rows)
+    params, rand = torch.tensor([[1.0, 1.0, 1.0]] * rows), torch.zeros(rows)  # greedy (top-k 1)
+    before, after = models["before"].runner, models["after"].runner
+
+    def separate(_i):
+        before.decode(ids, positions, slots, params, rand, need_logits=False)
+        return before.prefill(chunk, end - width, rows)
+
+    def fused(_i):
+        return after.decode_with_chunk(ids, positions, slots, params, rand, chunk, end - width, rows, False)
+
+    return interleaved_ms({"before": separate, "after": fused}, calls)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("before", type=Path)
@@ -79,10 +105,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tokens", type=int, default=None)
     p.add_argument("--end", type=int, default=None)
     p.add_argument("--decode", help="TG rows' context lengths, comma-separated (one row per slot)")
+    p.add_argument("--mixed", help="as --decode, with a full chunk ending at --end in one MX call (after)")
     p.add_argument("--tag", default="")
     args = p.parse_args(argv)
     folders = {"before": args.before, "after": args.after}
-    if args.decode:
+    if args.mixed:
+        contexts = [int(n) for n in args.mixed.split(",")]
+        times = interleaved_mixed_ms(folders, args.calls, contexts, args.end)
+        what = (
+            f"mixed steps: {len(contexts)} decode rows at contexts {contexts} and a full chunk ending at "
+            f"{args.end or 'S'}; before TG + CP calls, after one MX call"
+        )
+    elif args.decode:
         contexts = [int(n) for n in args.decode.split(",")]
         times = interleaved_decode_ms(folders, args.calls, contexts)
         what = f"TG calls: a decode step of {len(contexts)} rows at contexts {contexts}"

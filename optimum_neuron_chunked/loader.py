@@ -9,7 +9,8 @@ from transformers import AutoConfig, GenerationConfig
 
 from .backends import get_backend
 from .config import CONFIG_NAME, InvalidExportError, NeuronConfig, NeuronConfigError
-from .graphs import GraphRunner, graph_specs
+from .graph_runner import GraphRunner
+from .graphs import graph_specs
 from .hub import resolve_export
 from .integrity import recorded_files, verify_files
 from .modeling.sampler import sampling_params

@@ -11,7 +11,8 @@ from transformers import AutoModelForCausalLM
 from exporters.neuron import export
 from optimum_neuron_chunked import NeuronModelForCausalLM
 from optimum_neuron_chunked.config import NeuronConfig
-from optimum_neuron_chunked.graphs import GraphRunner, graph_specs
+from optimum_neuron_chunked.graph_runner import GraphRunner
+from optimum_neuron_chunked.graphs import graph_specs
 
 LOGITS_TOLERANCE = 1e-4
 
@@ -24,7 +25,7 @@ def test_each_step_runs_in_the_narrowest_width_that_holds_its_rows():
     def graph(name):
         def run(ids, positions, seq_ids, params, rand):
             calls.append((name, seq_ids.tolist(), positions[:, 0].tolist()))
-            return torch.arange(ids.shape[0]), torch.zeros(ids.shape[0], 4)
+            return seq_ids.clone(), torch.zeros(ids.shape[0], 4)  # "samples" each row's slot
 
         return run
 
@@ -36,13 +37,13 @@ def test_each_step_runs_in_the_narrowest_width_that_holds_its_rows():
                                   torch.ones(n, 3), torch.zeros(n))  # fmt: skip
         return tokens.tolist()
 
-    assert step([3], [10]) == [0]
-    assert step([2, 0], [70, 5]) == [0, 1]
-    assert step([2, 0, 1], [70, 5, 9]) == [0, 1, 2]  # three rows: padded to 4 by repeating the last
+    assert step([3], [10]) == [3]
+    assert step([0, 2], [5, 70]) == [0, 2]  # each row gets its own row's result back
+    assert step([2, 0, 1], [70, 5, 9]) == [2, 0, 1]
     assert calls == [
         ("tg_w64_r1", [3], [10]),
-        ("tg_w128_r2", [2, 0], [70, 5]),
-        ("tg_w128", [2, 0, 1, 1], [70, 5, 9, 9]),
+        ("tg_w128_r2", [2, 0], [70, 5]),  # longest context first
+        ("tg_w128", [2, 1, 0, 0], [70, 9, 5, 5]),  # padded to 4 by repeating the shortest row
     ]
     with pytest.raises(ValueError, match="1 to 4 rows"):
         step([0, 1, 2, 3, 3], [1, 1, 1, 1, 1])

@@ -10,7 +10,8 @@ from fixtures.export_models import checkpoint_path
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from optimum_neuron_chunked.config import NeuronConfig
-from optimum_neuron_chunked.graphs import INDEX_DTYPE, GraphRunner, example_inputs, graph_module, graph_specs
+from optimum_neuron_chunked.graph_runner import GraphRunner
+from optimum_neuron_chunked.graphs import INDEX_DTYPE, example_inputs, graph_module, graph_specs
 from optimum_neuron_chunked.modeling import build_model
 from optimum_neuron_chunked.modeling.sampler import sampling_params
 

@@ -8,7 +8,8 @@ from fixtures.export_models import checkpoint_path
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from optimum_neuron_chunked.config import NeuronConfig
-from optimum_neuron_chunked.graphs import PrefillGraph, pad_repeat_last
+from optimum_neuron_chunked.graph_runner import pad_repeat_last
+from optimum_neuron_chunked.graphs import PrefillGraph
 from optimum_neuron_chunked.modeling import build_model
 from optimum_neuron_chunked.modeling.kernels import KernelChoices
 

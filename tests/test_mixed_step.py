@@ -15,7 +15,8 @@ from transformers import AutoModelForCausalLM
 from exporters.neuron import export
 from optimum_neuron_chunked import NeuronModelForCausalLM
 from optimum_neuron_chunked.config import NeuronConfig, NeuronConfigError
-from optimum_neuron_chunked.graphs import GraphRunner, graph_specs
+from optimum_neuron_chunked.graph_runner import GraphRunner
+from optimum_neuron_chunked.graphs import graph_specs
 from optimum_neuron_chunked.vllm.plan import DecodeRow, PrefillChunk, StepPlan, describe, fuse_chunk
 
 LOGITS_TOLERANCE = 1e-4

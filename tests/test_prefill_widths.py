@@ -11,7 +11,8 @@ from transformers import AutoModelForCausalLM
 from exporters.neuron import export
 from optimum_neuron_chunked import NeuronModelForCausalLM
 from optimum_neuron_chunked.config import NeuronConfig
-from optimum_neuron_chunked.graphs import GraphRunner, graph_specs
+from optimum_neuron_chunked.graph_runner import GraphRunner
+from optimum_neuron_chunked.graphs import graph_specs
 
 WIDTHS = (8, 16, CHUNK)
 # chunk lengths over one prompt: every width, a chunk crossing into the second bucket

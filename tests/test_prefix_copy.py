@@ -39,7 +39,7 @@ def test_a_copied_prefix_equals_the_computed_one(export_dir, neuron_model, hf_re
 
 def test_copy_is_refused_by_standard_exports_and_checks_its_length():
     from optimum_neuron_chunked.config import NeuronConfig
-    from optimum_neuron_chunked.graphs import GraphRunner
+    from optimum_neuron_chunked.graph_runner import GraphRunner
 
     with pytest.raises(ValueError, match="chunked"):
         GraphRunner(NeuronConfig(batch_size=2, sequence_length=128), {}).copy_prefix(0, 1, 10)

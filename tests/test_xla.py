@@ -18,7 +18,8 @@ from xla_device import HloReport, XlaGraphs, fallback_ops, reset_counters  # noq
 
 from optimum_neuron_chunked.checkpoints import FAMILIES  # noqa: E402
 from optimum_neuron_chunked.config import NeuronConfig  # noqa: E402
-from optimum_neuron_chunked.graphs import GraphRunner, graph_module, graph_specs  # noqa: E402
+from optimum_neuron_chunked.graph_runner import GraphRunner  # noqa: E402
+from optimum_neuron_chunked.graphs import graph_module, graph_specs  # noqa: E402
 from optimum_neuron_chunked.loader import NeuronModelForCausalLM  # noqa: E402
 from optimum_neuron_chunked.modeling import build_model  # noqa: E402
 from optimum_neuron_chunked.modeling.sampler import sampling_params  # noqa: E402

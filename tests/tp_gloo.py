@@ -9,7 +9,8 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from optimum_neuron_chunked.config import NeuronConfig
-from optimum_neuron_chunked.graphs import GraphRunner, graph_module, graph_specs
+from optimum_neuron_chunked.graph_runner import GraphRunner
+from optimum_neuron_chunked.graphs import graph_module, graph_specs
 from optimum_neuron_chunked.modeling import build_model
 from optimum_neuron_chunked.modeling.parallel import DistLayers
 from optimum_neuron_chunked.modeling.sampler import sampling_params

@@ -203,25 +203,25 @@ class Attention(nn.Module):
         v_cache: torch.Tensor,  # [B, Hkv, S, D]
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """-> (output [1, R, H], k_cache, v_cache): the caches written, in place or anew.
-        The projections run once over all R tokens; each part writes and attends on its own
-        (parts hold distinct slots, so the order of their writes does not matter)."""
-        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        outs, offset = [], 0
+
+        The projections run once over all R tokens. Every part writes its K/V before any part
+        reads: parts hold distinct slots, so the order does not change what is read, and a
+        write after a read of the same buffer would make AOTInductor copy the whole cache."""
+        q, k, v = self.q_proj(x)[0], self.k_proj(x)[0], self.v_proj(x)[0]
+        queries, offset = [], 0
         for part in parts:
             rows = slice(offset, offset + part.tokens)
-            out, k_cache, v_cache = self._part(part, q[0, rows], k[0, rows], v[0, rows], k_cache, v_cache)
-            outs.append(out)
+            part_q, k_cache, v_cache = self._write(part, q[rows], k[rows], v[rows], k_cache, v_cache)
+            queries.append(part_q)
             offset += part.tokens
+        outs = [self._read(part, q, k_cache, v_cache) for part, q in zip(parts, queries, strict=True)]
         out = outs[0] if len(outs) == 1 else torch.cat(outs)
         return self.o_proj(out[None]), k_cache, v_cache
 
-    def _part(self, part: GraphPart, q, k, v, k_cache, v_cache):
-        """One part's q/k/v rows [n * t, heads * D] -> (attention output [n * t, Hq * D], caches).
-
-        `part.one_row_per_slot` is the graph kind's choice (TG: N = batch_size rows), never
-        inferred from a shape, so a new graph cannot silently take the other path."""
+    def _write(self, part: GraphPart, q, k, v, k_cache, v_cache):
+        """One part's q/k/v rows [n * t, heads * D] -> (queries [N, Hq, T, D], caches with the
+        part's K/V written at its positions)."""
         n, t = part.position_ids.shape
-        position_ids, seq_ids, read = part.position_ids, part.seq_ids, part.read
         q = q.reshape(n, t, self.num_heads, self.head_dim)
         k = k.reshape(n, t, self.num_kv_heads, self.head_dim)
         v = v.reshape(n, t, self.num_kv_heads, self.head_dim)
@@ -231,10 +231,23 @@ class Attention(nn.Module):
         if self.use_rope:
             cos_sin = part.rotaries[1] if self.local_rope else part.rotaries[0]
             q, k = apply_rotary(q, *cos_sin), apply_rotary(k, *cos_sin)
-
+        position_ids, seq_ids = part.position_ids, part.seq_ids
         cache_index = position_ids if self.ring is None else torch.remainder(position_ids, self.ring)
         k_cache = write_cache(k_cache, seq_ids, cache_index, k.transpose(1, 2), self.functional_cache)
         v_cache = write_cache(v_cache, seq_ids, cache_index, v, self.functional_cache)
+        return q, k_cache, v_cache
+
+    def _read(self, part: GraphPart, q, k_cache, v_cache) -> torch.Tensor:
+        """One part's attention over its slots -> [n * t, Hq * D].
+
+        `part.one_row_per_slot` is the graph kind's choice (TG: N = batch_size rows), never
+        inferred from a shape, so a new graph cannot silently take the other path."""
+        (n, t), position_ids, seq_ids, read = (
+            part.position_ids.shape,
+            part.position_ids,
+            part.seq_ids,
+            part.read,
+        )
         # a ring layer reads its whole ring
         window, live = (read.window, read.live) if self.ring is None else (self.ring, self.ring)
         one_row_per_slot = part.one_row_per_slot
@@ -248,7 +261,7 @@ class Attention(nn.Module):
             keys, values = self._row_windows(k_cache, v_cache, seq_ids, read.slot, live)
             key_positions = self._key_positions(position_ids, live)
             out = self._attend(q, keys, values, position_ids, key_positions, sdpa)
-        return out.transpose(1, 2).reshape(n * t, -1), k_cache, v_cache
+        return out.transpose(1, 2).reshape(n * t, -1)
 
     def _row_windows(self, k_cache, v_cache, seq_ids, slot, live) -> tuple[torch.Tensor, torch.Tensor]:
         """The first `live` cache positions of each row's slot: keys, values [N, Hkv, W, D].

@@ -238,7 +238,7 @@ class DecoderModel(nn.Module):
         """Copy the K/V of `position_ids` [1, T] from slot seq_ids[0] to slot seq_ids[1], every
         layer (prefix caching: a cached prefix enters a new request's slot). A ring layer holds
         position p at p % length; a full layer's positions are below its length already.
-        Padding repeats the last position (graphs.pad_repeat_last): the same entry copied twice."""
+        Padding repeats the last position (graph_runner.pad_repeat_last): the same entry copied twice."""
         position_ids, seq_ids = position_ids.long(), seq_ids.long()
         src, dst = seq_ids[:1], seq_ids[1:]
         for i, length in enumerate(self.cache_lengths):
