@@ -25,24 +25,34 @@ LOGITS_TOLERANCE = 1e-4
 def _plan(decodes: int, *chunk_lengths: int, ids=("b", "c", "d")) -> StepPlan:
     rows = tuple(DecodeRow(f"r{i}", i, 1, 10) for i in range(decodes))
     chunks = tuple(
-        PrefillChunk(ids[i], 4 + i, 0, (1,) * n, samples=False) for i, n in enumerate(chunk_lengths)
+        PrefillChunk(ids[i], 10 + i, 0, (1,) * n, samples=False) for i, n in enumerate(chunk_lengths)
     )
     return StepPlan(rows, chunks, tuple(d.req_id for d in rows) + tuple(c.req_id for c in chunks))
 
 
+BATCH = (8,)  # decode widths: the batch alone
+
+
 def test_the_first_full_chunk_runs_with_the_decodes():
-    assert fuse_chunk(_plan(2, 32), 32).fused == 0
-    assert fuse_chunk(_plan(2, 5, 32, 32), 32).fused == 1  # the first full one
-    plan = fuse_chunk(_plan(1, 32, 7), 32)
+    assert fuse_chunk(_plan(2, 32), 32, BATCH).fused == 0
+    assert fuse_chunk(_plan(2, 5, 32, 32), 32, BATCH).fused == 1  # the first full one
+    plan = fuse_chunk(_plan(1, 32, 7), 32, BATCH)
     assert [c.req_id for c in plan.separate_chunks] == ["c"]
     assert describe(plan) == "1 decodes + b[0:32] c[0:7] (decodes with b[0:32] in one call)"
 
 
 def test_no_fusing_without_decodes_short_chunks_or_for_prompt_logprobs():
-    assert fuse_chunk(_plan(0, 32), 32).fused is None  # a prefill-only step keeps CP
-    assert fuse_chunk(_plan(2, 31), 32).fused is None  # MX would compute the padding
-    assert fuse_chunk(_plan(2, 32), 32, apart=frozenset({"b"})).fused is None  # needs every position
-    assert fuse_chunk(_plan(2, 32, 32), 32, apart=frozenset({"b"})).fused == 1
+    assert fuse_chunk(_plan(0, 32), 32, BATCH).fused is None  # a prefill-only step keeps CP
+    assert fuse_chunk(_plan(2, 31), 32, BATCH).fused is None  # MX would compute the padding
+    assert fuse_chunk(_plan(2, 32), 32, BATCH, apart=frozenset({"b"})).fused is None  # every position
+    assert fuse_chunk(_plan(2, 32, 32), 32, BATCH, apart=frozenset({"b"})).fused == 1
+
+
+def test_decodes_that_fit_a_narrower_tg_graph_keep_it():
+    """With decode widths 4 and 8, up to 4 decodes run in the 4-row TG: MX would pad them to 8."""
+    assert fuse_chunk(_plan(4, 32), 32, (4, 8)).fused is None
+    assert fuse_chunk(_plan(5, 32), 32, (4, 8)).fused == 0
+    assert fuse_chunk(_plan(1, 32), 32, (8,)).fused == 0
 
 
 def test_mixed_step_needs_a_chunked_export():

@@ -109,12 +109,20 @@ def plan_step(
     return StepPlan(tuple(decodes), tuple(chunks), tuple(w.req_id for w in work), tuple(copies))
 
 
-def fuse_chunk(plan: StepPlan, chunk_size: int, apart: frozenset[str] = frozenset()) -> StepPlan:
+def fuse_chunk(
+    plan: StepPlan,
+    chunk_size: int,
+    decode_widths: tuple[int, ...],
+    apart: frozenset[str] = frozenset(),
+) -> StepPlan:
     """The plan with its first full chunk (`chunk_size` tokens) set to run with the decodes in
-    one MX call (mixed_step exports), where the step has decodes. A shorter chunk keeps its
-    narrower CP graph (the MX graph would compute the padding), and a request in `apart`
-    (prompt logprobs: every position's logits, which MX does not return) keeps CP."""
-    if not plan.decodes:
+    one MX call (mixed_step exports): its decode part is as wide as the batch (the largest of
+    `decode_widths`), so only where the decodes would run in that TG width anyway. The MX
+    call pads nothing the separate calls would not: a shorter chunk (a prompt's last) keeps
+    its narrower CP graph, fewer decodes their narrower TG graph. A request in `apart` (prompt
+    logprobs: every position's logits, which MX does not return) keeps CP."""
+    narrower = [w for w in decode_widths if w < max(decode_widths)]
+    if not plan.decodes or len(plan.decodes) <= max(narrower, default=0):
         return plan
     for i, c in enumerate(plan.chunks):
         if len(c.token_ids) == chunk_size and c.req_id not in apart:

@@ -59,7 +59,8 @@ class StepRunner:
             self.batch.scheduled_work(so), self.config.prefill_chunk_size, self.config.batch_size, copies
         )
         if self.config.mixed_step:
-            plan = fuse_chunk(plan, self.config.prefill_chunk_size, frozenset(self.batch.prompt_logprobs))
+            apart = frozenset(self.batch.prompt_logprobs)
+            plan = fuse_chunk(plan, self.config.prefill_chunk_size, self.config.decode_widths, apart)
         self.last_plan = plan
         logger.debug("step: %s", describe(plan))
         result = StepResult(plan)
