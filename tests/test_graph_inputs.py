@@ -24,6 +24,9 @@ def configs() -> list[NeuronConfig]:
     return [
         NeuronConfig(batch_size=2, sequence_length=64, prefill_chunk_size=16, context_buckets=(32, 64)),
         NeuronConfig(batch_size=2, sequence_length=64, context_buckets=(32, 64)),
+        NeuronConfig(
+            batch_size=2, sequence_length=64, prefill_chunk_size=16, context_buckets=(32, 64), mixed_step=True
+        ),
     ]
 
 
@@ -34,13 +37,14 @@ def model(config: NeuronConfig, functional_cache: bool):
     return m.eval()
 
 
-@pytest.mark.parametrize("config", configs(), ids=["chunked", "standard"])
+@pytest.mark.parametrize("config", configs(), ids=["chunked", "standard", "mixed"])
 @pytest.mark.parametrize("functional_cache", [False, True], ids=["in-place", "functional"])
 def test_every_graph_takes_int32_inputs(config, functional_cache):
     int32_model, int64_model = model(config, functional_cache), model(config, functional_cache)
     for spec in graph_specs(config):
         inputs = example_inputs(spec, config)
-        assert [x.dtype for x in inputs if not x.is_floating_point()] == [INDEX_DTYPE] * min(3, len(inputs))
+        integers = [x.dtype for x in inputs if not x.is_floating_point()]
+        assert integers == [INDEX_DTYPE] * (6 if spec.kind == "mx" else min(3, len(inputs)))
         widened = [x.long() if x.dtype == INDEX_DTYPE else x for x in inputs]
         with torch.no_grad():
             got = graph_module(int32_model, spec, config)(*inputs)
@@ -50,15 +54,19 @@ def test_every_graph_takes_int32_inputs(config, functional_cache):
 
 
 def test_the_runner_feeds_int32():
-    config = configs()[0]
+    config = configs()[2]
     seen = []
 
     def record(kind):
         def graph(*inputs):
-            seen.append((kind, [x.dtype for x in inputs[:3]]))
+            seen.append((kind, [x.dtype for x in inputs if not x.is_floating_point()]))
             v = 8
+            if kind == "cp":
+                return torch.zeros(1, v)
             return (
-                torch.zeros(1, v) if kind == "cp" else (torch.zeros(2, dtype=torch.long), torch.zeros(2, v))
+                torch.zeros(2, dtype=torch.long),
+                torch.zeros(2, v),
+                *([torch.zeros(1, v)] * (kind == "mx")),
             )
 
         return graph
@@ -67,7 +75,17 @@ def test_the_runner_feeds_int32():
     runner.prefill(torch.tensor([3, 4, 5]), 0, 1)
     params = torch.tensor([sampling_params(temperature=0.0)])
     runner.decode(torch.tensor([3]), torch.tensor([3]), torch.tensor([1]), params, torch.zeros(1))
-    assert seen == [("cp", [INDEX_DTYPE] * 3), ("tg", [INDEX_DTYPE] * 3)]
+    runner.decode_with_chunk(
+        torch.tensor([3]),
+        torch.tensor([3]),
+        torch.tensor([1]),
+        params,
+        torch.zeros(1),
+        torch.arange(16),
+        0,
+        0,
+    )
+    assert seen == [("cp", [INDEX_DTYPE] * 3), ("tg", [INDEX_DTYPE] * 3), ("mx", [INDEX_DTYPE] * 6)]
 
 
 def test_a_decode_step_refuses_a_slot_twice():
