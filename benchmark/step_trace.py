@@ -31,14 +31,16 @@ def step_runner(loop: EngineLoop):
 
 
 def step_kind(plan, config) -> str:
-    """'tg + cp256@w2048 + cp64@w512' (chunked) or 'tg + ce@w1024' (standard): the graph calls a
-    plan makes, each prefill call at the bucket covering its end."""
+    """'tg + cp256@w2048 + cp64@w512' (chunked), 'mx@w2048 + cp64@w512' (the decodes fused with a
+    chunk) or 'tg + ce@w1024' (standard): the graph calls a plan makes, each prefill call at the
+    bucket covering its end."""
     if plan is None:
         return "empty"
-    parts = ["tg"] if plan.decodes else []
-    for c in plan.chunks:
+    parts = ["tg"] if plan.decodes and plan.fused is None else []
+    for i, c in enumerate(plan.chunks):
         end = c.start + len(c.token_ids)
         graph = f"cp{config.width_for(len(c.token_ids))}" if config.chunked else "ce"
+        graph = "mx" if i == plan.fused else graph
         parts.append(f"{graph}@w{config.bucket_for(end)}")
     return " + ".join(parts)
 
