@@ -40,7 +40,8 @@ def step_kind(plan, config) -> str:
     for i, c in enumerate(plan.chunks):
         end = c.start + len(c.token_ids)
         graph = f"cp{config.width_for(len(c.token_ids))}" if config.chunked else "ce"
-        graph = "mx" if i == plan.fused else graph
+        if i == plan.fused:  # MX attends over the bucket covering its decode rows too
+            graph, end = "mx", max(end, *(d.position + 1 for d in plan.decodes))
         parts.append(f"{graph}@w{config.bucket_for(end)}")
     return " + ".join(parts)
 
