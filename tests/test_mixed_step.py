@@ -132,7 +132,9 @@ def mixed_export(tmp_path_factory):
                   context_buckets=BUCKETS, mixed_step=True)  # fmt: skip
 
 
-def test_vllm_runs_a_decode_and_each_full_chunk_in_one_call(mixed_export, hf_reference):
+@pytest.mark.parametrize("sampling", [{}, {"logprobs": 2}], ids=["on-device", "host-sampled"])
+def test_vllm_runs_a_decode_and_each_full_chunk_in_one_call(mixed_export, hf_reference, sampling):
+    """Host-sampled: a's logprobs need its logits, fetched from the MX call's decode rows."""
     from test_vllm_steps import Engine
 
     engine = Engine(mixed_export)
@@ -140,7 +142,7 @@ def test_vllm_runs_a_decode_and_each_full_chunk_in_one_call(mixed_export, hf_ref
         engine.worker.runner.model.runner.graphs
     )
     a, b = prompt(5, seed=10), prompt(100, seed=11)
-    engine.add("a", a, max_tokens=9)
+    engine.add("a", a, max_tokens=9, **sampling)
     engine.step(), engine.step()
     engine.add("b", b, max_tokens=3)
     fused = []

@@ -43,12 +43,15 @@ class Engine:
         self.scheduler = Scheduler(config, kv, StructuredOutputManager(config), block_size=spec.block_size)
         self.tokens: dict[str, list[int]] = {}
 
-    def add(self, req_id: str, ids: torch.Tensor, max_tokens: int, resumable: bool = False) -> None:
-        """A request; `resumable`: a streaming-input session, whose next input re-adds the id."""
+    def add(
+        self, req_id: str, ids: torch.Tensor, max_tokens: int, resumable: bool = False, **sampling
+    ) -> None:
+        """A greedy request; `resumable`: a streaming-input session, whose next input re-adds the
+        id; `sampling`: further SamplingParams fields."""
         from vllm import SamplingParams
         from vllm.v1.request import Request
 
-        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, **sampling)
         self.scheduler.add_request(Request(req_id, ids.tolist(), params, None, resumable=resumable))
         self.tokens.setdefault(req_id, [])
 
