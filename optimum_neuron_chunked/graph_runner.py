@@ -28,6 +28,14 @@ def pad_repeat_last(x: torch.Tensor, length: int, dim: int) -> torch.Tensor:
     return torch.cat([x, last.expand(*[missing if d == dim else -1 for d in range(x.dim())])], dim=dim)
 
 
+def _chunk_inputs(token_ids: torch.Tensor, start: int, seq_id: int, width: int) -> list[torch.Tensor]:
+    """A prefill chunk's graph inputs: tokens [1, width] at positions start.. [1, width] of
+    slot [1], padded by the one rule, integers INDEX_DTYPE."""
+    positions = torch.arange(start, start + token_ids.shape[0], dtype=INDEX_DTYPE)
+    ids = pad_repeat_last(token_ids.to(INDEX_DTYPE)[None], width, dim=1)
+    return [ids, pad_repeat_last(positions[None], width, dim=1), torch.tensor([seq_id], dtype=INDEX_DTYPE)]
+
+
 class GraphRunner:
     """Pads real inputs to the static shapes and picks the smallest bucket that covers them.
 
@@ -69,11 +77,8 @@ class GraphRunner:
             spec = cp_spec(self.config, self.config.width_for(t), window)
         else:
             spec = ce_spec(window)
-        positions = torch.arange(start, end, dtype=INDEX_DTYPE)
-        ids = pad_repeat_last(token_ids.to(INDEX_DTYPE)[None], spec.width, dim=1)
-        pos = pad_repeat_last(positions[None], spec.width, dim=1)
-        seq = torch.tensor([seq_id], dtype=INDEX_DTYPE)
-        return self.graphs[spec.name](ids, pos, seq)  # callers clone what they keep
+        # callers clone what they keep
+        return self.graphs[spec.name](*_chunk_inputs(token_ids, start, seq_id, spec.width))
 
     def copy_prefix(self, src_slot: int, dst_slot: int, length: int) -> int:
         """Copy positions [0, length) of every layer's K/V from one slot to another, in calls of
@@ -139,11 +144,10 @@ class GraphRunner:
                 f"(mixed_step exports): got {chunk_ids.shape[0]} tokens in slot {chunk_seq_id}, "
                 f"decoding slots {seq_ids.tolist()}, mixed_step={self.config.mixed_step}"
             )
-        chunk_end = chunk_start + c
-        spec = mx_spec(self.config, self.config.bucket_for(max(int(positions.max()) + 1, chunk_end)))
+        spec = mx_spec(self.config, self.config.bucket_for(max(int(positions.max()) + 1, chunk_start + c)))
         rows, sampling, order = self._decode_inputs(spec.batch, token_ids, positions, seq_ids, params, rand)
-        chunk = [chunk_ids[None], torch.arange(chunk_start, chunk_end)[None], torch.tensor([chunk_seq_id])]
-        outputs = self.graphs[spec.name](*rows, *[x.to(INDEX_DTYPE) for x in chunk], *sampling)
+        chunk = _chunk_inputs(chunk_ids, chunk_start, chunk_seq_id, c)
+        outputs = self.graphs[spec.name](*rows, *chunk, *sampling)
         tokens, logits = self._decode_outputs(outputs[:-1], order, params, rand, need_logits)
         return tokens, logits, outputs[-1].cpu()[0].clone()
 

@@ -242,12 +242,8 @@ class Attention(nn.Module):
 
         `part.one_row_per_slot` is the graph kind's choice (TG: N = batch_size rows), never
         inferred from a shape, so a new graph cannot silently take the other path."""
-        (n, t), position_ids, seq_ids, read = (
-            part.position_ids.shape,
-            part.position_ids,
-            part.seq_ids,
-            part.read,
-        )
+        position_ids, seq_ids, read = part.position_ids, part.seq_ids, part.read
+        n, t = position_ids.shape
         # a ring layer reads its whole ring
         window, live = (read.window, read.live) if self.ring is None else (self.ring, self.ring)
         one_row_per_slot = part.one_row_per_slot
