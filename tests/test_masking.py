@@ -24,6 +24,7 @@ EVERY_KERNEL = KernelChoices(
     per_row_live=True,
     rowwise_linear_rows=2,
     onednn_linear=True,
+    onednn_chunk_attention=True,
 )
 
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from .chunk_attention import chunk_attention
 from .family import FamilySpec
 from .kernels import KernelChoices
 from .layers import MASK_VALUE, apply_rotary, rms_norm
@@ -176,6 +177,8 @@ class Attention(nn.Module):
         sinks = spec.attention_sinks
         self.sdpa_prefill_from = None if sinks else kernels.sdpa_prefill_from_window
         self.sdpa_decode_from = None if sinks else kernels.sdpa_decode_from_window
+        plain_causal = not sinks and sliding_window is None and ring is None
+        self.onednn_chunk = kernels.onednn_chunk_attention and plain_causal
         self.functional_cache, self.use_rope = functional_cache, use_rope
         self.local_rope = local_rope  # gemma3's sliding layers: the local rotary (GraphPart.rotaries)
         self.ring = ring  # cache length of a ring layer (see ring_length); None: position-indexed
@@ -255,8 +258,11 @@ class Attention(nn.Module):
             out = self._attend_in_slot_order(q, k_cache, v_cache, seq_ids, position_ids, live, sdpa)
         else:
             keys, values = self._row_windows(k_cache, v_cache, seq_ids, read.slot, live)
-            key_positions = self._key_positions(position_ids, live)
-            out = self._attend(q, keys, values, position_ids, key_positions, sdpa)
+            if self.onednn_chunk and n == 1:  # keys from position 0: a non-ring layer's window
+                out = chunk_attention(q[0], keys[0], values[0], position_ids[0], self.scale)[None]
+            else:
+                key_positions = self._key_positions(position_ids, live)
+                out = self._attend(q, keys, values, position_ids, key_positions, sdpa)
         return out.transpose(1, 2).reshape(n * t, -1)
 
     def _row_windows(self, k_cache, v_cache, seq_ids, slot, live) -> tuple[torch.Tensor, torch.Tensor]:

@@ -38,6 +38,10 @@
   (torch.ops.mkldnn._linear_pointwise) on the plain weight instead of ATen's MKL sgemm, which
   does not use AVX-512 on AMD hosts: 2.4x at 256 rows on an avx512 EPYC (benchmark/gemm.py).
   The weight stays the one shared constant (no prepacked copy per graph).
+- onednn_chunk_attention: a one-row prefill graph's (CP, CE) causal attention runs as the
+  custom op chunk_attention.chunk_attention (oneDNN products per query head) instead of SDPA,
+  whose CPU flash kernel runs its products on MKL sgemm. Plain causal layers only: sliding
+  windows, rings and sinks keep the choices above. Measured: see AGENTS.md's performance notes.
 """
 
 from __future__ import annotations
@@ -55,6 +59,7 @@ class KernelChoices:
     expert_selection: float = 1.0
     rowwise_linear_rows: int = 0
     onednn_linear: bool = False
+    onednn_chunk_attention: bool = False
 
 
 BY_BACKEND = {
@@ -67,6 +72,7 @@ BY_BACKEND = {
         expert_selection=0.2,
         rowwise_linear_rows=8,
         onednn_linear=True,
+        onednn_chunk_attention=True,
     )
 }
 

@@ -1,0 +1,71 @@
+"""kernels.onednn_chunk_attention: the custom op a cpu chunk graph attends with, against the
+masked softmax written out, and as AOTInductor calls it with the live width unbacked."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from optimum_neuron_chunked.graph_runner import pad_repeat_last
+from optimum_neuron_chunked.modeling.chunk_attention import chunk_attention
+
+
+def masked_softmax_attention(query, keys, values, positions, scale):
+    groups = query.shape[0] // keys.shape[0]
+    keys, values = keys.repeat_interleave(groups, 0), values.repeat_interleave(groups, 0)
+    visible = torch.arange(keys.shape[1])[None] <= positions[:, None]
+    scores = torch.where(visible, query @ keys.transpose(1, 2) * scale, float("-inf"))
+    return torch.softmax(scores, -1) @ values
+
+
+def chunk(start: int, real: int, width: int) -> torch.Tensor:
+    """A chunk's positions: `real` tokens from `start`, padded to `width` by repeating the last."""
+    return pad_repeat_last(torch.arange(start, start + real), width, dim=0)
+
+
+@pytest.mark.parametrize("heads, kv_heads", [(4, 4), (6, 2), (4, 1)])
+@pytest.mark.parametrize("start, real", [(0, 16), (0, 5), (40, 16), (37, 9)])
+def test_chunk_attention_equals_the_masked_softmax(heads, kv_heads, start, real):
+    """Prefix keys all visible, the chunk's own causal, padded rows as the last real row; a
+    stale cache entry after the last position is never read (the window ends there)."""
+    torch.manual_seed(0)
+    positions = chunk(start, real, 16)
+    width = int(positions.max()) + 1
+    cache_k, cache_v = torch.randn(2, kv_heads, 64, 8), torch.randn(2, kv_heads, 64, 8)
+    query = pad_repeat_last(torch.randn(heads, real, 8), 16, dim=1)  # a padded token repeats the last
+    keys, values = cache_k[1, :, :width], cache_v[1, :, :width]  # a view of slot 1, as CP reads
+    got = chunk_attention(query, keys, values, positions, 0.3)
+    torch.testing.assert_close(got, masked_softmax_attention(query, keys, values, positions, 0.3))
+    torch.testing.assert_close(got[:, real:], got[:, real - 1 : real].expand(-1, 16 - real, -1))
+
+
+@pytest.mark.slow
+def test_chunk_attention_compiled_by_aotinductor_with_an_unbacked_width(tmp_path):
+    """The op as a cpu chunk graph calls it: over a slot view whose width is read from the
+    positions inside the graph, one compiled graph for every width."""
+
+    class SlotAttention(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("k", torch.randn(2, 2, 64, 8))
+            self.register_buffer("v", torch.randn(2, 2, 64, 8))
+
+        def forward(self, query, positions, slot):
+            live, slot = positions.max().item() + 1, slot.item()
+            torch._check(live >= 1)  # the bounds attention.cache_read gives the graph
+            torch._check(live <= 64)
+            torch._check(slot >= 0)
+            torch._check(slot < 2)
+            return chunk_attention(query, self.k[slot, :, :live], self.v[slot, :, :live], positions, 0.3)
+
+    module = SlotAttention()
+    query, slot = torch.randn(4, 16, 8), torch.tensor(1)
+    program = torch.export.export(module, (query, chunk(48, 16, 16), slot))
+    compiled = torch._inductor.aoti_load_package(
+        torch._inductor.aoti_compile_and_package(program, package_path=str(tmp_path / "a.pt2"))
+    )
+    for start, real in [(0, 16), (20, 7), (48, 16)]:
+        positions = chunk(start, real, 16)
+        width = int(positions.max()) + 1
+        want = masked_softmax_attention(query, module.k[1, :, :width], module.v[1, :, :width], positions, 0.3)
+        torch.testing.assert_close(compiled(query, positions, slot), want)
