@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from optimum_neuron_chunked.graph_runner import pad_repeat_last
+from optimum_neuron_chunked.modeling import chunk_attention as chunk_attention_module
 from optimum_neuron_chunked.modeling.chunk_attention import chunk_attention
 
 
@@ -23,11 +24,14 @@ def chunk(start: int, real: int, width: int) -> torch.Tensor:
     return pad_repeat_last(torch.arange(start, start + real), width, dim=0)
 
 
+@pytest.mark.parametrize("row_block", [256, 4, 5])
 @pytest.mark.parametrize("heads, kv_heads", [(4, 4), (6, 2), (4, 1)])
 @pytest.mark.parametrize("start, real", [(0, 16), (0, 5), (40, 16), (37, 9)])
-def test_chunk_attention_equals_the_masked_softmax(heads, kv_heads, start, real):
+def test_chunk_attention_equals_the_masked_softmax(monkeypatch, row_block, heads, kv_heads, start, real):
     """Prefix keys all visible, the chunk's own causal, padded rows as the last real row; a
-    stale cache entry after the last position is never read (the window ends there)."""
+    stale cache entry after the last position is never read (the window ends there). Row
+    blocks smaller than the chunk (a CE graph's many) give the same result."""
+    monkeypatch.setattr(chunk_attention_module, "ROW_BLOCK", row_block)
     torch.manual_seed(0)
     positions = chunk(start, real, 16)
     width = int(positions.max()) + 1
