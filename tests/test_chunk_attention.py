@@ -1,14 +1,20 @@
-"""kernels.onednn_chunk_attention: the custom op a cpu chunk graph attends with, against the
+"""kernels.onednn_chunk_attention_from_window: the custom op a cpu chunk graph attends with, against the
 masked softmax written out, and as AOTInductor calls it with the live width unbacked."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from fixtures.export_models import checkpoint_path
+from transformers import AutoConfig
 
+from optimum_neuron_chunked.config import NeuronConfig
 from optimum_neuron_chunked.graph_runner import pad_repeat_last
+from optimum_neuron_chunked.graphs import PrefillGraph
+from optimum_neuron_chunked.modeling import attention, build_model, model_from_spec
 from optimum_neuron_chunked.modeling import chunk_attention as chunk_attention_module
 from optimum_neuron_chunked.modeling.chunk_attention import chunk_attention
+from optimum_neuron_chunked.modeling.kernels import KernelChoices
 
 
 def masked_softmax_attention(query, keys, values, positions, scale):
@@ -73,3 +79,25 @@ def test_chunk_attention_compiled_by_aotinductor_with_an_unbacked_width(tmp_path
         width = int(positions.max()) + 1
         want = masked_softmax_attention(query, module.k[1, :, :width], module.v[1, :, :width], positions, 0.3)
         torch.testing.assert_close(compiled(query, positions, slot), want)
+
+
+@pytest.mark.parametrize("from_window, window", [(64, 64), (128, 64), (None, 64)])
+def test_the_op_runs_in_prefill_graphs_from_its_bucket_only(monkeypatch, from_window, window):
+    """A chunk graph whose bucket reaches the threshold attends with the op in every layer; a
+    narrower bucket, a decode step and a backend without the choice never call it."""
+    config = NeuronConfig(batch_size=2, sequence_length=128, prefill_chunk_size=16, backend="eager")
+    spec = build_model(AutoConfig.from_pretrained(checkpoint_path("llama")), config).spec
+    model = model_from_spec(
+        spec, config, kernels=KernelChoices(onednn_chunk_attention_from_window=from_window)
+    )
+    calls = []
+    monkeypatch.setattr(attention, "chunk_attention", lambda *a: calls.append(1) or chunk_attention(*a))
+    with torch.no_grad():
+        PrefillGraph(model.eval(), window)(
+            torch.arange(5, 21)[None], torch.arange(16)[None], torch.tensor([0])
+        )
+        prefill_calls = len(calls)
+        model.hidden_states(torch.tensor([[3], [4]]), torch.tensor([[16], [0]]), torch.tensor([0, 1]), window,
+                            one_row_per_slot=True)  # fmt: skip
+    uses_op = from_window is not None and window >= from_window
+    assert (prefill_calls, len(calls)) == ((spec.num_layers,) * 2 if uses_op else (0, 0))

@@ -24,7 +24,7 @@ EVERY_KERNEL = KernelChoices(
     per_row_live=True,
     rowwise_linear_rows=2,
     onednn_linear=True,
-    onednn_chunk_attention=True,
+    onednn_chunk_attention_from_window=1,
 )
 
 
@@ -170,7 +170,7 @@ def test_ring_layers_equal_position_indexed_layers_over_stale_slots(family):
             start += 1
 
 
-@pytest.mark.parametrize("family", ["llama", "gemma3_text", "qwen3_moe"])
+@pytest.mark.parametrize("family", ["llama", "gemma3_text", "qwen3_moe", "gpt_oss", "mistral"])
 def test_fused_attention_kernel_equals_the_masked_softmax(family):
     """SDPA (the cpu backend's core from its threshold window up) over slot views (its chunks
     read slot 1 as a scalar), the masked softmax over the live positions only (live_window),

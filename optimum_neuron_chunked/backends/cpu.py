@@ -7,6 +7,8 @@ constants (no copy), so the graphs share one cache exactly as they do on Neuron.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 from collections.abc import Callable
 from pathlib import Path
 
@@ -18,6 +20,29 @@ from ..modeling.decoder import DecoderModel
 from .base import GRAPHS_DIR, Backend, OnGraph, load_torch_model
 
 INDUCTOR_CONFIGS = {"aot_inductor.package_constants_in_so": False}
+
+# glibc's mallopt parameters (malloc.h)
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+# glibc's upper bound for the mmap threshold on 64-bit hosts (DEFAULT_MMAP_THRESHOLD_MAX)
+_HEAP_UP_TO = 32 * 2**20
+
+
+def keep_freed_heap() -> bool:
+    """Keep the buffers a graph call frees in this process's heap, for the next call.
+
+    By default glibc serves large buffers with fresh mmaps, or trims the heap once its free top
+    passes twice the (moving) mmap threshold: every graph call then page-faults its
+    multi-megabyte buffers back in. With the thresholds fixed, buffers up to 32 MiB come from
+    the heap and freed memory stays there (resident: the largest call's buffers). Measured on
+    the bench export: AGENTS.md's performance notes. Process-wide; False where libc is not glibc.
+    """
+    name = ctypes.util.find_library("c")
+    libc = ctypes.CDLL(name) if name else None
+    if libc is None or not hasattr(libc, "mallopt"):
+        return False
+    return bool(libc.mallopt(_M_MMAP_THRESHOLD, _HEAP_UP_TO)) and bool(
+        libc.mallopt(_M_TRIM_THRESHOLD, 2**31 - 1)
+    )
 
 
 class CpuBackend(Backend):
@@ -45,6 +70,7 @@ class CpuBackend(Backend):
     def load(
         self, hf_config, config: NeuronConfig, specs: list[GraphSpec], export_dir: Path
     ) -> dict[str, Callable]:
+        keep_freed_heap()
         constants = load_torch_model(hf_config, config, export_dir).constants()
         graphs = {}
         for spec, path in zip(specs, self.graph_files(specs), strict=True):

@@ -178,7 +178,7 @@ class Attention(nn.Module):
         self.sdpa_prefill_from = None if sinks else kernels.sdpa_prefill_from_window
         self.sdpa_decode_from = None if sinks else kernels.sdpa_decode_from_window
         plain_causal = not sinks and sliding_window is None and ring is None
-        self.onednn_chunk = kernels.onednn_chunk_attention and plain_causal
+        self.onednn_chunk_from = kernels.onednn_chunk_attention_from_window if plain_causal else None
         self.functional_cache, self.use_rope = functional_cache, use_rope
         self.local_rope = local_rope  # gemma3's sliding layers: the local rotary (GraphPart.rotaries)
         self.ring = ring  # cache length of a ring layer (see ring_length); None: position-indexed
@@ -258,7 +258,8 @@ class Attention(nn.Module):
             out = self._attend_in_slot_order(q, k_cache, v_cache, seq_ids, position_ids, live, sdpa)
         else:
             keys, values = self._row_windows(k_cache, v_cache, seq_ids, read.slot, live)
-            if self.onednn_chunk and n == 1:  # keys from position 0: a non-ring layer's window
+            onednn = self.onednn_chunk_from is not None and window >= self.onednn_chunk_from
+            if onednn and n == 1:  # keys from position 0: a non-ring layer's window
                 out = chunk_attention(q[0], keys[0], values[0], position_ids[0], self.scale)[None]
             else:
                 key_positions = self._key_positions(position_ids, live)

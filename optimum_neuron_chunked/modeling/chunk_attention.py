@@ -1,5 +1,5 @@
 """A prefill chunk's causal attention through oneDNN, one query head at a time (cpu backend only,
-kernels.onednn_chunk_attention).
+kernels.onednn_chunk_attention_from_window).
 
 ATen's CPU flash attention (what SDPA lowers to) runs its products on MKL sgemm, which uses no
 AVX-512 on AMD hosts; oneDNN's matmul (`torch.ops.mkldnn._linear_pointwise`, the kernel the

@@ -38,10 +38,14 @@
   (torch.ops.mkldnn._linear_pointwise) on the plain weight instead of ATen's MKL sgemm, which
   does not use AVX-512 on AMD hosts: 2.4x at 256 rows on an avx512 EPYC (benchmark/gemm.py).
   The weight stays the one shared constant (no prepacked copy per graph).
-- onednn_chunk_attention: a one-row prefill graph's (CP, CE) causal attention runs as the
-  custom op chunk_attention.chunk_attention (oneDNN products per query head) instead of SDPA,
-  whose CPU flash kernel runs its products on MKL sgemm. Plain causal layers only: sliding
-  windows, rings and sinks keep the choices above. Measured: see AGENTS.md's performance notes.
+- onednn_chunk_attention_from_window: one-row prefill graphs (CP, CE) whose bucket is at least
+  this many positions run their causal attention as the custom op
+  chunk_attention.chunk_attention (oneDNN products per query head) instead of SDPA, whose CPU
+  flash kernel runs its products on MKL sgemm. Below it the op's ~60 dispatches a layer cost
+  more than oneDNN saves (break-even near a live width of 1024). Plain causal layers only:
+  sliding windows, rings and sinks keep the choices above. It allocates its score blocks per
+  head, so it pays only with backends.cpu.keep_freed_heap. Measured: see AGENTS.md's
+  performance notes.
 """
 
 from __future__ import annotations
@@ -59,7 +63,7 @@ class KernelChoices:
     expert_selection: float = 1.0
     rowwise_linear_rows: int = 0
     onednn_linear: bool = False
-    onednn_chunk_attention: bool = False
+    onednn_chunk_attention_from_window: int | None = None
 
 
 BY_BACKEND = {
@@ -72,7 +76,7 @@ BY_BACKEND = {
         expert_selection=0.2,
         rowwise_linear_rows=8,
         onednn_linear=True,
-        onednn_chunk_attention=True,
+        onednn_chunk_attention_from_window=2048,
     )
 }
 
