@@ -3,6 +3,8 @@ masked softmax written out, and as AOTInductor calls it with the live width unba
 
 from __future__ import annotations
 
+import platform
+
 import pytest
 import torch
 from fixtures.export_models import checkpoint_path
@@ -101,3 +103,12 @@ def test_the_op_runs_in_prefill_graphs_from_its_bucket_only(monkeypatch, from_wi
                             one_row_per_slot=True)  # fmt: skip
     uses_op = from_window is not None and window >= from_window
     assert (prefill_calls, len(calls)) == ((spec.num_layers,) * 2 if uses_op else (0, 0))
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's mallopt")
+def test_glibc_accepts_the_heap_thresholds():
+    """The op pays only with the heap kept (backends.cpu.keep_freed_heap): glibc refuses an
+    mmap threshold above its maximum (32 MiB on 64-bit), and then nothing would be kept."""
+    from optimum_neuron_chunked.backends.cpu import keep_freed_heap
+
+    assert keep_freed_heap()
