@@ -4,7 +4,7 @@ widths/windows). Answers "which kind of step costs the time", which the W2 summa
 
     python benchmark/step_trace.py [--contender chunked] [--quick]
 
-Prints the groups (steps, total s, median ms) and saves them to results/steps-<date>-vm-<contender>.{md,json}.
+Prints the groups (steps, total s, median ms) and saves them to results/steps-<date>-vm[-<tag>]-<contender>.{md,json}.
 """
 
 from __future__ import annotations
@@ -107,6 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true")
     p.add_argument("--work", type=Path, default=Path.home() / ".cache" / "optimum-neuron-chunked" / "bench")
     p.add_argument("--results", type=Path, default=HERE / "results")
+    p.add_argument("--tag", default="", help="results file name part (keeps earlier runs of the day)")
     add_shape_arguments(p)
     args = p.parse_args(argv)
     setup, loads = (QUICK, QUICK_LOADS) if args.quick else (FULL, FULL_LOADS)
@@ -123,7 +124,8 @@ def main(argv: list[str] | None = None) -> int:
     text = render(args.contender, describe(setup), summary, rows, tg)
     print(text)
     date = datetime.date.today().isoformat()
-    out = args.results / f"steps-{date}-vm{'-quick' if args.quick else ''}-{args.contender}"
+    tag = f"-{args.tag}" if args.tag else ""
+    out = args.results / f"steps-{date}-vm{'-quick' if args.quick else ''}{tag}-{args.contender}"
     out.with_suffix(".json").write_text(
         json.dumps(dict(summary=summary, decode_calls=tg, groups=rows), indent=1)
     )
