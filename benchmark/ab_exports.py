@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import platform
 import statistics
 import sys
@@ -30,7 +29,7 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE.parent), str(HERE)]
 
-from metrics import interleaved_ms  # noqa: E402
+from metrics import interleaved_ms, save_results, spread_cell  # noqa: E402
 
 from optimum_neuron_chunked import NeuronModelForCausalLM  # noqa: E402
 
@@ -129,15 +128,11 @@ def main(argv: list[str] | None = None) -> int:
              f"{what}; median [min-max] of {args.calls} calls each.", "", "| export | ms per call |",
              "|---|---|"]  # fmt: skip
     for name, t in times.items():
-        lines.append(f"| {name} | {statistics.median(t):.1f} [{min(t):.1f}-{max(t):.1f}] |")
+        lines.append(f"| {name} | {spread_cell(t)} |")
     ratio = statistics.median(times["after"]) / statistics.median(times["before"])
     lines += ["", f"after / before: {ratio:.3f}"]
     out = HERE / "results" / f"ab-{date}-vm{'-' + args.tag if args.tag else ''}"
-    out.with_suffix(".json").write_text(
-        json.dumps({"folders": [str(args.before), str(args.after)], "ms": times})
-    )
-    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    save_results(out, {"folders": [str(args.before), str(args.after)], "ms": times}, lines)
     return 0
 
 

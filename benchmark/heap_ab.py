@@ -25,6 +25,10 @@ import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+sys.path[:0] = [str(HERE.parent), str(HERE)]
+
+from metrics import call_ms, save_results, spread_cell  # noqa: E402
+
 ENDS = (512, 2048, 4096)
 PROMPTS = (500, 2000, 3072)  # a standard export's CE calls (buckets 512, 2048, 4096)
 CONTEXTS = (1900, 300, 700, 1200, 150, 2000, 900, 400)
@@ -33,9 +37,7 @@ CONFIGS = {"before": ("before", False), "after": ("after", True), "after, defaul
 
 def measure(folder: Path, keep_heap: bool, calls: int) -> dict[str, float]:
     """One process's figures (ms, medians of `calls` after one untimed call each)."""
-    sys.path[:0] = [str(HERE.parent), str(HERE)]
     import torch
-    from metrics import call_ms
 
     import optimum_neuron_chunked.backends.cpu as cpu
     from optimum_neuron_chunked import NeuronModelForCausalLM
@@ -89,14 +91,9 @@ def main(argv: list[str] | None = None) -> int:
              "|---|" + "---|" * len(keys)]  # fmt: skip
     for name, results in runs.items():
         cells = [[r[k] for r in results] for k in keys]
-        lines.append(f"| {name} | " + " | ".join(
-            f"{statistics.median(c):.1f} [{min(c):.1f}-{max(c):.1f}]" for c in cells) + " |")  # fmt: skip
+        lines.append(f"| {name} | " + " | ".join(spread_cell(c) for c in cells) + " |")
     out = HERE / "results" / f"heap-{date}-vm{'-' + args.tag if args.tag else ''}"
-    out.with_suffix(".json").write_text(
-        json.dumps({"folders": [str(args.before), str(args.after)], "runs": runs})
-    )
-    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    save_results(out, {"folders": [str(args.before), str(args.after)], "runs": runs}, lines)
     return 0
 
 

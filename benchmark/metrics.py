@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 
@@ -128,3 +130,15 @@ def interleaved_ms(
             if i >= warmup:
                 times[name].append((time.perf_counter() - started) * 1e3)
     return times
+
+
+def spread_cell(values: list[float]) -> str:
+    """A table cell: median [min-max]."""
+    return f"{statistics.median(values):.1f} [{min(values):.1f}-{max(values):.1f}]"
+
+
+def save_results(stem: Path, data: object, lines: list[str]) -> None:
+    """Results as `stem`.json (the raw figures) and `stem`.md (the table), printed too."""
+    stem.with_suffix(".json").write_text(json.dumps(data))
+    stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
