@@ -30,7 +30,7 @@ $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(call pip_install,$(PY),torch==2.13.0)
-	$(call pip_install,$(PY),-e ".[cpu,dev]")
+	$(call pip_install,$(PY),-e ".[cpu$(comma)dev]")
 	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec || true
 	$(PY) -m optimum_neuron_chunked.vllm.dist_alias
 	$(PY) -c "import torch, transformers, vllm; assert torch.__version__.startswith('2.13.0')"
