@@ -44,17 +44,18 @@ def chunk_attention(
     out = torch.empty_like(query)
     for start in range(0, positions.shape[0], ROW_BLOCK):
         rows = slice(start, start + ROW_BLOCK)
-        out[:, rows] = _attend_rows(query[:, rows], keys, values, positions[rows])
+        _attend_rows(query[:, rows], keys, values, positions[rows], out[:, rows])
     return out
 
 
-def _attend_rows(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor):
-    """One row block, one query head at a time ([rows, W] scores; two heads at once measured
-    slower at W >= 2048)."""
+def _attend_rows(
+    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, out: torch.Tensor
+) -> None:
+    """One row block into `out` (a view of the op's output), one query head at a time ([rows, W]
+    scores; two heads at once measured slower at W >= 2048)."""
     groups = query.shape[0] // keys.shape[0]
     first, width = int(positions[0]), int(positions[-1]) + 1
     hidden = torch.arange(first, width, device=positions.device)[None] > positions[:, None]
-    out = torch.empty_like(query)
     for kv_head in range(keys.shape[0]):
         block_keys = keys[kv_head, :width]
         values_t = values[kv_head, :width].t().contiguous()  # [D, W]: oneDNN's "weight" for P @ V
@@ -63,7 +64,6 @@ def _attend_rows(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
             scores[:, first:].masked_fill_(hidden, MASK_VALUE)
             torch.ops.aten._softmax.out(scores, -1, False, out=scores)  # row-wise: safe in place
             out[head] = _linear(scores, values_t)
-    return out
 
 
 @chunk_attention.register_fake
