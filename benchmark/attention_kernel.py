@@ -1,6 +1,7 @@
 """CP, CE and TG graph time on the cpu backend (AOTInductor) with each attention core: the
-masked softmax (what eager/XLA/Neuron run) vs SDPA; sets modeling/kernels.py's
-sdpa_prefill_from_window (CP, CE) and sdpa_decode_from_window (TG).
+masked softmax (what eager/XLA/Neuron run), SDPA, and for prefill graphs the oneDNN custom op
+(chunk_attention); sets modeling/kernels.py's sdpa_prefill_from_window (CP, CE),
+sdpa_decode_from_window (TG) and onednn_chunk_attention_from_window.
 Serving benchmark's model (serve_bench.FULL), fp32, this machine's CPU. Every other kernel
 choice is the cpu backend's (live window, slot views, per-row decode, rowwise linears).
 
@@ -11,7 +12,8 @@ ends at --end, a CE prompt holds --end tokens (default: the window); decode rows
 benchmark/results/attention-<date>-<host>[-tag].{json,md}.
 
     python benchmark/attention_kernel.py [--windows 512,4096] [--kinds cp,ce,tg] [--end 512]
-                                         [--decode 150,...] [--repeats 7] [--tag NAME]
+                                         [--decode 150,...] [--cores masked_softmax,sdpa,onednn_op]
+                                         [--repeats 7] [--tag NAME]
 """
 
 from __future__ import annotations
@@ -32,7 +34,8 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path[:0] = [str(REPO), str(HERE)]
 
-from metrics import interleaved_ms  # noqa: E402
+from host import describe_host  # noqa: E402
+from metrics import interleaved_ms, spread_cell  # noqa: E402
 from serve_bench import FULL  # noqa: E402
 
 from optimum_neuron_chunked.checkpoints import COMMON, build_checkpoint  # noqa: E402
@@ -41,11 +44,19 @@ from optimum_neuron_chunked.graphs import GraphSpec, example_inputs, graph_modul
 from optimum_neuron_chunked.modeling import family_spec, model_from_spec  # noqa: E402
 from optimum_neuron_chunked.modeling.kernels import kernel_choices  # noqa: E402
 
+NO_OP = dict(onednn_chunk_attention_from_window=None)
 KERNELS = {
     "masked_softmax": replace(
-        kernel_choices("cpu"), sdpa_prefill_from_window=None, sdpa_decode_from_window=None
+        kernel_choices("cpu"), sdpa_prefill_from_window=None, sdpa_decode_from_window=None, **NO_OP
     ),
-    "sdpa": replace(kernel_choices("cpu"), sdpa_prefill_from_window=1, sdpa_decode_from_window=1),
+    "sdpa": replace(kernel_choices("cpu"), sdpa_prefill_from_window=1, sdpa_decode_from_window=1, **NO_OP),
+    # decode graphs never call the op: their TG time is SDPA's
+    "onednn_op": replace(
+        kernel_choices("cpu"),
+        sdpa_prefill_from_window=1,
+        sdpa_decode_from_window=1,
+        onednn_chunk_attention_from_window=1,
+    ),  # fmt: skip
 }
 
 
@@ -101,23 +112,29 @@ def main() -> int:
     )
     parser.add_argument("--decode", default=None, help="decode rows' context lengths, comma-separated")
     parser.add_argument("--kinds", default="cp,tg")
+    parser.add_argument("--cores", default="masked_softmax,sdpa", help=f"of {','.join(KERNELS)}")
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--tag", default="")
     args = parser.parse_args()
     contexts = [int(n) for n in args.decode.split(",")] if args.decode else None
+    cores = args.cores.split(",")
     rows = []
     with tempfile.TemporaryDirectory(prefix="attention-") as tmp:
         for window in [int(w) for w in args.windows.split(",")]:
             for kind in args.kinds.split(","):
-                calls = {k: compiled_call(k, kind, window, Path(tmp), args.end, contexts) for k in KERNELS}
+                calls = {k: compiled_call(k, kind, window, Path(tmp), args.end, contexts) for k in cores}
                 row = dict(kind=kind, window=window, end=args.end, decode=contexts)
                 for kernel, times in interleaved_ms(calls, args.repeats, warmup=2).items():
-                    row[kernel] = dict(median_ms=statistics.median(times), spread=[min(times), max(times)])
-                row["speedup"] = row["masked_softmax"]["median_ms"] / row["sdpa"]["median_ms"]
+                    row[kernel] = dict(median_ms=statistics.median(times), ms=times)
                 print(row, flush=True)
                 rows.append(row)
     meta = dict(
-        model=FULL.model, batch=FULL.batch, chunk=FULL.chunk, repeats=args.repeats, torch=torch.__version__
+        model=FULL.model,
+        batch=FULL.batch,
+        chunk=FULL.chunk,
+        repeats=args.repeats,
+        torch=torch.__version__,
+        host=describe_host(),
     )
     stamp = f"attention-{datetime.date.today()}-{platform.node()}{'-' + args.tag if args.tag else ''}"
     lines = [
@@ -127,16 +144,17 @@ def main() -> int:
         "",
         f"Chunk end: {args.end or 'the window'}; decode contexts: {contexts or 'every row at the window'}.",
         "",
-        "| graph | window | masked softmax | SDPA | speedup |",
-        "|---|---|---|---|---|",
+        f"| graph | window | {' | '.join(cores)} | time / {cores[0]}'s |",
+        "|---|---|" + "---|" * (len(cores) + 1),
     ]
     for r in rows:
-        m, s = r["masked_softmax"], r["sdpa"]
+        size = {"cp": FULL.chunk, "ce": r["window"], "tg": FULL.batch}[r["kind"]]
+        cells = [spread_cell(r[c]["ms"]) for c in cores]
+        ratios = ", ".join(f"{r[c]['median_ms'] / r[cores[0]]['median_ms']:.2f}x" for c in cores[1:])
         lines.append(
-            f"| {r['kind']} ({ {'cp': FULL.chunk, 'ce': r['window'], 'tg': FULL.batch}[r['kind']] } "
-            f"{'rows' if r['kind'] == 'tg' else 'tokens'}) | {r['window']} | {m['median_ms']:.1f} "
-            f"[{m['spread'][0]:.1f}-{m['spread'][1]:.1f}] | {s['median_ms']:.1f} "
-            f"[{s['spread'][0]:.1f}-{s['spread'][1]:.1f}] | {r['speedup']:.2f}x |"
+            f"| {r['kind']} ({size} {'rows' if r['kind'] == 'tg' else 'tokens'}) | {r['window']} | "
+            + " | ".join(cells)
+            + f" | {ratios} |"
         )
     out = REPO / "benchmark" / "results"
     (out / f"{stamp}.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=2))

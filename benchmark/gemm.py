@@ -4,7 +4,7 @@ prepacked weights (what vLLM's CPU engine dispatches to: `dispatch_cpu_unquantiz
 vllm/model_executor/layers/utils.py, vLLM 0.32), by rows M (8: a decode step, 64-256: a
 chunk). fp32; median of repeats.
 
-    python benchmark/gemm.py [--rows 8,64,256] [--repeats 200]
+    python benchmark/gemm.py [--rows 8,64,256] [--repeats 200] [--tag NAME]
 """
 
 from __future__ import annotations
@@ -56,6 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rows", default="8,64,256")
     p.add_argument("--repeats", type=int, default=200)
+    p.add_argument("--tag", default="", help="suffix of the results files")
     args = p.parse_args(argv)
     results = {
         name: [measure(int(m), *shape, args.repeats) for m in args.rows.split(",")]
@@ -73,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"{r['aten_weight_gb_s']:.1f}) | {r['aten_in_out_us']:.0f} | {r['onednn_plain_us']:.0f} | {r['onednn_us']:.0f} ({r['onednn_gflops']:.0f}, "
                 f"{r['onednn_weight_gb_s']:.1f}) | {r['onednn_us'] / r['aten_us']:.2f} |"
             )
-    out = HERE / "results" / f"gemm-{date}-vm"
+    out = HERE / "results" / f"gemm-{date}-vm{'-' + args.tag if args.tag else ''}"
     out.with_suffix(".json").write_text(json.dumps(results, indent=1))
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

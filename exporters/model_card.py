@@ -11,7 +11,7 @@ from optimum_neuron_chunked.hub import is_repo_id
 
 HOSTS = {
     "neuron": "AWS {instance_type} instances (Neuron SDK 2.27-2.29)",
-    "cpu": "the host CPU (AOTInductor; x86-64 Linux, torch {torch})",
+    "cpu": "a host CPU with {isa} (AOTInductor; x86-64 Linux, torch {torch})",
     "eager": "the host CPU (no compiled graphs; for tests)",
 }
 
@@ -19,7 +19,9 @@ HOSTS = {
 def model_card(model: str, config: NeuronConfig) -> str:
     import torch
 
-    host = HOSTS[config.backend].format(instance_type=config.instance_type, torch=torch.__version__)
+    host = HOSTS[config.backend].format(
+        instance_type=config.instance_type, torch=torch.__version__, isa=config.cpu_isa
+    )
     prefill = (
         f"chunks of {config.prefill_chunk_size} tokens" if config.chunked else "whole prompts (standard)"
     )

@@ -21,6 +21,7 @@ from optimum_neuron_chunked.config import NeuronConfig
 from optimum_neuron_chunked.graphs import graph_specs
 from optimum_neuron_chunked.integrity import record_files
 from optimum_neuron_chunked.modeling import build_model, family_spec, torch_dtype
+from optimum_neuron_chunked.modeling.kernels import host_cpu_capability
 from optimum_neuron_chunked.modeling.parallel import ShardLayout
 
 from .model_card import write_model_card
@@ -75,6 +76,7 @@ def export(
         max_topk=max_topk,
         backend=backend,
         instance_type=resolve_instance_type(instance_type) if backend == "neuron" else "",
+        cpu_isa=host_cpu_capability() if backend == "cpu" else "",
         context_buckets=tuple(context_buckets),
         prefill_widths=tuple(prefill_widths),
         decode_widths=tuple(decode_widths),

@@ -51,6 +51,7 @@ class NeuronConfig:
     prompt_logits: bool = False  # prefill graphs return every position's logits (prompt logprobs)
     backend: str = "cpu"
     instance_type: str = ""  # neuron backend: trn1 | inf2 | trn2 (the compile target)
+    cpu_isa: str = ""  # cpu backend: the vector ISA of the host that compiled (AVX2, AVX512, ...)
     context_buckets: tuple[int, ...] = ()
     prefill_widths: tuple[int, ...] = ()
     decode_widths: tuple[int, ...] = ()

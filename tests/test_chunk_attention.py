@@ -112,3 +112,13 @@ def test_glibc_accepts_the_heap_thresholds():
     from optimum_neuron_chunked.backends.cpu import keep_freed_heap
 
     assert keep_freed_heap()
+
+
+def test_the_cpu_backend_chooses_the_op_only_on_hosts_with_avx512():
+    """oneDNN's products lose to SDPA's flash kernel without AVX-512 (2-4x a layer on an AVX2
+    EPYC): the choice follows the vector ISA of the host that compiles."""
+    from optimum_neuron_chunked.modeling.kernels import kernel_choices
+
+    assert kernel_choices("cpu", "AVX512").onednn_chunk_attention_from_window == 2048
+    assert kernel_choices("cpu", "AVX2").onednn_chunk_attention_from_window is None
+    assert kernel_choices("neuron", "AVX512").onednn_chunk_attention_from_window is None

@@ -226,6 +226,41 @@ def test_failed_compile_leaves_no_folder(tmp_path, monkeypatch):
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize("export_dir", export_params([f"llama-{CHUNKED_SHAPE}-cpu"]), indirect=True)
+def test_cpu_graphs_compiled_for_another_isa_are_refused_with_the_fix(export_dir, tmp_path):
+    """The export records the vector ISA its graphs were built for; a host without it gets an
+    error naming the fix, not an illegal instruction in the middle of a graph call."""
+    from optimum_neuron_chunked.backends.base import BackendUnavailableError
+    from optimum_neuron_chunked.modeling.kernels import host_cpu_capability
+
+    copy = tmp_path / "copy"
+    shutil.copytree(export_dir, copy)
+    config = json.loads((copy / CONFIG_NAME).read_text())
+    assert config["cpu_isa"] == host_cpu_capability()
+    config["cpu_isa"] = "SVE256"  # no x86 host has it
+    (copy / CONFIG_NAME).write_text(json.dumps(config))
+    with pytest.raises(BackendUnavailableError, match="SVE256 .* export the model again here"):
+        NeuronModelForCausalLM.from_pretrained(copy)
+
+
+@pytest.mark.parametrize(
+    "built, host, runs",
+    [("AVX512", "AVX2", False), ("AVX2", "AVX512", True), ("AVX2", "AVX2", True), ("", "AVX2", True),
+     ("AVX2", "DEFAULT", False), ("SVE256", "AVX512", False)],
+)  # fmt: skip
+def test_cpu_graphs_run_on_hosts_with_their_isa_or_a_wider_one(built, host, runs):
+    from optimum_neuron_chunked.backends.base import BackendUnavailableError
+    from optimum_neuron_chunked.backends.cpu import check_runs_here
+    from optimum_neuron_chunked.config import NeuronConfig
+
+    config = NeuronConfig(batch_size=1, sequence_length=64, cpu_isa=built)
+    if runs:
+        check_runs_here(config, host)
+    else:
+        with pytest.raises(BackendUnavailableError, match=f"with {built} .* this host has {host}"):
+            check_runs_here(config, host)
+
+
 @pytest.fixture
 def eager_export(tmp_path):
     from exporters.neuron import export

@@ -17,7 +17,8 @@ import torch
 from ..config import NeuronConfig
 from ..graphs import GraphSpec, example_inputs, graph_module
 from ..modeling.decoder import DecoderModel
-from .base import GRAPHS_DIR, Backend, OnGraph, load_torch_model
+from ..modeling.kernels import host_cpu_capability
+from .base import GRAPHS_DIR, Backend, BackendUnavailableError, OnGraph, load_torch_model
 
 INDUCTOR_CONFIGS = {"aot_inductor.package_constants_in_so": False}
 
@@ -42,6 +43,25 @@ def keep_freed_heap() -> bool:
         return False
     return bool(libc.mallopt(_M_MMAP_THRESHOLD, _HEAP_UP_TO)) and bool(
         libc.mallopt(_M_TRIM_THRESHOLD, 2**31 - 1)
+    )
+
+
+# x86 vector ISAs as torch names them, each a superset of the ones before it
+_ISA_RANK = {"NO AVX": 0, "DEFAULT": 0, "AVX2": 1, "AVX512": 2}
+
+
+def check_runs_here(config: NeuronConfig, host_isa: str | None = None) -> None:
+    """Refuse graphs compiled for a wider vector ISA than this host's: AOTInductor builds its
+    kernels with the compiling host's ISA flags (torch/_inductor/cpu_vec_isa.py, torch 2.13),
+    so they would die on an illegal instruction here. Exports without the field pass."""
+    host = host_isa or host_cpu_capability()
+    built = config.cpu_isa
+    if not built or built == host or _ISA_RANK.get(built, 9) <= _ISA_RANK.get(host, -1):
+        return
+    raise BackendUnavailableError(
+        f"this export's graphs were compiled on a host with {built} (neuron_config.json: cpu_isa) "
+        f"and this host has {host}: export the model again here (optimum-cli export neuron "
+        "--backend cpu ...)"
     )
 
 
@@ -70,6 +90,7 @@ class CpuBackend(Backend):
     def load(
         self, hf_config, config: NeuronConfig, specs: list[GraphSpec], export_dir: Path
     ) -> dict[str, Callable]:
+        check_runs_here(config)
         keep_freed_heap()
         constants = load_torch_model(hf_config, config, export_dir).constants()
         graphs = {}

@@ -34,7 +34,7 @@ def model_from_spec(
             layers,
             functional_cache,
             prefill_width=config.prefill_chunk_size or None,
-            kernels=kernels or kernel_choices(config.backend),
+            kernels=kernels or kernel_choices(config.backend, config.cpu_isa or None),
         )
 
 

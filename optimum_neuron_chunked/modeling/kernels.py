@@ -50,7 +50,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+
+import torch
 
 
 @dataclass(frozen=True)
@@ -66,20 +68,33 @@ class KernelChoices:
     onednn_chunk_attention_from_window: int | None = None
 
 
-BY_BACKEND = {
-    "cpu": KernelChoices(
-        sdpa_prefill_from_window=1,
-        sdpa_decode_from_window=None,
-        slot_view=True,
-        live_window=True,
-        per_row_live=True,
-        expert_selection=0.2,
-        rowwise_linear_rows=8,
-        onednn_linear=True,
-        onednn_chunk_attention_from_window=2048,
-    )
-}
+# oneDNN's matmul beats ATen's MKL sgemm only where it has AVX-512 (MKL uses none on AMD):
+# on an AVX2 host oneDNN's per-head products lose to SDPA's flash kernel at every width.
+ONEDNN_CAPABILITIES = ("AVX512",)
+
+CPU = KernelChoices(
+    sdpa_prefill_from_window=1,
+    sdpa_decode_from_window=None,
+    slot_view=True,
+    live_window=True,
+    per_row_live=True,
+    expert_selection=0.2,
+    rowwise_linear_rows=8,
+    onednn_linear=True,
+    onednn_chunk_attention_from_window=2048,
+)
+CPU_WITHOUT_AVX512 = replace(CPU, onednn_chunk_attention_from_window=None)
 
 
-def kernel_choices(backend: str) -> KernelChoices:
-    return BY_BACKEND.get(backend, KernelChoices())
+def host_cpu_capability() -> str:
+    """ATen's vector ISA on this host ("AVX512", "AVX2", ...; ATEN_CPU_CAPABILITY lowers it)."""
+    return torch.backends.cpu.get_cpu_capability()
+
+
+def kernel_choices(backend: str, cpu_capability: str | None = None) -> KernelChoices:
+    """The backend's choices; the cpu backend's depend on the vector ISA of the host that
+    compiles (this one unless given): an export is compiled for the host it runs on."""
+    if backend != "cpu":
+        return KernelChoices()
+    capability = cpu_capability or host_cpu_capability()
+    return CPU if capability in ONEDNN_CAPABILITIES else CPU_WITHOUT_AVX512
