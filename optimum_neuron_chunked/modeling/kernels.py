@@ -44,8 +44,11 @@
   flash kernel runs its products on MKL sgemm. Below it the op's ~60 dispatches a layer cost
   more than oneDNN saves (break-even near a live width of 1024). Plain causal layers only:
   sliding windows, rings and sinks keep the choices above. It allocates its score blocks per
-  head, so it pays only with backends.cpu.keep_freed_heap. Measured: see AGENTS.md's
-  performance notes.
+  head, so it pays only with backends.cpu.keep_freed_heap. Hosts with AVX-512 only: without
+  it oneDNN's products lose to SDPA at every width. Measured: see AGENTS.md's performance notes.
+
+The cpu backend's choices follow the vector ISA of the host that compiles (an export records it
+as NeuronConfig.cpu_isa); the other backends' do not depend on the host.
 """
 
 from __future__ import annotations
