@@ -38,6 +38,7 @@ from host import describe_host  # noqa: E402
 from metrics import interleaved_ms, spread_cell  # noqa: E402
 from serve_bench import FULL  # noqa: E402
 
+from optimum_neuron_chunked.backends.cpu import keep_freed_heap  # noqa: E402
 from optimum_neuron_chunked.checkpoints import COMMON, build_checkpoint  # noqa: E402
 from optimum_neuron_chunked.config import NeuronConfig  # noqa: E402
 from optimum_neuron_chunked.graphs import GraphSpec, example_inputs, graph_module  # noqa: E402
@@ -116,6 +117,7 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--tag", default="")
     args = parser.parse_args()
+    keep_freed_heap()  # as CpuBackend.load does: the process a cpu export runs in
     contexts = [int(n) for n in args.decode.split(",")] if args.decode else None
     cores = args.cores.split(",")
     rows = []
