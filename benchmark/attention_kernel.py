@@ -57,7 +57,7 @@ KERNELS = {
         sdpa_prefill_from_window=1,
         sdpa_decode_from_window=1,
         onednn_chunk_attention_from_window=1,
-    ),  # fmt: skip
+    ),
 }
 
 

@@ -71,9 +71,9 @@ class KernelChoices:
     onednn_chunk_attention_from_window: int | None = None
 
 
-# oneDNN's matmul beats ATen's MKL sgemm only where it has AVX-512 (MKL uses none on AMD):
-# on an AVX2 host oneDNN's per-head products lose to SDPA's flash kernel at every width.
-ONEDNN_CAPABILITIES = ("AVX512",)
+# The oneDNN chunk op pays only with AVX-512: on an AVX2 host its per-head products lose to
+# SDPA's flash kernel at every width (the linears are a wash there, so onednn_linear stays).
+ONEDNN_CHUNK_OP_ISAS = ("AVX512",)
 
 CPU = KernelChoices(
     sdpa_prefill_from_window=1,
@@ -100,4 +100,4 @@ def kernel_choices(backend: str, cpu_capability: str | None = None) -> KernelCho
     if backend != "cpu":
         return KernelChoices()
     capability = cpu_capability or host_cpu_capability()
-    return CPU if capability in ONEDNN_CAPABILITIES else CPU_WITHOUT_AVX512
+    return CPU if capability in ONEDNN_CHUNK_OP_ISAS else CPU_WITHOUT_AVX512
