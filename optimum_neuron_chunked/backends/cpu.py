@@ -16,8 +16,9 @@ import torch
 
 from ..config import NeuronConfig
 from ..graphs import GraphSpec, example_inputs, graph_module
+from ..modeling.decode_attention import load_op
 from ..modeling.decoder import DecoderModel
-from ..modeling.kernels import host_cpu_capability
+from ..modeling.kernels import host_cpu_capability, kernel_choices
 from .base import GRAPHS_DIR, Backend, BackendUnavailableError, OnGraph, load_torch_model
 
 INDUCTOR_CONFIGS = {"aot_inductor.package_constants_in_so": False}
@@ -92,6 +93,8 @@ class CpuBackend(Backend):
     ) -> dict[str, Callable]:
         check_runs_here(config)
         keep_freed_heap()
+        if kernel_choices(config.backend, config.cpu_isa or None).decode_attention_op:
+            load_op()  # its graphs call the op through AOTInductor's proxy executor
         constants = load_torch_model(hf_config, config, export_dir).constants()
         graphs = {}
         for spec, path in zip(specs, self.graph_files(specs), strict=True):

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from .chunk_attention import chunk_attention
+from .decode_attention import decode_attention
 from .family import FamilySpec
 from .kernels import KernelChoices
 from .layers import MASK_VALUE, apply_rotary, rms_norm
@@ -179,6 +180,7 @@ class Attention(nn.Module):
         self.sdpa_decode_from = None if sinks else kernels.sdpa_decode_from_window
         plain_causal = not sinks and sliding_window is None and ring is None
         self.onednn_chunk_from = kernels.onednn_chunk_attention_from_window if plain_causal else None
+        self.decode_op = kernels.decode_attention_op and plain_causal
         self.functional_cache, self.use_rope = functional_cache, use_rope
         self.local_rope = local_rope  # gemma3's sliding layers: the local rotary (GraphPart.rotaries)
         self.ring = ring  # cache length of a ring layer (see ring_length); None: position-indexed
@@ -252,7 +254,10 @@ class Attention(nn.Module):
         one_row_per_slot = part.one_row_per_slot
         sdpa_from = self.sdpa_decode_from if one_row_per_slot else self.sdpa_prefill_from
         sdpa = sdpa_from is not None and window >= sdpa_from
-        if one_row_per_slot and read.rows is not None and self.ring is None:
+        if one_row_per_slot and t == 1 and self.decode_op and q.dtype == torch.float32:
+            lengths = position_ids[:, 0] + 1
+            out = decode_attention(q[:, :, 0], k_cache, v_cache, seq_ids, lengths, self.scale)[:, :, None]
+        elif one_row_per_slot and read.rows is not None and self.ring is None:
             out = self._attend_per_row(q, k_cache, v_cache, position_ids, read.rows, sdpa)
         elif one_row_per_slot:
             out = self._attend_in_slot_order(q, k_cache, v_cache, seq_ids, position_ids, live, sdpa)

@@ -46,6 +46,12 @@
   sliding windows, rings and sinks keep the choices above. It allocates its score blocks per
   head, so it pays only with backends.cpu.keep_freed_heap. Hosts with AVX-512 only: without
   it oneDNN's products lose to SDPA at every width. Measured: see AGENTS.md's performance notes.
+- decode_attention_op: decode graphs (one row per slot) run plain causal fp32 layers through the
+  C++ op decode_attention.decode_attention: one call a layer for all rows, each row over its
+  own slot up to its own position (as per_row_live, without the scalar reads), reading every
+  key and value once for the query heads of its group. ATen's bmm at 2 query rows per KV head
+  streams the cache at ~60 % of the host's read bandwidth, the op at ~85 %. Hosts where it was
+  measured only (AVX2); rings, sliding windows, sinks and other dtypes keep the choices above.
 
 The cpu backend's choices follow the vector ISA of the host that compiles (an export records it
 as NeuronConfig.cpu_isa); the other backends' do not depend on the host.
@@ -69,11 +75,14 @@ class KernelChoices:
     rowwise_linear_rows: int = 0
     onednn_linear: bool = False
     onednn_chunk_attention_from_window: int | None = None
+    decode_attention_op: bool = False
 
 
 # The oneDNN chunk op pays only with AVX-512: on an AVX2 host its per-head products lose to
 # SDPA's flash kernel at every width (the linears are a wash there, so onednn_linear stays).
 ONEDNN_CHUNK_OP_ISAS = ("AVX512",)
+# The decode op is measured on AVX2 hosts only (2026-11-25); elsewhere bmm stays until it is.
+DECODE_ATTENTION_OP_ISAS = ("AVX2",)
 
 CPU = KernelChoices(
     sdpa_prefill_from_window=1,
@@ -86,7 +95,6 @@ CPU = KernelChoices(
     onednn_linear=True,
     onednn_chunk_attention_from_window=2048,
 )
-CPU_WITHOUT_AVX512 = replace(CPU, onednn_chunk_attention_from_window=None)
 
 
 def host_cpu_capability() -> str:
@@ -100,4 +108,10 @@ def kernel_choices(backend: str, cpu_capability: str | None = None) -> KernelCho
     if backend != "cpu":
         return KernelChoices()
     capability = cpu_capability or host_cpu_capability()
-    return CPU if capability in ONEDNN_CHUNK_OP_ISAS else CPU_WITHOUT_AVX512
+    return replace(
+        CPU,
+        onednn_chunk_attention_from_window=(
+            CPU.onednn_chunk_attention_from_window if capability in ONEDNN_CHUNK_OP_ISAS else None
+        ),
+        decode_attention_op=capability in DECODE_ATTENTION_OP_ISAS,
+    )

@@ -1,0 +1,69 @@
+"""Decode attention as a C++ op (cpu backend only, kernels.decode_attention_op).
+
+A decode step (TG: one query row per slot) reads each row's live K/V once; that read is the
+step's cost. ATen's bmm with the 2 query heads of a KV group as its rows runs MKL sgemm far
+from the memory stream, so the op (decode_attention.cpp) reads each block of keys and values
+once for the group, with the softmax in between, one call a layer for all rows.
+
+The op is compiled on first use in a process, for this host's vector ISA, by torch's extension
+builder (ninja and the host's C++ compiler, which AOTInductor needs anyway), and cached by
+torch (TORCH_EXTENSIONS_DIR). AOTInductor calls it through its proxy executor, so it must be
+loaded before a graph that calls it runs: backends.cpu loads it with the export when the
+export's kernel choices include it (`load_op`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from .kernels import host_cpu_capability
+
+SOURCE = Path(__file__).with_suffix(".cpp")
+# The same flags AOTInductor compiles its kernels with for each ISA (torch/_inductor/cpu_vec_isa.py)
+ISA_FLAGS = {
+    "AVX512": ["-mavx512f", "-mavx512dq", "-mavx512vl", "-mavx512bw", "-mfma"],
+    "AVX2": ["-mavx2", "-mfma"],
+}
+_loaded = False
+
+
+def load_op() -> None:
+    """Build (once per host ISA and source) and register optimum_neuron_chunked::decode_attention."""
+    global _loaded
+    if _loaded:
+        return
+    from torch.utils.cpp_extension import load
+
+    isa = host_cpu_capability()
+    # -ffast-math: vectorized exp (glibc's libmvec); the op sees no inf or NaN (no -inf mask)
+    load(
+        name=f"optimum_neuron_chunked_decode_attention_{isa.lower()}",
+        sources=[str(SOURCE)],
+        extra_cflags=["-O3", "-ffast-math", "-fopenmp", *ISA_FLAGS.get(isa, [])],
+        extra_ldflags=["-fopenmp", "-lmvec"],
+        is_python_module=False,
+    )
+    torch.library.register_fake("optimum_neuron_chunked::decode_attention")(_shape)
+    _loaded = True
+
+
+def _shape(query, k_cache, v_cache, slots, lengths, scale):
+    return query.new_empty(query.shape)
+
+
+def decode_attention(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slots: torch.Tensor,
+    lengths: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """query [N, Hq, D] (one row per slot), caches [slots, Hkv, S, D], slots / lengths [N]
+    -> [N, Hq, D]: row n over the first lengths[n] positions of slot slots[n]. Query head h
+    reads KV head h // (Hq / Hkv), as transformers' repeat_kv. Padded rows repeat a real row:
+    the same result, computed twice. fp32."""
+    load_op()
+    return torch.ops.optimum_neuron_chunked.decode_attention(query, k_cache, v_cache, slots, lengths, scale)

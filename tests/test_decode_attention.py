@@ -1,0 +1,119 @@
+"""kernels.decode_attention_op: the C++ op a cpu decode graph attends with, against the masked
+softmax written out, inside the model against the path it replaces, and as AOTInductor calls it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from fixtures.export_models import checkpoint_path
+from transformers import AutoConfig
+
+from optimum_neuron_chunked.config import NeuronConfig
+from optimum_neuron_chunked.modeling import attention, build_model, model_from_spec
+from optimum_neuron_chunked.modeling.decode_attention import decode_attention
+from optimum_neuron_chunked.modeling.kernels import KernelChoices, kernel_choices
+
+
+def reference(query, k_cache, v_cache, slots, lengths, scale):
+    """Each row over its slot's first `length` positions, heads grouped as transformers' repeat_kv."""
+    groups = query.shape[1] // k_cache.shape[1]
+    outs = []
+    for q, slot, length in zip(query, slots.tolist(), lengths.tolist(), strict=True):
+        keys = k_cache[slot, :, :length].repeat_interleave(groups, 0)
+        values = v_cache[slot, :, :length].repeat_interleave(groups, 0)
+        outs.append((torch.softmax(q[:, None] @ keys.transpose(1, 2) * scale, -1) @ values)[:, 0])
+    return torch.stack(outs)
+
+
+@pytest.mark.parametrize("heads, kv_heads", [(4, 4), (6, 2), (4, 1)])
+@pytest.mark.parametrize("head_dim", [64, 12])  # 12: a tail after the vector lanes
+def test_decode_attention_equals_the_masked_softmax(heads, kv_heads, head_dim):
+    """Rows of different lengths (1, not a multiple of the key block, the whole cache) in any
+    slot order, a padded row repeating a real one; positions past a row's length (stale
+    entries) are never read."""
+    torch.manual_seed(0)
+    k_cache, v_cache = torch.randn(3, kv_heads, 40, head_dim), torch.randn(3, kv_heads, 40, head_dim)
+    slots, lengths = torch.tensor([2, 0, 1, 0]), torch.tensor([1, 23, 40, 23])
+    query = torch.randn(4, heads, head_dim)
+    query[3] = query[1]  # a padded row repeats the real row 1
+    got = decode_attention(query, k_cache, v_cache, slots, lengths, 0.3)
+    torch.testing.assert_close(got, reference(query, k_cache, v_cache, slots, lengths, 0.3))
+    k_cache[:, :, 23:] = v_cache[:, :, 23:] = float("nan")
+    stale = decode_attention(query[1:2], k_cache, v_cache, slots[1:2], lengths[1:2], 0.3)
+    torch.testing.assert_close(stale, got[1:2])
+
+
+@pytest.mark.parametrize("slot, length", [(3, 5), (-1, 5), (0, 0), (0, 41)])
+def test_decode_attention_refuses_a_row_outside_the_cache(slot, length):
+    caches = torch.zeros(3, 2, 40, 8)
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        decode_attention(
+            torch.zeros(1, 2, 8), caches, caches, torch.tensor([slot]), torch.tensor([length]), 1.0
+        )
+
+
+def test_the_op_replaces_the_decode_attention_of_plain_layers_only(monkeypatch):
+    """Every layer of a decode step calls the op, once for all rows, and gives the hidden states
+    of the per-row path it replaces; a prefill chunk never calls it."""
+    config = NeuronConfig(batch_size=3, sequence_length=128, prefill_chunk_size=16, backend="eager")
+    spec = build_model(AutoConfig.from_pretrained(checkpoint_path("llama")), config).spec
+    torch.manual_seed(0)
+    models = {
+        op: model_from_spec(spec, config, kernels=KernelChoices(live_window=True, per_row_live=True,
+                                                                decode_attention_op=op)).eval()
+        for op in (False, True)
+    }  # fmt: skip
+    models[True].load_state_dict(models[False].state_dict())
+    for name, cache in models[False].named_buffers():
+        if "cache" in name:  # a context already written, the same in both
+            cache.copy_(torch.randn_like(cache))
+            models[True].get_buffer(name).copy_(cache)
+    calls = []
+    monkeypatch.setattr(attention, "decode_attention", lambda *a: calls.append(1) or decode_attention(*a))
+    ids, positions, seq_ids = (
+        torch.tensor([[3], [4], [4]]),
+        torch.tensor([[70], [5], [5]]),
+        torch.tensor([2, 0, 0]),
+    )
+    with torch.no_grad():
+        got, want = (
+            models[op].hidden_states(ids, positions, seq_ids, 128, one_row_per_slot=True)
+            for op in (True, False)
+        )
+        assert len(calls) == spec.num_layers
+        models[True].hidden_states(torch.arange(5, 21)[None], torch.arange(16)[None], torch.tensor([1]), 128,
+                                   one_row_per_slot=False)  # fmt: skip
+    assert len(calls) == spec.num_layers
+    torch.testing.assert_close(got, want)
+
+
+@pytest.mark.slow
+def test_decode_attention_compiled_by_aotinductor(tmp_path):
+    """The op as a cpu decode graph calls it: slots and lengths are graph inputs, the caches
+    the graph's buffers."""
+
+    class DecodeAttention(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("k", torch.randn(3, 2, 64, 8))
+            self.register_buffer("v", torch.randn(3, 2, 64, 8))
+
+        def forward(self, query, positions, seq_ids):
+            return decode_attention(query, self.k, self.v, seq_ids, positions[:, 0] + 1, 0.3)
+
+    module = DecodeAttention()
+    query = torch.randn(2, 4, 8)
+    program = torch.export.export(module, (query, torch.tensor([[5], [9]]), torch.tensor([0, 2])))
+    compiled = torch._inductor.aoti_load_package(
+        torch._inductor.aoti_compile_and_package(program, package_path=str(tmp_path / "a.pt2"))
+    )
+    for positions, seq_ids in [([[5], [9]], [0, 2]), ([[63], [0]], [1, 1])]:
+        positions, seq_ids = torch.tensor(positions), torch.tensor(seq_ids)
+        want = reference(query, module.k, module.v, seq_ids, positions[:, 0] + 1, 0.3)
+        torch.testing.assert_close(compiled(query, positions, seq_ids), want)
+
+
+def test_the_cpu_backend_chooses_the_decode_op_on_the_hosts_it_was_measured_on():
+    assert kernel_choices("cpu", "AVX2").decode_attention_op
+    assert not kernel_choices("cpu", "AVX512").decode_attention_op
+    assert not kernel_choices("neuron", "AVX2").decode_attention_op
