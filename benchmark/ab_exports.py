@@ -10,7 +10,7 @@ cannot show a 5-10 % change). An export keeps the graphs it was compiled with, s
 --tokens: the chunk's real tokens (default the chunk size); --end: the position after its last
 token (default the sequence length: the largest bucket, read whole). --decode: a TG step
 instead, one row per listed context length (slots 0, 1, ...: a row decodes at position
-length - 1), the rest of the batch padding. --mixed: a mixed step, the decode rows of --decode
+length - 1, its context written first), the rest of the batch padding. --mixed: a mixed step, the decode rows of --decode
 with a full chunk ending at --end in the next slot: BEFORE runs TG then CP (two calls), AFTER
 one MX call (a --mixed-step export; the same folder may be both).
 """
@@ -57,11 +57,24 @@ def interleaved_prefill_ms(
     return interleaved_ms(prefill, calls)
 
 
+def write_contexts(model: NeuronModelForCausalLM, contexts: list[int]) -> None:
+    """Prefill slot i with contexts[i] - 1 tokens, chunk by chunk: a decode step then attends
+    over a real prompt's K/V, as in serving, not over the zeros of a fresh cache."""
+    width = model.neuron_config.prefill_chunk_size or model.neuron_config.sequence_length
+    for slot, length in enumerate(contexts):
+        ids = torch.randint(4, 1000, (length - 1,), generator=torch.Generator().manual_seed(slot))
+        for start in range(0, length - 1, width):
+            model.runner.prefill(ids[start : start + width], start, slot)
+
+
 def interleaved_decode_ms(
     folders: dict[str, Path], calls: int, contexts: list[int]
 ) -> dict[str, list[float]]:
-    """One TG step of rows at `contexts` (one per slot), each export in turn; first round untimed."""
+    """One TG step of rows at `contexts` (one per slot, written first), each export in turn;
+    first round untimed."""
     models = {name: NeuronModelForCausalLM.from_pretrained(f) for name, f in folders.items()}
+    for model in models.values():
+        write_contexts(model, contexts)
     rows = len(contexts)
     ids = torch.randint(4, 1000, (rows,), generator=torch.Generator().manual_seed(0))
     positions, slots = torch.tensor(contexts) - 1, torch.arange(rows)
@@ -78,6 +91,8 @@ def interleaved_mixed_ms(
 ) -> dict[str, list[float]]:
     """A mixed step, each export in turn: "before" as TG + CP calls, "after" as one MX call."""
     models = {name: NeuronModelForCausalLM.from_pretrained(f) for name, f in folders.items()}
+    for model in models.values():
+        write_contexts(model, contexts)
     rows, width = len(contexts), models["after"].neuron_config.prefill_chunk_size
     end = end or models["after"].neuron_config.sequence_length
     ids = torch.randint(4, 1000, (rows,), generator=torch.Generator().manual_seed(0))

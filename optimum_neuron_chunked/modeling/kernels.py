@@ -49,9 +49,10 @@
 - decode_attention_op: decode graphs (one row per slot) run plain causal fp32 layers through the
   C++ op decode_attention.decode_attention: one call a layer for all rows, each row over its
   own slot up to its own position (as per_row_live, without the scalar reads), reading every
-  key and value once for the query heads of its group. ATen's bmm at 2 query rows per KV head
-  streams the cache at ~60 % of the host's read bandwidth, the op at ~85 %. Hosts where it was
-  measured only (AVX2); rings, sliding windows, sinks and other dtypes keep the choices above.
+  key and value once for the query heads of its group, instead of ATen's bmm with the group's
+  2-4 query heads as its rows: TG steps 0.90-0.94x, and TG graphs compile without per-row
+  unrolling. Hosts where it was measured only (AVX2); rings, sliding windows, sinks and other
+  dtypes keep the choices above. Measured: see AGENTS.md's performance notes.
 
 The cpu backend's choices follow the vector ISA of the host that compiles (an export records it
 as NeuronConfig.cpu_isa); the other backends' do not depend on the host.
