@@ -6,7 +6,7 @@ and time a prefill of S-1 tokens (the peak RSS it adds, sampled while it runs), 
 context lengths. The roofline divides the bytes a decode step must read (weights + live KV of
 the batch) by its time and compares with this machine's measured copy bandwidth.
 
-    python benchmark/long_context.py [--lengths 1024,4096,8192] [--backend cpu]
+    python benchmark/long_context.py [--lengths 1024,4096,8192] [--backend cpu] [--tag NAME]
 """
 
 from __future__ import annotations
@@ -144,6 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--backend", default="cpu")
     parser.add_argument("--work", type=Path, default=Path.home() / ".cache" / "optimum-neuron-chunked" / "w3")
     parser.add_argument("--results", type=Path, default=HERE / "results")
+    parser.add_argument("--tag", default="", help="suffix of the results files")
     args = parser.parse_args(argv)
     ckpt = build_checkpoint(
         "bench", args.work / "checkpoint", config={**COMMON, **FULL.model, "max_position_embeddings": 8192}
@@ -169,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(row)
             print(json.dumps(row), flush=True)
     bandwidth, read = copy_bandwidth_gb_s(), read_bandwidth_gb_s()
-    tag = f"{datetime.date.today()}-{platform.node()}"
+    tag = f"{datetime.date.today()}-{platform.node()}{'-' + args.tag if args.tag else ''}"
     args.results.mkdir(parents=True, exist_ok=True)
     (args.results / f"w3-{tag}.json").write_text(
         json.dumps({"rows": rows, "copy_gb_s": bandwidth, "read_gb_s": read}, indent=1) + "\n"
