@@ -18,6 +18,7 @@ namespace {
 
 constexpr int64_t kLanes = 8;  // one AVX2 register of floats: the compiler vectorizes these loops
 constexpr int64_t kKeys = 4;   // keys per step of the score loop: independent accumulators
+static_assert(kKeys == 4, "weighted_values unrolls four value rows by hand");
 
 // s[g * length + j] = scale * <q_g, k_j> for the G query heads q (G x D) and j < length; each
 // block of keys is read from memory once for all G heads.
