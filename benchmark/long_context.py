@@ -4,7 +4,7 @@ For each sequence length S (C=256): export a standard (CE) and a chunked (CP) mo
 context bucket (S) in a child process - compile time and the child's peak RSS - then load it
 and time a prefill of S-1 tokens (the peak RSS it adds, sampled while it runs), and one decode step at several
 context lengths. The roofline divides the bytes a decode step must read (weights + live KV of
-the batch) by its time and compares with this machine's measured copy bandwidth.
+the batch) by its median time over 30 calls and compares with this machine's measured read stream.
 
     python benchmark/long_context.py [--lengths 1024,4096,8192] [--backend cpu] [--tag NAME]
 """
@@ -16,6 +16,7 @@ import datetime
 import json
 import os
 import platform
+import statistics
 import subprocess
 import sys
 import time
@@ -33,6 +34,7 @@ from serve_bench import FULL  # noqa: E402
 from optimum_neuron_chunked.checkpoints import COMMON, build_checkpoint  # noqa: E402
 
 CHUNK, BATCH = 256, 4
+DECODE_CALLS = 30  # a decode step's time: the median of this many calls
 
 
 def child_peak(cmd: list[str]) -> tuple[float, float]:
@@ -70,14 +72,16 @@ def run_figures(out: Path) -> dict:
         model.prefill(ids, seq_id=0)
         prefill_s = time.perf_counter() - started
     prefill_extra_mib = (peak.rss - rss0) / 2**20
-    decode = {}
+    decode, spread = {}, {}
     for ctx in sorted({seq // 8, seq // 2, seq - 2}):
         pos = torch.full((BATCH,), ctx)
         model.decode(torch.full((BATCH,), 5), pos, torch.arange(BATCH))  # warm
-        started = time.perf_counter()
-        for _ in range(10):
+        times = []
+        for _ in range(DECODE_CALLS):
+            started = time.perf_counter()
             model.decode(torch.full((BATCH,), 5), pos, torch.arange(BATCH))
-        decode[ctx] = (time.perf_counter() - started) / 10
+            times.append(time.perf_counter() - started)
+        decode[ctx], spread[ctx] = statistics.median(times), (min(times), max(times))
     hf = model.config
     head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
     weights = (out / "model.safetensors").stat().st_size
@@ -87,6 +91,7 @@ def run_figures(out: Path) -> dict:
         "prefill_s": prefill_s,
         "prefill_extra_rss_mib": prefill_extra_mib,
         "decode_step_ms": {c: t * 1e3 for c, t in decode.items()},
+        "decode_step_ms_spread": {c: [t * 1e3 for t in ts] for c, ts in spread.items()},
         "decode_gb_s": roofline,
     }
 
@@ -177,11 +182,15 @@ def main(argv: list[str] | None = None) -> int:
     )
     md = [f"# W3 long context ({args.backend}, B={BATCH}, C={CHUNK}) {tag}", "",
           f"Machine copy bandwidth (read+write): {bandwidth:.1f} GB/s; read-only stream: {read:.1f} GB/s", "",
-          "Decode GB/s: weights + the live KV of the batch, divided by the step time; % of the read stream.", "",
+          f"Decode ms: the median [min-max] of {DECODE_CALLS} calls. Decode GB/s: weights + the live KV of the batch, divided by the median step time; % of the read stream.", "",
           "| S | graph | export s | export peak RSS MiB | graphs MiB | prefill S-1 s | prefill peak +RSS MiB | decode ms (ctx) | decode GB/s (ctx) | % of read |",
           "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for r in rows:
-        dec = ", ".join(f"{v:.1f} ({c})" for c, v in r["decode_step_ms"].items())
+        spread = r.get("decode_step_ms_spread", {})
+        dec = ", ".join(
+            f"{v:.1f}" + (f" [{spread[c][0]:.1f}-{spread[c][1]:.1f}]" if c in spread else "") + f" ({c})"
+            for c, v in r["decode_step_ms"].items()
+        )
         gbs = ", ".join(f"{v:.1f} ({c})" for c, v in r["decode_gb_s"].items())
         pct = ", ".join(f"{100 * v / read:.0f} ({c})" for c, v in r["decode_gb_s"].items())
         md.append(

@@ -23,6 +23,13 @@ from .base import GRAPHS_DIR, Backend, BackendUnavailableError, OnGraph, load_to
 
 INDUCTOR_CONFIGS = {"aot_inductor.package_constants_in_so": False}
 
+
+def inductor_configs(config: NeuronConfig) -> dict:
+    """AOTInductor's options for this export's graphs (kernels.realize_reused_values)."""
+    choices = kernel_choices(config.backend, config.cpu_isa or None)
+    return {**INDUCTOR_CONFIGS, **({"realize_reads_threshold": 0} if choices.realize_reused_values else {})}
+
+
 # glibc's mallopt parameters (malloc.h)
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
 # glibc's upper bound for the mmap threshold on 64-bit hosts (DEFAULT_MMAP_THRESHOLD_MAX)
@@ -85,7 +92,7 @@ class CpuBackend(Backend):
             with on_graph(spec), torch.no_grad():
                 program = torch.export.export(graph_module(model, spec, config), example_inputs(spec, config))
                 torch._inductor.aoti_compile_and_package(
-                    program, package_path=str(out_dir / path), inductor_configs=INDUCTOR_CONFIGS
+                    program, package_path=str(out_dir / path), inductor_configs=inductor_configs(config)
                 )
 
     def load(

@@ -53,6 +53,12 @@
   2-4 query heads as its rows: TG steps 0.90-0.94x, and TG graphs compile without per-row
   unrolling. Hosts where it was measured only (AVX2); rings, sliding windows, sinks and other
   dtypes keep the choices above. Measured: see AGENTS.md's performance notes.
+- realize_reused_values: AOTInductor stores every value that more than one operation consumes
+  (inductor config realize_reads_threshold=0) instead of recomputing it inside each consumer.
+  By default it inlines a pointwise producer into its consumers: a decode graph's RMSNorm output
+  feeds q, k and v (gate and up), so each dot-product kernel of layers.CpuLinear recomputed the
+  norm for every weight row it read, and the linears ran compute-bound, not at the memory
+  stream. Measured: see AGENTS.md's performance notes.
 
 The cpu backend's choices follow the vector ISA of the host that compiles (an export records it
 as NeuronConfig.cpu_isa); the other backends' do not depend on the host.
@@ -77,6 +83,7 @@ class KernelChoices:
     onednn_linear: bool = False
     onednn_chunk_attention_from_window: int | None = None
     decode_attention_op: bool = False
+    realize_reused_values: bool = False
 
 
 # The oneDNN chunk op pays only with AVX-512: on an AVX2 host its per-head products lose to
@@ -95,6 +102,7 @@ CPU = KernelChoices(
     rowwise_linear_rows=8,
     onednn_linear=True,
     onednn_chunk_attention_from_window=2048,
+    realize_reused_values=True,
 )
 
 
