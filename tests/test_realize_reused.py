@@ -22,7 +22,9 @@ class NormThenProjections(nn.Module):
         torch.manual_seed(0)
         self.norm = RMSNorm(64, 1e-6)
         self.norm.weight.data.uniform_(0.5, 1.5)
-        self.q, self.k, self.v = (CpuLinear(64, n, bias=False, rowwise_rows=8, onednn=False) for n in (64, 32, 32))
+        self.q, self.k, self.v = (
+            CpuLinear(64, n, bias=False, rowwise_rows=8, onednn=False) for n in (64, 32, 32)
+        )
 
     def forward(self, x):
         h = self.norm(x)
@@ -34,7 +36,9 @@ def compiled_norm_reads(configs: dict, path) -> tuple[int, tuple[torch.Tensor, .
     module, x = NormThenProjections().eval(), torch.randn(4, 64)
     with torch.no_grad():
         program = torch.export.export(module, (x,))
-        package = torch._inductor.aoti_compile_and_package(program, package_path=str(path), inductor_configs=configs)
+        package = torch._inductor.aoti_compile_and_package(
+            program, package_path=str(path), inductor_configs=configs
+        )
         compiled = torch._inductor.aoti_load_package(package)
         # packaged without constants (as the backend does): bind the module's parameters
         params = dict(module.named_parameters())
