@@ -186,10 +186,9 @@ def main(argv: list[str] | None = None) -> int:
           "| S | graph | export s | export peak RSS MiB | graphs MiB | prefill S-1 s | prefill peak +RSS MiB | decode ms (ctx) | decode GB/s (ctx) | % of read |",
           "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for r in rows:
-        spread = r.get("decode_step_ms_spread", {})
+        spread = r["decode_step_ms_spread"]
         dec = ", ".join(
-            f"{v:.1f}" + (f" [{spread[c][0]:.1f}-{spread[c][1]:.1f}]" if c in spread else "") + f" ({c})"
-            for c, v in r["decode_step_ms"].items()
+            f"{v:.1f} [{spread[c][0]:.1f}-{spread[c][1]:.1f}] ({c})" for c, v in r["decode_step_ms"].items()
         )
         gbs = ", ".join(f"{v:.1f} ({c})" for c, v in r["decode_gb_s"].items())
         pct = ", ".join(f"{100 * v / read:.0f} ({c})" for c, v in r["decode_gb_s"].items())

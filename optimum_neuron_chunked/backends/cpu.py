@@ -88,11 +88,12 @@ class CpuBackend(Backend):
         on_graph: OnGraph,
     ) -> None:
         (out_dir / GRAPHS_DIR).mkdir(parents=True, exist_ok=True)
+        options = inductor_configs(config)
         for spec, path in zip(specs, self.graph_files(specs), strict=True):
             with on_graph(spec), torch.no_grad():
                 program = torch.export.export(graph_module(model, spec, config), example_inputs(spec, config))
                 torch._inductor.aoti_compile_and_package(
-                    program, package_path=str(out_dir / path), inductor_configs=inductor_configs(config)
+                    program, package_path=str(out_dir / path), inductor_configs=options
                 )
 
     def load(
