@@ -25,20 +25,20 @@ def reference(query, k_cache, v_cache, slots, lengths, scale):
     return torch.stack(outs)
 
 
-@pytest.mark.parametrize("heads, kv_heads", [(4, 4), (6, 2), (4, 1)])
-@pytest.mark.parametrize("head_dim", [64, 12])  # 12: a tail after the vector lanes
+@pytest.mark.parametrize("heads, kv_heads", [(4, 4), (6, 2), (8, 4), (4, 1)])
+@pytest.mark.parametrize("head_dim", [64, 32, 12])  # 12: a tail after the vector lanes
 def test_decode_attention_equals_the_masked_softmax(heads, kv_heads, head_dim):
     """Rows of different lengths (1, not a multiple of the key block, the whole cache) in any
     slot order, a padded row repeating a real one; positions past a row's length (stale
-    entries) are never read."""
+    entries) are never read. 150 positions: more than one block of value rows (64)."""
     torch.manual_seed(0)
-    k_cache, v_cache = torch.randn(3, kv_heads, 40, head_dim), torch.randn(3, kv_heads, 40, head_dim)
-    slots, lengths = torch.tensor([2, 0, 1, 0]), torch.tensor([1, 23, 40, 23])
+    k_cache, v_cache = torch.randn(3, kv_heads, 150, head_dim), torch.randn(3, kv_heads, 150, head_dim)
+    slots, lengths = torch.tensor([2, 0, 1, 0]), torch.tensor([1, 71, 150, 71])
     query = torch.randn(4, heads, head_dim)
     query[3] = query[1]  # a padded row repeats the real row 1
     got = decode_attention(query, k_cache, v_cache, slots, lengths, 0.3)
     torch.testing.assert_close(got, reference(query, k_cache, v_cache, slots, lengths, 0.3))
-    k_cache[:, :, 23:] = v_cache[:, :, 23:] = float("nan")
+    k_cache[:, :, 71:] = v_cache[:, :, 71:] = float("nan")
     stale = decode_attention(query[1:2], k_cache, v_cache, slots[1:2], lengths[1:2], 0.3)
     torch.testing.assert_close(stale, got[1:2])
 

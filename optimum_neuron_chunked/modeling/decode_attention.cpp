@@ -4,6 +4,10 @@
 // once for all G query heads of the group (scores into a G x length buffer that stays in
 // cache), takes the softmax, then reads the values once, where ATen's bmm runs a G-row GEMM
 // per head (G = 2 on the bench model) and the softmax between two passes over the scores.
+//
+// With AVX2 + FMA (the hosts the op is chosen on, kernels.py) the two products are written with
+// intrinsics: the portable loops below ran at ~12 GFLOP/s a core with the K/V in cache, so the
+// op could not keep up with memory (a decode step's K/V read ran at ~half the host's stream).
 #include <torch/library.h>
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -13,6 +17,11 @@
 #include <numeric>
 #include <cmath>
 #include <vector>
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define ONC_AVX2 1
+#endif
 
 namespace {
 
@@ -50,9 +59,78 @@ void scores(const float* q, int64_t G, const float* k, int64_t length, int64_t D
     for (int64_t g = 0; g < G; ++g) s[g * length + j] = dot(q + g * D, k + j * D) * scale;
 }
 
+#ifdef ONC_AVX2
+// The eight horizontal sums of a[0..7], in order, as one vector.
+inline __m256 horizontal_sums(const __m256* a) {
+  const __m256 t0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+  const __m256 t1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(t0, t1, 0x20), _mm256_permute2f128_ps(t0, t1, 0x31));
+}
+
+// scores() for heads g0 .. g0 + HB - 1 and D % 8 == 0: 8 accumulators, one per (head, key) of
+// a block of 8 / HB keys, reduced together; the keys' vectors are loaded once for the HB heads.
+template <int HB>
+void scores_avx2(const float* q, int64_t g0, const float* k, int64_t length, int64_t D, float scale, float* s) {
+  constexpr int KB = 8 / HB;
+  const __m256 factor = _mm256_set1_ps(scale);
+  int64_t j = 0;
+  for (; j + KB <= length; j += KB) {
+    __m256 acc[8];
+    for (int i = 0; i < 8; ++i) acc[i] = _mm256_setzero_ps();
+    for (int64_t d = 0; d < D; d += 8) {
+      __m256 keys[KB];
+      for (int r = 0; r < KB; ++r) keys[r] = _mm256_loadu_ps(k + (j + r) * D + d);
+      for (int h = 0; h < HB; ++h) {
+        const __m256 qv = _mm256_loadu_ps(q + (g0 + h) * D + d);
+        for (int r = 0; r < KB; ++r) acc[h * KB + r] = _mm256_fmadd_ps(qv, keys[r], acc[h * KB + r]);
+      }
+    }
+    const __m256 sums = _mm256_mul_ps(horizontal_sums(acc), factor);
+    if (HB == 2) {
+      _mm_storeu_ps(s + g0 * length + j, _mm256_castps256_ps128(sums));
+      _mm_storeu_ps(s + (g0 + 1) * length + j, _mm256_extractf128_ps(sums, 1));
+    } else {
+      _mm256_storeu_ps(s + g0 * length + j, sums);
+    }
+  }
+  for (; j < length; ++j)
+    for (int h = 0; h < HB; ++h) {
+      __m256 acc = _mm256_setzero_ps();
+      for (int64_t d = 0; d < D; d += 8)
+        acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + (g0 + h) * D + d), _mm256_loadu_ps(k + j * D + d), acc);
+      __m256 lanes[8] = {acc, acc, acc, acc, acc, acc, acc, acc};
+      s[(g0 + h) * length + j] = _mm256_cvtss_f32(horizontal_sums(lanes)) * scale;
+    }
+}
+
+// out[g] = sum_j p[g * length + j] * v_j for D % (8 * NV) == 0: blocks of value rows small
+// enough for L1, read from memory once and then once per head from cache; NV accumulators
+// hold 8 * NV output dims of one head.
+template <int NV>
+void weighted_values_avx2(const float* p, int64_t G, const float* v, int64_t length, int64_t D, float* out) {
+  constexpr int64_t kBlock = 64;  // value rows per block: 16 KB at D = 64
+  std::fill(out, out + G * D, 0.f);
+  for (int64_t j0 = 0; j0 < length; j0 += kBlock) {
+    const int64_t j1 = std::min(length, j0 + kBlock);
+    for (int64_t g = 0; g < G; ++g)
+      for (int64_t d0 = 0; d0 < D; d0 += 8 * NV) {
+        float* og = out + g * D + d0;
+        __m256 acc[NV];
+        for (int i = 0; i < NV; ++i) acc[i] = _mm256_loadu_ps(og + 8 * i);
+        for (int64_t j = j0; j < j1; ++j) {
+          const __m256 pj = _mm256_broadcast_ss(p + g * length + j);
+          for (int i = 0; i < NV; ++i) acc[i] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(v + j * D + d0 + 8 * i), acc[i]);
+        }
+        for (int i = 0; i < NV; ++i) _mm256_storeu_ps(og + 8 * i, acc[i]);
+      }
+  }
+}
+#endif
+
 // s <- softmax(s) in place over length entries.
 void softmax(float* s, int64_t length) {
-  const float top = *std::max_element(s, s + length);
+  float top = s[0];
+  for (int64_t j = 1; j < length; ++j) top = std::max(top, s[j]);
   float total = 0.f;
   for (int64_t j = 0; j < length; ++j) {
     s[j] = std::exp(s[j] - top);
@@ -79,6 +157,27 @@ void weighted_values(const float* p, int64_t G, const float* v, int64_t length, 
   for (; j < length; ++j)
     for (int64_t g = 0; g < G; ++g)
       for (int64_t d = 0; d < D; ++d) out[g * D + d] += p[g * length + j] * v[j * D + d];
+}
+
+// The group's scores and weighted values: the AVX2 loops where the head size allows them.
+void group_scores(const float* q, int64_t G, const float* k, int64_t length, int64_t D, float scale, float* s) {
+#ifdef ONC_AVX2
+  if (D % 8 == 0) {
+    int64_t g = 0;
+    for (; g + 2 <= G; g += 2) scores_avx2<2>(q, g, k, length, D, scale, s);
+    if (g < G) scores_avx2<1>(q, g, k, length, D, scale, s);
+    return;
+  }
+#endif
+  scores(q, G, k, length, D, scale, s);
+}
+
+void group_values(const float* p, int64_t G, const float* v, int64_t length, int64_t D, float* out) {
+#ifdef ONC_AVX2
+  if (D % 64 == 0) return weighted_values_avx2<8>(p, G, v, length, D, out);
+  if (D % 32 == 0) return weighted_values_avx2<4>(p, G, v, length, D, out);
+#endif
+  weighted_values(p, G, v, length, D, out);
 }
 
 // query [N, Hq, D]; caches [slots, Hkv, S, D] (positions contiguous); slots, lengths [N] int64
@@ -126,9 +225,9 @@ at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& k_cache, 
       const float* k = kp + slot_of[n] * k_cache.stride(0) + h * k_cache.stride(1);
       const float* v = vp + slot_of[n] * v_cache.stride(0) + h * v_cache.stride(1);
       s.resize(G * length);
-      scores(qp + (n * Hq + h * G) * D, G, k, length, D, static_cast<float>(scale), s.data());
+      group_scores(qp + (n * Hq + h * G) * D, G, k, length, D, static_cast<float>(scale), s.data());
       for (int64_t g = 0; g < G; ++g) softmax(s.data() + g * length, length);
-      weighted_values(s.data(), G, v, length, D, op + (n * Hq + h * G) * D);
+      group_values(s.data(), G, v, length, D, op + (n * Hq + h * G) * D);
     }
   });
   return out;
