@@ -6,8 +6,9 @@
 // per head (G = 2 on the bench model) and the softmax between two passes over the scores.
 //
 // With AVX2 + FMA (the hosts the op is chosen on, kernels.py) the two products are written with
-// intrinsics: the portable loops below ran at ~12 GFLOP/s a core with the K/V in cache, so the
-// op could not keep up with memory (a decode step's K/V read ran at ~half the host's stream).
+// intrinsics: the portable loops (scores, weighted_values) ran at ~12 GFLOP/s a core with the
+// K/V in cache, so the op could not keep up with memory (a decode step read its K/V at about
+// half the host's read stream).
 #include <torch/library.h>
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -67,6 +68,12 @@ inline __m256 horizontal_sums(const __m256* a) {
   return _mm256_add_ps(_mm256_permute2f128_ps(t0, t1, 0x20), _mm256_permute2f128_ps(t0, t1, 0x31));
 }
 
+inline float horizontal_sum(__m256 a) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  s = _mm_hadd_ps(s, s);
+  return _mm_cvtss_f32(_mm_hadd_ps(s, s));
+}
+
 // scores() for heads g0 .. g0 + HB - 1 and D % 8 == 0: 8 accumulators, one per (head, key) of
 // a block of 8 / HB keys, reduced together; the keys' vectors are loaded once for the HB heads.
 template <int HB>
@@ -86,7 +93,7 @@ void scores_avx2(const float* q, int64_t g0, const float* k, int64_t length, int
       }
     }
     const __m256 sums = _mm256_mul_ps(horizontal_sums(acc), factor);
-    if (HB == 2) {
+    if constexpr (HB == 2) {
       _mm_storeu_ps(s + g0 * length + j, _mm256_castps256_ps128(sums));
       _mm_storeu_ps(s + (g0 + 1) * length + j, _mm256_extractf128_ps(sums, 1));
     } else {
@@ -98,8 +105,7 @@ void scores_avx2(const float* q, int64_t g0, const float* k, int64_t length, int
       __m256 acc = _mm256_setzero_ps();
       for (int64_t d = 0; d < D; d += 8)
         acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + (g0 + h) * D + d), _mm256_loadu_ps(k + j * D + d), acc);
-      __m256 lanes[8] = {acc, acc, acc, acc, acc, acc, acc, acc};
-      s[(g0 + h) * length + j] = _mm256_cvtss_f32(horizontal_sums(lanes)) * scale;
+      s[(g0 + h) * length + j] = horizontal_sum(acc) * scale;
     }
 }
 
