@@ -52,7 +52,7 @@ def load_before(rev: str, namespace: str) -> None:
     from torch.utils.cpp_extension import load
 
     isa = host_cpu_capability()
-    load(
+    load(  # the flags decode_attention.load_op builds the working tree's op with
         name=f"onc_decode_attention_before_{namespace}_{isa.lower()}",
         sources=[str(path)],
         extra_cflags=["-O3", "-ffast-math", "-fopenmp", *decode_attention.ISA_FLAGS.get(isa, [])],
@@ -87,7 +87,7 @@ def export_child(which: str, rev: str, export: Path, contexts: list[list[int]], 
     if which == "before":
         load_before(rev, NAMESPACE)
         torch.library.register_fake(f"{NAMESPACE}::decode_attention")(decode_attention._shape)
-        decode_attention._loaded = True
+        decode_attention._loaded = True  # the export's loader then keeps this op (load_op: once)
     from ab_exports import interleaved_decode_ms
 
     print(json.dumps([interleaved_decode_ms({which: export}, calls, c)[which] for c in contexts]))
