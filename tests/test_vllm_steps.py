@@ -49,10 +49,18 @@ class Engine:
         """A greedy request; `resumable`: a streaming-input session, whose next input re-adds the
         id; `sampling`: further SamplingParams fields."""
         from vllm import SamplingParams
-        from vllm.v1.request import Request
 
         params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, **sampling)
-        self.scheduler.add_request(Request(req_id, ids.tolist(), params, None, resumable=resumable))
+        self.add_request(req_id, ids, params, resumable)
+
+    def add_request(self, req_id: str, ids: torch.Tensor, params, resumable: bool = False) -> None:
+        import inspect
+
+        from vllm.v1.request import Request
+
+        # vLLM 0.16.0's Request takes the eos token id (vllm/v1/request.py); 0.32 reads it from params
+        eos = {"eos_token_id": None} if "eos_token_id" in inspect.signature(Request).parameters else {}
+        self.scheduler.add_request(Request(req_id, ids.tolist(), params, None, resumable=resumable, **eos))
         self.tokens.setdefault(req_id, [])
 
     def abort(self, req_id: str) -> None:

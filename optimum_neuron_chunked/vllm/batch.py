@@ -21,8 +21,10 @@ from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.sample.logits_processor import build_logitsprocs
 from vllm.v1.worker.gpu_input_batch import CachedRequestState, InputBatch
 
+from .compat import input_batch_args
 from .connector import PrefixCopies, is_prefix_cache_connector
 from .plan import ScheduledWork
+from .prompt_logprobs import PromptLogprobs
 
 
 def block_of(block_ids: tuple[list[int], ...]) -> int:
@@ -53,14 +55,15 @@ class BatchState:
             max_num_blocks_per_req=[-(-mc.max_model_len // block_size)],
             logitsprocs=build_logitsprocs(vllm_config, cpu, False, False, custom),
             logitsprocs_need_output_token_ids=bool(custom),
+            **input_batch_args(block_size),
         )
         self.requests: dict[str, CachedRequestState] = {}
         # block id -> slot, as the prefix-cache connector assigned them; None: slot = block - 1
         self.block_slots: dict[int, int] | None = (
             {} if is_prefix_cache_connector(vllm_config.kv_transfer_config) else None
         )
-        # Requests whose prompt logprobs are still to come: how many each asked for.
-        self.prompt_logprobs: dict[str, int] = {}
+        # Requests whose prompt logprobs are still to come.
+        self.prompt_logprobs: dict[str, PromptLogprobs] = {}
 
     def slot_of(self, block_ids: tuple[list[int], ...]) -> int:
         block = block_of(block_ids)
@@ -126,7 +129,7 @@ class BatchState:
         self.requests[new.req_id] = state
         if params is not None and params.prompt_logprobs is not None:
             k = params.prompt_logprobs
-            self.prompt_logprobs[new.req_id] = self.input_batch.vocab_size if k == -1 else k
+            self.prompt_logprobs[new.req_id] = PromptLogprobs(self.input_batch.vocab_size if k == -1 else k)
         return state
 
     def _continue_session(self, new) -> CachedRequestState:

@@ -72,10 +72,9 @@ class NeuronChunkedPlatform(Platform):
 
     @classmethod
     def import_kernels(cls) -> None:
-        # vLLM's sampler uses its CPU ops; the CPU platform loads the build this CPU runs.
-        from vllm.platforms.cpu import CpuPlatform
+        from .compat import import_host_kernels
 
-        CpuPlatform.import_kernels()
+        import_host_kernels()
 
     @classmethod
     def check_and_update_config(cls, vllm_config) -> None:
@@ -130,8 +129,12 @@ class NeuronChunkedPlatform(Platform):
         )
 
     @classmethod
-    def validate_request(cls, processed_inputs, params) -> None:
+    def validate_request(cls, *args, **kwargs) -> None:
         from vllm.exceptions import VLLMValidationError
+
+        from .compat import validate_request_args
+
+        processed_inputs, params = validate_request_args(args, kwargs)
 
         if getattr(params, "prompt_logprobs", None) is not None and not cls.serves_prompt_logprobs:
             raise VLLMValidationError(

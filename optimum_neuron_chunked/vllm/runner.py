@@ -13,10 +13,10 @@ from vllm.config import VllmConfig
 from vllm.logger import init_logger
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, LogprobsTensors, ModelRunnerOutput
-from vllm.v1.sample.sampler import Sampler
 
 from ..loader import NeuronModelForCausalLM
 from .batch import BatchState
+from .compat import HostSampler
 from .connector import PrefixCopies
 from .plan import StepPlan, describe, fuse_chunk, plan_step
 from .prompt_logprobs import add_chunk
@@ -41,7 +41,7 @@ class StepRunner:
         self.config = model.neuron_config
         self.batch = BatchState(vllm_config)
         self.logprobs_mode = vllm_config.model_config.logprobs_mode
-        self.sampler = Sampler(logprobs_mode=self.logprobs_mode)
+        self.sampler = HostSampler(self.logprobs_mode)
         self.vocab_size = vllm_config.model_config.get_vocab_size()
         self.rng = torch.Generator().manual_seed(vllm_config.model_config.seed or 0)
         # What the last step ran (step tables, debugging); older plans are not kept, so a
@@ -76,7 +76,7 @@ class StepRunner:
         self._pending = None
         tokens, logprobs = dict(result.device_tokens), None
         if result.host_logits:
-            host, logprobs = host_sample(self.batch, self.sampler, result.host_logits, grammar_output, so)
+            host, logprobs = host_sample(self.batch, self.sampler, result.host_logits, grammar_output)
             tokens.update(host)
         self.batch.append_tokens(tokens)
         ib = self.batch.input_batch
@@ -122,8 +122,8 @@ class StepRunner:
             else:
                 rows = self.model.runner.prefill_positions(tokens, chunk.start, chunk.slot)
                 logits = rows[-1]
-                state = self.batch.requests[chunk.req_id]
-                done, tensors = add_chunk(state, wanted, chunk.start, rows, self.sampler, self.logprobs_mode)
+                prompt = self.batch.requests[chunk.req_id].prompt_token_ids
+                done, tensors = add_chunk(wanted, prompt, chunk.start, rows, self.sampler, self.logprobs_mode)
                 if done:
                     result.prompt_logprobs[chunk.req_id] = tensors
                     del self.batch.prompt_logprobs[chunk.req_id]

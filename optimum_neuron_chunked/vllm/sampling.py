@@ -85,7 +85,7 @@ def device_sampling_inputs(
 
 
 def host_sample(
-    batch: BatchState, sampler: Sampler, logits: dict[str, torch.Tensor], grammar=None, scheduler_output=None
+    batch: BatchState, sampler: Sampler, logits: dict[str, torch.Tensor], grammar=None
 ) -> tuple[dict[str, int], LogprobsLists | None]:
     """Sample the requests in `logits` (req_id -> [V]) with vLLM's sampler.
 
@@ -100,9 +100,7 @@ def host_sample(
     for req_id, row in logits.items():
         full[ib.req_id_to_index[req_id]] = row[:vocab].float()
     if grammar is not None:
-        from vllm.v1.structured_output.utils import apply_grammar_bitmask
-
-        apply_grammar_bitmask(scheduler_output, grammar, ib, full)
+        apply_grammar(grammar, ib.req_id_to_index, full)
     skipped = [i for i, req_id in enumerate(ib.req_ids) if req_id not in logits]
     states = {i: ib.generators[i].get_state() for i in skipped if i in ib.generators}
     out = sampler(full, ib.sampling_metadata)
@@ -112,3 +110,19 @@ def host_sample(
     tokens = {req_id: sampled[ib.req_id_to_index[req_id]] for req_id in logits}
     lists = out.logprobs_tensors.tolists() if out.logprobs_tensors is not None else None
     return tokens, lists
+
+
+def apply_grammar(grammar, req_id_to_index: dict[str, int], logits: torch.Tensor) -> None:
+    """Mask the structured-output requests' rows of `logits` [N, V] (float32, host) to what their
+    grammar allows. `grammar.grammar_bitmask` holds one row per request of
+    `structured_output_request_ids`, in that order (vllm/v1/structured_output, 0.16.0 and 0.32;
+    no speculative tokens here). Our own: vLLM 0.16.0's `apply_grammar_bitmask` pins host memory,
+    which needs a GPU driver."""
+    import xgrammar as xgr
+
+    compact = torch.from_numpy(grammar.grammar_bitmask)
+    rows = [req_id_to_index[r] for r in grammar.structured_output_request_ids]
+    # xgrammar masks logits[i] with bitmask[i] for i in indices: one bitmask row per logits row
+    bitmask = torch.full((logits.shape[0], compact.shape[1]), -1, dtype=compact.dtype)
+    bitmask[rows] = compact
+    xgr.apply_token_bitmask_inplace(logits, bitmask, indices=rows)

