@@ -6,8 +6,8 @@ against what both share (read from the two wheels: SchedulerOutput, the configs 
 sets, FullAttentionSpec, the KV-connector scheduler calls, `execute_model` ->
 `sample_tokens(grammar_output)`, `build_logitsprocs`, `EngineArgs.get_batch_defaults`).
 
-Each difference is detected by what the installed vLLM offers, not by its version string,
-and names the file and release it follows. Differences the plugin sidesteps by owning the
+Each difference is detected by what the installed vLLM offers (by its release where only a
+behaviour differs) and names the file and release it follows. Differences the plugin sidesteps by owning the
 code instead: prompt-logprobs progress is kept by the runner (0.16 keeps it on InputBatch,
 0.32 on CachedRequestState), and the structured-output bitmask is applied by `sampling.py`
 (0.16's `apply_grammar_bitmask` pins host memory, which fails without a GPU driver).
@@ -15,26 +15,16 @@ code instead: prompt-logprobs progress is kept by the runner (0.16 keeps it on I
 
 from __future__ import annotations
 
+import functools
 import inspect
 from typing import Any
 
-import torch
 import vllm
-from vllm.v1.sample.ops.topk_topp_sampler import TopKTopPSampler
-from vllm.v1.sample.sampler import Sampler
-from vllm.v1.worker import worker_base
-from vllm.v1.worker.gpu_input_batch import InputBatch
 
 SUPPORTED = ("0.16.0", "0.32")
 VERSION = vllm.__version__
-
-# vllm/v1/worker/worker_base.py: 0.32 has `CompilationTimes` (returned by
-# `compile_or_warm_up_model`); 0.16.0 returns None there.
-_CompilationTimes = getattr(worker_base, "CompilationTimes", None)
-
-# vllm/v1/worker/gpu_input_batch.py: 0.16.0's InputBatch requires `pin_memory` and
-# `kernel_block_sizes`; 0.32 removed both.
-_INPUT_BATCH_ARGS = frozenset(inspect.signature(InputBatch.__init__).parameters)
+# Imports of vLLM modules stay inside the functions: the platform's `import_kernels` runs while
+# vLLM is still importing its sampler.
 
 
 def import_host_kernels() -> None:
@@ -50,37 +40,56 @@ def import_host_kernels() -> None:
 
 
 def no_compilation_times() -> Any:
-    """What `Worker.compile_or_warm_up_model` returns when nothing compiles at start-up."""
-    return None if _CompilationTimes is None else _CompilationTimes(language_model=0.0, encoder=0.0)
+    """What `Worker.compile_or_warm_up_model` returns when nothing compiles at start-up:
+    vllm/v1/worker/worker_base.py 0.32 has `CompilationTimes`; 0.16.0 returns None there."""
+    from vllm.v1.worker import worker_base
+
+    times = getattr(worker_base, "CompilationTimes", None)
+    return None if times is None else times(language_model=0.0, encoder=0.0)
 
 
 def input_batch_args(block_size: int) -> dict[str, Any]:
-    """InputBatch arguments that only some releases take (host tensors, one KV block size)."""
+    """InputBatch arguments that only some releases take (host tensors, one KV block size):
+    vllm/v1/worker/gpu_input_batch.py 0.16.0 requires `pin_memory` and `kernel_block_sizes`,
+    0.32 removed both."""
+    from vllm.v1.worker.gpu_input_batch import InputBatch
+
+    accepted = inspect.signature(InputBatch).parameters
     extra = {"pin_memory": False, "kernel_block_sizes": [block_size]}
-    return {name: value for name, value in extra.items() if name in _INPUT_BATCH_ARGS}
+    return {name: value for name, value in extra.items() if name in accepted}
 
 
-# vllm/v1/sample/ops/topk_topp_sampler.py: 0.16.0's `forward_cpu` (taken where the platform
-# is_cpu, as ours) draws every row from the global generator unless *every* row has a seed, so
-# a seeded request sampled beside others is not reproducible; its `forward_native` honours each
-# row's generator. 0.32's `forward_cpu` honours them always.
-_SEEDS_NEED_NATIVE = VERSION.startswith("0.16.")
+def host_sampler(logprobs_mode: str):
+    """vLLM's Sampler, each request's seed honoured in a mixed batch on every release.
+
+    vllm/v1/sample/ops/topk_topp_sampler.py: 0.16.0's `forward_cpu` (taken where the platform
+    is_cpu, as ours) draws every row from the global generator unless *every* row has a seed,
+    so a seeded request sampled beside others is not reproducible; its `forward_native` honours
+    each row's generator. 0.32's `forward_cpu` honours them always."""
+    from vllm.v1.sample.sampler import Sampler
+
+    if not VERSION.startswith("0.16."):
+        return Sampler(logprobs_mode=logprobs_mode)
+    return _seeded_sampler_class()(logprobs_mode)
 
 
-class _SeededTopKTopPSampler(TopKTopPSampler):
-    def forward_cpu(self, logits: torch.Tensor, generators: dict, k, p):
-        if generators and len(generators) != logits.shape[0]:
-            return self.forward_native(logits, generators, k, p)
-        return super().forward_cpu(logits, generators, k, p)
+@functools.cache
+def _seeded_sampler_class() -> type:
+    from vllm.v1.sample.ops.topk_topp_sampler import TopKTopPSampler
+    from vllm.v1.sample.sampler import Sampler
 
+    class SeededTopKTopPSampler(TopKTopPSampler):
+        def forward_cpu(self, logits, generators: dict, k, p):
+            if generators and len(generators) != logits.shape[0]:
+                return self.forward_native(logits, generators, k, p)
+            return super().forward_cpu(logits, generators, k, p)
 
-class HostSampler(Sampler):
-    """vLLM's sampler, with each request's seed honoured in a mixed batch on every release."""
+    class SeededSampler(Sampler):
+        def __init__(self, logprobs_mode: str):
+            super().__init__(logprobs_mode=logprobs_mode)
+            self.topk_topp_sampler = SeededTopKTopPSampler(logprobs_mode)
 
-    def __init__(self, logprobs_mode: str):
-        super().__init__(logprobs_mode=logprobs_mode)
-        if _SEEDS_NEED_NATIVE:
-            self.topk_topp_sampler = _SeededTopKTopPSampler(logprobs_mode)
+    return SeededSampler
 
 
 def validate_request_args(args: tuple, kwargs: dict) -> tuple[Any, Any]:

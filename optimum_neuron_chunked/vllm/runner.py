@@ -16,7 +16,7 @@ from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, LogprobsTensors, ModelRun
 
 from ..loader import NeuronModelForCausalLM
 from .batch import BatchState
-from .compat import HostSampler
+from .compat import host_sampler
 from .connector import PrefixCopies
 from .plan import StepPlan, describe, fuse_chunk, plan_step
 from .prompt_logprobs import add_chunk
@@ -41,7 +41,7 @@ class StepRunner:
         self.config = model.neuron_config
         self.batch = BatchState(vllm_config)
         self.logprobs_mode = vllm_config.model_config.logprobs_mode
-        self.sampler = HostSampler(self.logprobs_mode)
+        self.sampler = host_sampler(self.logprobs_mode)
         self.vocab_size = vllm_config.model_config.get_vocab_size()
         self.rng = torch.Generator().manual_seed(vllm_config.model_config.seed or 0)
         # What the last step ran (step tables, debugging); older plans are not kept, so a
