@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import inspect
 import json
 
 import pytest
@@ -14,7 +15,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from optimum_neuron_chunked.backends import BackendUnavailableError
 from optimum_neuron_chunked.backends.neuron import NeuronBackend, has_neuron_device
-from optimum_neuron_chunked.backends.neuron.backend import GraphBundle, priority_graph
+from optimum_neuron_chunked.backends.neuron.backend import BUNDLE_INPUTS, GraphBundle, priority_graph
 from optimum_neuron_chunked.backends.neuron.target import (
     TARGETS,
     compiler_args,
@@ -121,12 +122,62 @@ def test_priority_graph_is_the_widest_tg_in_rows_and_bucket():
     assert priority_graph(graph_specs(config)) == "tg_w64"
 
 
-def test_bundle_runs_the_selected_graph():
-    config = neuron_config(tp=1)
+def every_graph_kind(tp: int = 1) -> dict[str, NeuronConfig]:
+    """Configs whose graph sets hold every kind of graph and every input count: CP (narrow
+    and full), CE, TG (narrow and full, with and without sampling), MX (with and without
+    sampling), copy, prompt logits. tests/nxd_source_check.py traces them with NxD."""
+    shapes = dict(
+        batch_size=2,
+        sequence_length=64,
+        prefill_chunk_size=16,
+        context_buckets=(32, 64),
+        backend="neuron",
+        instance_type="trn1",
+        tp_degree=tp,
+    )
+    return {
+        "chunked": NeuronConfig(
+            **shapes, prefill_widths=(4, 16), decode_widths=(1, 2), mixed_step=True, prompt_logits=True
+        ),
+        "chunked-host-sampling": NeuronConfig(**shapes, mixed_step=True, on_device_sampling=False),
+        "standard": NeuronConfig(**(shapes | dict(prefill_chunk_size=0, decode_widths=(1, 2)))),
+    }
+
+
+def nxd_trace_kwargs(module: torch.nn.Module, args: tuple) -> dict[str, torch.Tensor]:
+    """What ModelBuilder.trace checks of a module and its example inputs before the closed
+    HLO generation, and the keywords it then calls the module with (NxD 0.18,
+    trace/functions.py `_validate_model`, `_validate_model_params`, `_validate_args`,
+    `_process_example_inputs`; tests/nxd_source_check.py runs NxD's own code)."""
+    params = inspect.signature(module.forward).parameters
+    assert params, "Model must have at least one parameter"
+    kinds = {p.kind for p in params.values()}
+    assert not kinds & {inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD}, kinds
+    assert all(p.default in (inspect.Parameter.empty, None) for p in params.values())
+    assert all(isinstance(t, torch.Tensor) for t in args) and 0 < len(args) <= len(params)
+    named = dict(zip(list(params)[: len(args)], args, strict=True))
+    missing = [n for n, p in params.items() if p.default is inspect.Parameter.empty and n not in named]
+    assert not missing, f"Missing required parameters: {missing}"
+    return named
+
+
+def test_every_config_covers_every_graph_kind():
+    specs = [s for config in every_graph_kind().values() for s in graph_specs(config)]
+    kinds = {s.kind + "-narrow" * s.narrow for s in specs}
+    assert kinds == {"ce", "cp", "cp-narrow", "tg", "tg-narrow", "mx", "copy"}
+    counts = {len(example_inputs(s, c)) for c in every_graph_kind().values() for s in graph_specs(c)}
+    assert counts == {2, 3, 5, 6, 8}
+
+
+@pytest.mark.parametrize("name", ["chunked", "chunked-host-sampling", "standard"])
+def test_bundle_runs_the_selected_graph(name):
+    """Each graph through the bundle, as ModelBuilder.trace calls it (keywords named after
+    forward's parameters) and as the xla backend calls it (positional), equals the graph
+    module alone."""
+    config = every_graph_kind()[name]
     path = checkpoint_path("llama")
     hf = AutoModelForCausalLM.from_pretrained(path)
     specs = graph_specs(config)
-    assert priority_graph(specs) == "tg_w64"
 
     def fresh():
         model = build_model(AutoConfig.from_pretrained(path), config, functional_cache=True)
@@ -139,12 +190,21 @@ def test_bundle_runs_the_selected_graph():
         inputs = example_inputs(spec, config)
         bundle.select(spec.name)
         with torch.no_grad():
-            got = bundle(*inputs)
+            by_keyword = bundle(**nxd_trace_kwargs(bundle, inputs))
+            by_position = bundle(*inputs)
             want = graph_module(fresh(), spec, config)(*inputs)
-        for a, b in zip(
-            got if isinstance(got, tuple) else [got], want if isinstance(want, tuple) else [want], strict=True
-        ):
-            torch.testing.assert_close(a, b)
+        for got in (by_keyword, by_position):
+            for a, b in zip(
+                got if isinstance(got, tuple) else [got],
+                want if isinstance(want, tuple) else [want],
+                strict=True,
+            ):
+                torch.testing.assert_close(a, b)
+        if len(inputs) < BUNDLE_INPUTS:
+            with pytest.raises(TypeError, match=f"graph {spec.name} takes inputs 0..{len(inputs) - 1}"):
+                bundle(*inputs, inputs[-1])
+        with pytest.raises(TypeError):
+            bundle(*inputs[:-1])
 
 
 @needs_no_sdk

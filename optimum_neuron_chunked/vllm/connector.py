@@ -74,6 +74,11 @@ class PrefixCopyConnector(KVConnectorBase_V1):
         self._promised.pop(request.request_id, None)
         if num_computed_tokens:  # vLLM's own hit (never, with one block per request)
             return 0, False
+        # A request that wants every prompt token's logprobs reads no prefix. vLLM 0.32's
+        # scheduler drops a connector's hit for it itself (vllm/v1/core/sched/scheduler.py);
+        # 0.16.0's does not, so the connector says it (Request.skip_reading_prefix_cache, both).
+        if request.skip_reading_prefix_cache:
+            return 0, False
         self._sync_live_slots()
         hit = self.index.longest_hit(request.prompt_token_ids)
         if worth_waiting(

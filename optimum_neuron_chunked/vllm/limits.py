@@ -50,7 +50,8 @@ def full_chunk_budget(chunk: int, max_num_seqs: int) -> int:
     chunk fit (decodes are scheduled first; a budget of C left C - decodes, down to one
     token while the CP graph computes C), rounded up to whole chunks because vLLM gives a
     request running alone the whole budget, ignoring long_prefill_token_threshold: it then
-    runs whole chunks back to back, never a sliver."""
+    runs whole chunks back to back, never a sliver (vLLM 0.32; 0.16.0 caps it at one chunk a
+    step, compat.LONE_PREFILL_TAKES_BUDGET)."""
     return -(-(chunk + max_num_seqs - 1) // chunk) * chunk
 
 
