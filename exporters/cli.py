@@ -35,7 +35,7 @@ def add_export_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--backend",
-        choices=("cpu", "eager", "neuron"),
+        choices=("cpu", "eager", "neuron", "xla"),
         default=None,
         help="What the graphs compile for (default: neuron where the Neuron SDK is importable, else cpu).",
     )

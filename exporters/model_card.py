@@ -13,6 +13,7 @@ HOSTS = {
     "neuron": "AWS {instance_type} instances (Neuron SDK 2.27-2.29)",
     "cpu": "a host CPU with {isa} (AOTInductor; x86-64 Linux, torch {torch})",
     "eager": "the host CPU (no compiled graphs; for tests)",
+    "xla": "torch-xla's device (PJRT_DEVICE, CPU by default; the neuron backend's graphs without neuronx-cc)",
 }
 
 

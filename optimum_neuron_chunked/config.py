@@ -10,7 +10,8 @@ from pathlib import Path
 from .version import __version__
 
 CONFIG_NAME = "neuron_config.json"
-BACKENDS = ("cpu", "eager", "neuron")
+# xla: the neuron backend's graphs on torch-xla's device (no neuronx-cc, no Neuron runtime)
+BACKENDS = ("cpu", "eager", "neuron", "xla")
 DTYPES = ("float32", "bfloat16", "float16")
 # Smallest context bucket chosen by default: below this a smaller graph saves little.
 MIN_DEFAULT_BUCKET = 512
@@ -104,7 +105,7 @@ class NeuronConfig:
             )
         if self.tp_degree > 1 and self.backend != "neuron":
             fail(
-                f"--tensor_parallel_size {self.tp_degree} needs --backend neuron (cpu and eager run on one process)."
+                f"--tensor_parallel_size {self.tp_degree} needs --backend neuron (cpu, eager and xla run on one process)."
             )
         if self.max_topk < 1:
             fail(f"max_topk must be >= 1, got {self.max_topk}.")

@@ -15,11 +15,13 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.skip(reason="needs a Neuron device (/dev/neuron*)"))
 
 
+EXPORT_MARKS = {"cpu": [pytest.mark.slow], "xla": [pytest.mark.xla]}
+
+
 def export_params(ids: list[str]) -> list:
-    """Indirect parameters for `neuron_model`: cpu exports are marked slow (they compile)."""
-    return [
-        pytest.param(i, id=i, marks=[pytest.mark.slow] if EXPORTS[i].backend == "cpu" else []) for i in ids
-    ]
+    """Indirect parameters for `neuron_model`: cpu exports are marked slow (they compile), xla
+    exports xla (they need torch-xla)."""
+    return [pytest.param(i, id=i, marks=EXPORT_MARKS.get(EXPORTS[i].backend, [])) for i in ids]
 
 
 @pytest.fixture(scope="session")

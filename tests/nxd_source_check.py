@@ -1,29 +1,46 @@
 """Manual check for a Neuron developer: our decoder built with neuronx-distributed's own
 parallel layers, from NxD's public source, without the closed SDK.
 
-    PJRT_DEVICE=CPU .venv-xla/bin/python tests/nxd_source_check.py PATH_TO_NXD_SOURCE
+    PJRT_DEVICE=CPU .venv-sdk/bin/python tests/nxd_source_check.py PATH_TO_NXD_SOURCE
 
 PATH_TO_NXD_SOURCE is a checkout of aws-neuron/neuronx-distributed (its `src/` folder holds
-the package; checked with Release 2.29 = 0.18.0). The closed SDK modules NxD imports at import
-time (torch_neuronx, neuronxcc, libneuronxla, nki, nkilib) are stubbed: nothing here
+the package; checked with Release 2.29 = 0.18.0, commit fbac349b61a3). The closed SDK
+modules NxD imports (torch_neuronx, neuronxcc, libneuronxla, nki, nkilib) are stubbed: nothing here
 compiles or runs on Neuron. For llama and qwen3 at tp 1 and 2, inside `NxDParallelState` as
 the neuron backend builds it, the script checks that
   - the bundle's parameter names and shapes (as NxD's checkpoint loader walks them: every
     tensor once) equal those of every per-rank shard file `NeuronBackend.save_weights` writes;
   - at tp 1, every graph of the bundle, run on torch-xla's CPU device with its int32 example
     inputs, equals the eager graph on the unsharded model.
+Then it runs the real `NeuronBackend.compile` on llama exports holding every graph kind
+(test_neuron_backend.every_graph_kind: CP narrow and full, TG narrow and full, MX, copy,
+prompt logits; CE; with and without on-device sampling) at tp 1 and 2, up to the first
+closed call of each trace: the stub of `torch_neuronx.xla_impl.trace.generate_hlo` records
+what NxD's `ModelBuilder.trace` hands it and stops that graph's trace. Per graph it prints
+which of NxD's input checks ran before generate_hlo was reached, whether NxDModel's router
+sends a positional call with the graph's inputs to its tag, and at tp 1 whether the bundle
+called by keyword, as generate_hlo is asked to (`treat_inputs_as_kwargs=True`), equals the
+eager graph. The compile then reaches `ModelBuilder.compile`, which finds no trace (every
+one stopped at the stub) and refuses: the expected end.
 Not in CI: NxD's source is not on the package registry.
 """
 
 from __future__ import annotations
 
+import importlib
 import importlib.abc
 import importlib.machinery
 import importlib.util
+import inspect
+import logging
 import os
 import sys
 import tempfile
+import traceback
 import types
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 
 os.environ.setdefault("PJRT_DEVICE", "CPU")
@@ -39,6 +56,8 @@ sys.path[:0] = [str(REPO), str(REPO / "tests")]
 CLOSED = ("torch_neuronx", "neuronxcc", "libneuronxla", "nki", "nkilib")
 # Names NxD calls at import or while building layers, with what they must return.
 STUB_VALUES = {"get_platform_target": lambda: "trn1"}
+# ModelBuilder.__init__ requires torch-neuronx 2.x (NxD 0.18, trace/model_builder_v2.py).
+TORCH_NEURONX_VERSION = "2.9.0+stub"
 
 
 class _Placeholder(type):
@@ -99,6 +118,39 @@ def install_stubs(nxd_source: Path) -> None:
     # nxd_model.py and spmd.py name torch.classes.neuron.* in annotations at import.
     torch.classes.neuron = _Stub("torch.classes.neuron")
     sys.path.insert(0, str(nxd_source / "src"))
+    importlib.import_module("torch_neuronx").__version__ = TORCH_NEURONX_VERSION
+    importlib.import_module("torch_neuronx.xla_impl.trace").generate_hlo = _generate_hlo
+
+
+class ClosedCallReached(Exception):
+    """Raised by the stub of the first closed call of a trace, with what the call received."""
+
+    def __init__(self, model, inputs: dict[str, torch.Tensor], flags: dict, chain: list[str], outputs):
+        super().__init__(f"generate_hlo reached for graph {model._selected}")
+        self.graph, self.signature = model._selected, inspect.signature(model.forward)
+        self.inputs, self.flags, self.chain, self.outputs = inputs, flags, chain, outputs
+
+
+# Whether the stub also calls the module as generate_hlo is asked to: NxD layers run eagerly
+# only at tp 1 (at tp 2 the mock process group has no collectives).
+RUN_TRACED_MODULE = False
+
+
+def _generate_hlo(model, example_inputs, **flags):
+    """torch_neuronx.xla_impl.trace.generate_hlo (closed): records the graph it was asked to
+    trace and stops there. The closed function traces `model` with `example_inputs` as
+    keywords (NxD passes treat_inputs_as_kwargs=True)."""
+    chain = [
+        f"{Path(frame.f_code.co_filename).stem}.{frame.f_code.co_qualname}"
+        for frame, _ in traceback.walk_stack(sys._getframe().f_back)
+        if "neuronx_distributed" in frame.f_code.co_filename
+        or "optimum_neuron_chunked" in frame.f_code.co_filename
+    ][::-1]
+    outputs = None
+    if RUN_TRACED_MODULE:
+        with torch.no_grad():
+            outputs = model(**example_inputs)
+    raise ClosedCallReached(model, dict(example_inputs), flags, chain, outputs)
 
 
 def check_family(family: str, tp: int) -> list[str]:
@@ -153,12 +205,11 @@ def check_family(family: str, tp: int) -> list[str]:
 
 def check_forward(family, full, sharded, config) -> list[str]:
     """tp 1: the NxD-layer bundle on the XLA device equals the eager graphs, graph by graph."""
-    from xla_device import XlaGraphs
-
+    from optimum_neuron_chunked.backends.xla import XlaRuntime
     from optimum_neuron_chunked.graphs import example_inputs, graph_module, graph_specs
 
     sharded.load_weights(sharded.rank_weights(full.unsharded_weights(), 0))
-    xla = XlaGraphs(sharded.eval(), config)
+    xla = XlaRuntime(sharded.eval(), config, graph_specs(config))
     problems = []
     for spec in graph_specs(config):
         inputs = example_inputs(spec, config)
@@ -172,6 +223,161 @@ def check_forward(family, full, sharded, config) -> list[str]:
     return problems
 
 
+@dataclass
+class Reached:
+    """How far one graph's trace got."""
+
+    graph: str
+    stop: ClosedCallReached | None = None
+    refusal: str = ""
+    checks: list[str] = field(default_factory=list)  # NxD's input checks that ran (trace/functions.py)
+
+
+def _watch_checks(checks: list[str]):
+    """A profile hook listing the calls of NxD's trace checks (`_validate_*`,
+    `_process_example_inputs` in trace/functions.py) as they return."""
+
+    def hook(frame, event, arg):
+        code = frame.f_code
+        if event == "return" and code.co_filename.endswith(os.path.join("trace", "functions.py")):
+            if code.co_name.startswith(("_validate", "_process")) and code.co_name not in checks:
+                checks.append(code.co_name)
+
+    return hook
+
+
+class _QuietStops(logging.Filter):
+    """NxD logs every generate_hlo failure at error level, the stub's stops included."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "generate_hlo reached for graph" not in record.getMessage()
+
+
+def check_compile(name: str, tp: int) -> list[str]:
+    """The real NeuronBackend.compile on a llama export, each trace up to generate_hlo."""
+    global RUN_TRACED_MODULE
+    from fixtures.export_models import checkpoint_path
+    from test_neuron_backend import every_graph_kind
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from optimum_neuron_chunked.backends.neuron.backend import NeuronBackend
+    from optimum_neuron_chunked.graphs import example_inputs, graph_module, graph_specs
+    from optimum_neuron_chunked.modeling import build_model
+
+    config = every_graph_kind(tp)[name]
+    path = checkpoint_path("llama")
+    hf_config = AutoConfig.from_pretrained(path)
+    # as exporters/neuron.py hands it to the backend: unsharded, plain layers, HF weights
+    decoder = build_model(hf_config, config)
+    decoder.load_weights(decoder.weights_from_hf(AutoModelForCausalLM.from_pretrained(path)))
+    specs = graph_specs(config)
+    reached: dict[str, Reached] = {}
+
+    @contextmanager
+    def on_graph(spec) -> Iterator[None]:
+        # a graph's trace ends in an exception here; suppressing it lets compile trace the next
+        reached[spec.name] = Reached(spec.name)
+        sys.setprofile(_watch_checks(reached[spec.name].checks))
+        try:
+            yield
+        except RuntimeError as e:  # NxD's trace() wraps generate_hlo's failures
+            if not isinstance(e.__cause__, ClosedCallReached):
+                reached[spec.name].refusal = _refusal(e)
+            else:
+                reached[spec.name].stop = e.__cause__
+        except Exception as e:  # noqa: BLE001  (a refusal by NxD's checks, reported per graph)
+            reached[spec.name].refusal = _refusal(e)
+        else:
+            reached[spec.name].refusal = "trace returned without reaching the stubbed generate_hlo"
+        finally:
+            sys.setprofile(None)
+
+    RUN_TRACED_MODULE = tp == 1
+    end = "compile returned"
+    quiet = _QuietStops()
+    logging.getLogger("Neuron").addFilter(quiet)
+    with tempfile.TemporaryDirectory() as out:
+        try:
+            NeuronBackend().compile(decoder, config, specs, Path(out), on_graph)
+        except ValueError as e:
+            end = f"{_refusal(e)}"
+        finally:
+            logging.getLogger("Neuron").removeFilter(quiet)
+    problems = []
+    if "No traces available for compilation" not in end:
+        problems.append(
+            f"{name} tp{tp}: compile ended with {end!r}, not at ModelBuilder.compile without traces"
+        )
+    router = _router(specs, reached)
+    for spec in specs:
+        r = reached.get(spec.name) or Reached(spec.name, refusal="never traced")
+        if r.refusal or r.stop.graph != spec.name:
+            problem = r.refusal or f"generate_hlo traced graph {r.stop.graph}"
+            problems.append(f"{name} tp{tp} {spec.name}: {problem}")
+            print(f"{name} tp{tp} {spec.name:12} REFUSED {problem}")
+            continue
+        inputs = ", ".join(f"{k} {str(v.dtype)[6:]}{list(v.shape)}" for k, v in r.stop.inputs.items())
+        keywords = r.stop.flags.get("treat_inputs_as_kwargs")
+        line = (
+            f"{name} tp{tp} {spec.name:12} [{inputs}] passed {', '.join(r.checks)}; "
+            f"reached generate_hlo(treat_inputs_as_kwargs={keywords})"
+        )
+        routed = router(spec.name, example_inputs(spec, config))
+        if routed != spec.name:
+            problems.append(f"{name} tp{tp} {spec.name}: a positional call routes to {routed}")
+        line += f"; positional NxDModel call routes here: {routed == spec.name}"
+        if r.stop.outputs is not None:
+            with torch.no_grad():
+                want = graph_module(decoder, spec, config)(*example_inputs(spec, config))
+            same = all(
+                torch.allclose(a.to(b.dtype), b, atol=1e-4, rtol=0)
+                for a, b in zip(_tuple(r.stop.outputs), _tuple(want), strict=True)
+            )
+            if not same:
+                problems.append(f"{name} tp{tp} {spec.name}: keyword call differs from the eager graph")
+            line += f"; keyword call == eager: {same}"
+        print(line)
+    chains = {" > ".join(r.stop.chain) for r in reached.values() if r.stop is not None}
+    print(f"{name} tp{tp}: generate_hlo reached from {' | '.join(sorted(chains))}; then {end}")
+    return problems
+
+
+def _refusal(e: BaseException) -> str:
+    """The exception and the function that raised it (NxD's check, when it is one)."""
+    where = traceback.extract_tb(e.__traceback__)[-1]
+    return f"{type(e).__name__} in {Path(where.filename).name} {where.name}: {e}"
+
+
+def _router(specs, reached: dict[str, Reached]):
+    """NxDModel's own routing (NxD 0.18 trace/nxd_model/nxd_model.py: `add` keys each tag by
+    its traced inputs' names and shapes, `forward` names a call's inputs after the signature
+    with `convert_dict_to_ordered_list` and looks the key up with `router`), fed with what
+    generate_hlo received: which tags a positional call with a graph's inputs reaches. Our
+    graphs share shapes across buckets, so NeuronGraph passes model_name= to pick one."""
+    from neuronx_distributed.trace.functions import _validate_model_params
+    from neuronx_distributed.trace.model_builder_utils import ProvidedArgInfo
+    from neuronx_distributed.trace.nxd_model.nxd_model import NxDModel
+    from neuronx_distributed.trace.nxd_model.utils import generate_route_key_from_provided_args
+
+    stops = [r.stop for r in reached.values() if r.stop is not None]
+    shape_map: dict[str, list[str]] = {}
+    for stop in stops:
+        args = [ProvidedArgInfo(param_name=k, is_positional=True, tensor=v) for k, v in stop.inputs.items()]
+        shape_map.setdefault(generate_route_key_from_provided_args(args), []).append(stop.graph)
+    params = _validate_model_params(stops[0].signature.parameters) if stops else []
+    state = types.SimpleNamespace(model_params=params, input_shape_map=shape_map)
+
+    def route(graph: str, inputs: tuple[torch.Tensor, ...]) -> str:
+        _, names = NxDModel.convert_dict_to_ordered_list(state, {}, len(inputs))
+        try:
+            tags = NxDModel.router(state, list(inputs), names)
+        except KeyError:
+            return "no tag"
+        return graph if graph in tags else f"{tags} only"
+
+    return route
+
+
 def _tuple(x):
     return x if isinstance(x, tuple) else (x,)
 
@@ -183,7 +389,15 @@ def main() -> int:
     install_stubs(Path(sys.argv[1]))
     problems = [p for family in ("llama", "qwen3") for tp in (1, 2) for p in check_family(family, tp)]
     print("\n".join(problems) if problems else "OK: bundle names == shard files; tp 1 forward == eager")
-    return 1 if problems else 0
+    from test_neuron_backend import every_graph_kind
+
+    traced = [p for tp in (1, 2) for name in every_graph_kind(tp) for p in check_compile(name, tp)]
+    print(
+        "\n".join(traced)
+        if traced
+        else "OK: NeuronBackend.compile traced every graph to generate_hlo; positional calls route to its tag"
+    )
+    return 1 if problems or traced else 0
 
 
 if __name__ == "__main__":

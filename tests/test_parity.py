@@ -18,11 +18,15 @@ def prompt(n: int, seed: int = 0) -> torch.Tensor:
     return torch.randint(4, 380, (n,), generator=torch.Generator().manual_seed(1000 * seed + n))
 
 
+# xla exports of llama alone (~10 s each on XLA's CPU device; test_xla generates with every family's)
+PARITY_EXPORTS = [i for i, spec in EXPORTS.items() if spec.backend != "xla" or spec.family == "llama"]
+
+
 def family_of(export_id: str) -> str:
     return EXPORTS[export_id].family
 
 
-@pytest.mark.parametrize("export_dir", export_params(list(EXPORTS)), indirect=True)
+@pytest.mark.parametrize("export_dir", export_params(PARITY_EXPORTS), indirect=True)
 @pytest.mark.parametrize("length", PROMPT_LENGTHS)
 def test_prefill_logits_and_greedy_tokens_match_transformers(export_dir, neuron_model, hf_reference, length):
     hf = hf_reference(neuron_model.config.model_type)
@@ -40,7 +44,7 @@ def test_prefill_logits_and_greedy_tokens_match_transformers(export_dir, neuron_
     assert output.tolist() == expected.tolist()
 
 
-@pytest.mark.parametrize("export_dir", export_params(list(EXPORTS)), indirect=True)
+@pytest.mark.parametrize("export_dir", export_params(PARITY_EXPORTS), indirect=True)
 def test_left_padded_batch_matches_transformers(export_dir, neuron_model, hf_reference):
     hf = hf_reference(neuron_model.config.model_type)
     pad = hf.generation_config.pad_token_id

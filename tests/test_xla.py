@@ -1,26 +1,33 @@
-"""The Neuron gate: every graph kind of every family, traced as the neuron backend traces it,
-runs on torch-xla's CPU device with the graphs' int32 inputs, equals eager, falls back to
-the host for nothing and lowers to static HLO with no custom-call, host transfer or loop.
+"""The Neuron gate: every graph kind of every family, run by the xla backend (the neuron
+backend's bundle on torch-xla's CPU device, with the graphs' int32 inputs), equals eager,
+falls back to the host for nothing and lowers to static HLO with no custom-call, host
+transfer or loop; xla exports loaded by the loader generate what transformers does.
 
-Run with `make test-xla` (the `.venv-xla` environment); skipped where torch-xla is absent.
+Run with `make test-sdk` (the `.venv-sdk` environment); skipped where torch-xla is absent.
 """
 
 from __future__ import annotations
 
 import pytest
 
-pytest.importorskip("torch_xla", reason="XLA checks run in .venv-xla: make test-xla")
+pytest.importorskip("torch_xla", reason="XLA checks run in .venv-sdk: make test-sdk")
 
 import torch  # noqa: E402
-from fixtures.export_models import BUCKETS, CHUNK, SEQUENCE_LENGTH, checkpoint_path  # noqa: E402
-from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig  # noqa: E402
-from xla_device import HloReport, XlaGraphs, fallback_ops, reset_counters  # noqa: E402
+from conftest import export_params  # noqa: E402
+from fixtures.export_models import (  # noqa: E402
+    BUCKETS,
+    CHUNK,
+    EXPORTS,
+    SEQUENCE_LENGTH,
+    checkpoint_path,
+)
+from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
 
+from optimum_neuron_chunked.backends.xla import HloReport, XlaRuntime, fallback_ops, reset_counters  # noqa: E402
 from optimum_neuron_chunked.checkpoints import FAMILIES  # noqa: E402
 from optimum_neuron_chunked.config import NeuronConfig  # noqa: E402
 from optimum_neuron_chunked.graph_runner import GraphRunner  # noqa: E402
-from optimum_neuron_chunked.graphs import graph_module, graph_specs  # noqa: E402
-from optimum_neuron_chunked.loader import NeuronModelForCausalLM  # noqa: E402
+from optimum_neuron_chunked.graphs import example_inputs, graph_module, graph_specs, tg_spec  # noqa: E402
 from optimum_neuron_chunked.modeling import build_model  # noqa: E402
 from optimum_neuron_chunked.modeling.sampler import sampling_params  # noqa: E402
 
@@ -61,8 +68,9 @@ def tokens(n: int, seed: int) -> torch.Tensor:
 
 
 class Pair:
-    """The same weights twice: the neuron backend's bundle on XLA and the eager backend's
-    graphs (in-place cache) on CPU, each behind its own GraphRunner (the one padding rule)."""
+    """The same weights twice: the xla backend's runtime (the neuron backend's bundle) and the
+    eager backend's graphs (in-place cache) on CPU, each behind its own GraphRunner (the one
+    padding rule)."""
 
     def __init__(self, family: str, config: NeuronConfig):
         path = checkpoint_path(family)
@@ -74,11 +82,10 @@ class Pair:
         self.eager_model.eval()
         xla_model = build_model(self.hf_config, config, functional_cache=True)
         xla_model.load_weights(weights)
-        self.xla = XlaGraphs(xla_model, config)
+        self.xla = XlaRuntime(xla_model, config, graph_specs(config))
         eager_graphs = {s.name: graph_module(self.eager_model, s, config) for s in graph_specs(config)}
         self.eager = GraphRunner(config, eager_graphs)
-        self.device = GraphRunner(config, self.xla.callables())
-        self.path = path
+        self.device = GraphRunner(config, self.xla.graphs())
 
     def prefill(self, ids: torch.Tensor, start: int, slot: int) -> None:
         call = "prefill_positions" if self.eager.config.prompt_logits else "prefill"
@@ -271,18 +278,54 @@ def test_bf16_graphs_on_xla_sample_the_eager_tokens(family):
     assert fallback_ops() == []
 
 
-@pytest.mark.parametrize("chunked", [True, False], ids=["chunked", "standard"])
-@pytest.mark.parametrize("family", list(FAMILIES))
-def test_generate_on_xla_equals_transformers(family, chunked):
-    """The loader's generate() with every graph executing on the XLA device."""
-    config = export_config(chunked)
-    pair = Pair(family, config)
-    model = NeuronModelForCausalLM(
-        pair.path, pair.hf_config, config, pair.device, GenerationConfig.from_pretrained(pair.path)
-    )
-    hf = AutoModelForCausalLM.from_pretrained(pair.path, dtype=torch.float32).eval()
+@pytest.mark.parametrize(
+    "export_dir", export_params([i for i, spec in EXPORTS.items() if spec.backend == "xla"]), indirect=True
+)
+def test_generate_on_xla_equals_transformers(export_dir, neuron_model, hf_reference):
+    """The loader's generate() on an xla export: every graph executing on the XLA device."""
+    assert neuron_model.neuron_config.backend == "xla"
+    hf = hf_reference(neuron_model.config.model_type)
+    reset_counters()
     for length in (CHUNK + 5, 2):
         ids = tokens(length, seed=length)[None]
         with torch.no_grad():
             expected = hf.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False)
-        assert model.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False).tolist() == expected.tolist()
+        assert (
+            neuron_model.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False).tolist()
+            == expected.tolist()
+        )
+    assert fallback_ops() == []
+
+
+def test_cli_xla_export_generates_like_transformers(tmp_path):
+    """`optimum-cli export neuron --backend xla`: the weights alone (recorded and checked as the
+    eager backend's), loaded by the loader onto the XLA device; greedy tokens equal
+    transformers', no aten op falls back to the host and every graph that ran lowered to static
+    HLO."""
+    from exporters.cli import main
+    from optimum_neuron_chunked import NeuronModelForCausalLM
+    from optimum_neuron_chunked.integrity import recorded_files
+
+    path, out = checkpoint_path("llama"), tmp_path / "export"
+    argv = ["--model", str(path), "--batch_size", "2", "--sequence_length", str(SEQUENCE_LENGTH),
+            "--prefill-chunk-size", str(CHUNK), "--context-buckets", ",".join(map(str, BUCKETS)),
+            "--backend", "xla", str(out)]  # fmt: skip
+    assert main(argv) == 0
+    assert sorted(recorded_files(out)) == ["model.safetensors"]
+    assert not (out / "graphs").exists()
+    model = NeuronModelForCausalLM.from_pretrained(out, backend="xla", verify_weights=True)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    reset_counters()
+    ids = tokens(2 * CHUNK + 3, seed=11)[None]  # chunks in buckets 64, 64, 128; decodes in 128
+    with torch.no_grad():
+        expected = hf.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False)
+    assert model.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False).tolist() == expected.tolist()
+    assert fallback_ops() == []
+    runtime = model.runner.graphs["tg_w128"].runtime
+    assert set(runtime.hlo) == {"cp_w64", "cp_w128", "tg_w128"}
+    for name, report in runtime.hlo.items():
+        assert report.forbidden == [] and report.dynamic_shapes == [], name
+    # inputs typed otherwise than traced (int64 indices) would be another graph: refused
+    inputs = example_inputs(tg_spec(model.neuron_config, 2, 128), model.neuron_config)
+    with pytest.raises(TypeError, match="tg_w128 was traced with inputs"):
+        model.runner.graphs["tg_w128"](*(x if x.is_floating_point() else x.long() for x in inputs))

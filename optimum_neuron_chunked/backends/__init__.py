@@ -1,6 +1,5 @@
+from ..config import BACKENDS
 from .base import Backend, BackendUnavailableError
-
-BACKENDS = ("cpu", "eager", "neuron")
 
 
 def default_backend() -> tuple[str, str]:
@@ -28,7 +27,11 @@ def get_backend(name: str) -> Backend:
         from .neuron import NeuronBackend
 
         return NeuronBackend()
-    raise ValueError(f"unknown backend {name!r}: choose cpu, eager or neuron")
+    if name == "xla":
+        from .xla import XlaBackend
+
+        return XlaBackend()
+    raise ValueError(f"unknown backend {name!r}: choose one of {', '.join(BACKENDS)}")
 
 
 def export_files(config) -> list[str]:

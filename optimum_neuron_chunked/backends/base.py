@@ -61,8 +61,10 @@ class Backend(ABC):
         return []
 
 
-def load_torch_model(hf_config, config: NeuronConfig, export_dir: Path) -> DecoderModel:
-    """The decoder with the export's weights and a zero KV cache, in eval mode (cpu, eager)."""
-    model = build_model(hf_config, config)
+def load_torch_model(
+    hf_config, config: NeuronConfig, export_dir: Path, functional_cache: bool = False
+) -> DecoderModel:
+    """The decoder with the export's weights and a zero KV cache, in eval mode (cpu, eager, xla)."""
+    model = build_model(hf_config, config, functional_cache=functional_cache)
     model.load_weights(load_file(export_dir / WEIGHTS_NAME))
     return model.eval()

@@ -1,0 +1,175 @@
+"""The neuron backend's graphs on torch-xla's device, without neuronx-cc or the Neuron runtime.
+
+torch-neuronx is built on torch-xla: `ModelBuilder.trace` runs the neuron backend's
+`GraphBundle` (the decoder built with `functional_cache=True`) on the XLA device with the
+graphs' example input types and hands the HLO to neuronx-cc. This backend runs that same
+bundle on the device torch-xla's `PJRT_DEVICE` names (CPU by default), one XLA execution per
+graph call, the KV cache kept on the device between calls: a graph that lowers to static HLO
+and computes the right tokens here is what the Neuron compiler receives. Only the parallel
+layers differ (plain torch layers at tp 1; tests/nxd_source_check.py runs NxD's own).
+
+An export holds the weights alone, as the eager backend's; each graph is traced at its first
+call, when its `HloReport` is recorded (`XlaRuntime.hlo`). torch_xla is imported only here,
+inside functions: hosts without it still read such exports' configs.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+from ..config import NeuronConfig
+from ..graphs import GraphSpec, example_inputs
+from ..modeling.decoder import DecoderModel
+from .base import Backend, BackendUnavailableError, OnGraph, load_torch_model
+
+# HLO that neuronx-cc cannot take as a static graph, or that would leave the device per call.
+FORBIDDEN_HLO = ("custom-call", "while(", "infeed(", "outfeed(", "send(", "recv(", "host", "callback")
+# An instruction: `%name = <type> opcode(`, the type an array `f32[2,64]{1,0}` or a tuple of them.
+INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%\S+\s+=\s+(.*?)\s+([\w-]+)\(", re.MULTILINE)
+CENSUS_OPS = ("sort", "scatter", "gather", "dot", "reduce")
+
+
+def require_torch_xla() -> ModuleType:
+    """torch_xla, or BackendUnavailableError saying how to install it."""
+    try:
+        import torch_xla
+    except (ImportError, OSError) as e:  # OSError: a build for another torch (undefined symbols)
+        raise BackendUnavailableError(
+            f"the xla backend needs torch-xla built for this torch ({torch.__version__}): {e}. "
+            "Install the matching pair, e.g. the Neuron SDK mirror environment: "
+            "pip install 'optimum-neuron-chunked[xla]' (torch 2.9.1, torch-xla 2.9.0), or `make install-sdk`."
+        ) from e
+    return torch_xla
+
+
+class XlaBackend(Backend):
+    name = "xla"
+
+    def check_available(self) -> None:
+        require_torch_xla()
+
+    def compile(
+        self,
+        model: DecoderModel,
+        config: NeuronConfig,
+        specs: list[GraphSpec],
+        out_dir: Path,
+        on_graph: OnGraph,
+    ) -> None:
+        pass  # the weights are the export: each graph is traced on the device at its first call
+
+    def load(
+        self, hf_config, config: NeuronConfig, specs: list[GraphSpec], export_dir: Path
+    ) -> dict[str, Callable]:
+        require_torch_xla()
+        model = load_torch_model(hf_config, config, export_dir, functional_cache=True)
+        return XlaRuntime(model, config, specs).graphs()
+
+
+class XlaRuntime:
+    """The neuron backend's bundle on the XLA device. A call checks its inputs against the
+    traced signature (shapes, graphs.INDEX_DTYPE integers), runs as one XLA execution
+    (`torch_xla.sync()`) and returns host copies; the functional cache writes reassign the
+    cache buffers, which stay on the device."""
+
+    def __init__(self, model: DecoderModel, config: NeuronConfig, specs: list[GraphSpec]):
+        from .neuron.backend import GraphBundle
+
+        if not model.functional_cache:
+            raise ValueError(
+                "the xla backend runs the decoder the neuron backend traces: functional_cache=True"
+            )
+        torch_xla = require_torch_xla()
+        self.device = torch_xla.device()
+        self.bundle = GraphBundle(model.to(self.device).eval(), config, specs)
+        self.signatures = {
+            spec.name: [(tuple(x.shape), x.dtype) for x in example_inputs(spec, config)] for spec in specs
+        }
+        self.hlo: dict[str, HloReport] = {}  # graph -> what it lowered to, at its first call
+
+    def graphs(self) -> dict[str, Callable]:
+        """Graph callables by name, as a backend's `load` returns them."""
+        return {name: XlaGraph(self, name) for name in self.signatures}
+
+    def run(self, name: str, *inputs: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, ...]:
+        import torch_xla
+
+        got = [(tuple(x.shape), x.dtype) for x in inputs]
+        if got != self.signatures[name]:
+            raise TypeError(f"graph {name} was traced with inputs {self.signatures[name]}, got {got}")
+        self.bundle.select(name)
+        with torch.no_grad():
+            outputs = self.bundle(*(x.to(self.device) for x in inputs))
+        flat = list(outputs) if isinstance(outputs, tuple) else [outputs]
+        if name not in self.hlo:
+            caches = list(self._caches().values())
+            self.hlo[name] = HloReport.of(name, torch_xla._XLAC._get_xla_tensors_hlo(flat + caches))
+        torch_xla.sync()
+        host = [t.cpu() for t in flat]
+        return tuple(host) if isinstance(outputs, tuple) else host[0]
+
+    def caches(self) -> dict[str, torch.Tensor]:
+        """Host copies of every layer's K/V cache."""
+        return {n: t.cpu() for n, t in self._caches().items()}
+
+    def _caches(self) -> dict[str, torch.Tensor]:
+        model = self.bundle.model
+        return {n: getattr(model, n) for n in model.cache_names()}
+
+
+class XlaGraph:
+    """One graph of an `XlaRuntime`, called like the other backends' graphs."""
+
+    def __init__(self, runtime: XlaRuntime, name: str):
+        self.runtime, self.name = runtime, name
+
+    def __call__(self, *inputs: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, ...]:
+        return self.runtime.run(self.name, *inputs)
+
+
+@dataclass
+class HloReport:
+    """What one graph lowered to: forbidden constructs, dynamic dims and an op census."""
+
+    graph: str
+    forbidden: list[str] = field(default_factory=list)
+    dynamic_shapes: list[str] = field(default_factory=list)
+    census: Counter = field(default_factory=Counter)
+    widest_sort: int = 0  # length of the longest sorted dimension (top-k lowers to sort)
+
+    @classmethod
+    def of(cls, graph: str, hlo: str) -> HloReport:
+        report = cls(graph)
+        report.forbidden = sorted({word for word in FORBIDDEN_HLO if word in hlo})
+        for shape, opcode in INSTRUCTION.findall(hlo):
+            if "<=" in shape or "?" in shape:
+                report.dynamic_shapes.append(f"{opcode} {shape}")
+            if opcode in CENSUS_OPS:
+                report.census[opcode] += 1
+            if opcode == "sort":
+                dims = re.search(r"\[([\d,]+)\]", shape).group(1).split(",")
+                report.widest_sort = max(report.widest_sort, int(dims[-1]))
+            if shape.startswith("s64["):
+                report.census["s64 values"] += 1
+            report.census["instructions"] += 1
+        return report
+
+
+def fallback_ops() -> list[str]:
+    """aten ops that ran on the host instead of lowering to XLA since the last reset (process-wide)."""
+    import torch_xla.debug.metrics as metrics
+
+    return sorted(name for name in metrics.counter_names() if name.startswith("aten::"))
+
+
+def reset_counters() -> None:
+    import torch_xla.debug.metrics as metrics
+
+    metrics.clear_counters()
