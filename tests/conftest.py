@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import glob
+import importlib.util
 import sys
 
 import pytest
@@ -10,9 +11,14 @@ from fixtures.export_models import EXPORTS, checkpoint_path, export_model
 
 def pytest_collection_modifyitems(config, items):
     has_device = bool(glob.glob("/dev/neuron*"))
+    has_xla = importlib.util.find_spec("torch_xla") is not None
     for item in items:
         if "neuron" in item.keywords and not has_device:
             item.add_marker(pytest.mark.skip(reason="needs a Neuron device (/dev/neuron*)"))
+        if "xla" in item.keywords and not has_xla:
+            item.add_marker(
+                pytest.mark.skip(reason="needs torch-xla: the SDK-mirror environment (make test-sdk)")
+            )
 
 
 EXPORT_MARKS = {"cpu": [pytest.mark.slow], "xla": [pytest.mark.xla]}

@@ -31,7 +31,7 @@ from optimum_neuron_chunked.modeling import build_model
 from optimum_neuron_chunked.modeling.parallel import DistLayers, TorchLayers
 
 needs_no_sdk = pytest.mark.skipif(has_neuron_device(), reason="checks the refusal on a host without Neuron")
-# The XLA environment (make test-xla) runs this file without vLLM; the main suite has it.
+# The SDK-mirror environment (make test-sdk) runs this file too, under transformers 4.57.
 needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vLLM (main suite)")
 
 

@@ -13,7 +13,7 @@ import torch
 from conftest import export_params
 from test_parity import prompt
 from test_vllm_engine import hf_greedy
-from test_vllm_steps import EXPORT, Engine
+from test_vllm_steps import EXPORT, XLA_EXPORT, Engine
 
 from optimum_neuron_chunked.vllm.compat import LONE_PREFILL_TAKES_BUDGET
 
@@ -44,7 +44,7 @@ def engine(export_dir):
     return CachingEngine(export_dir)
 
 
-pytestmark = pytest.mark.parametrize("export_dir", export_params([EXPORT]), indirect=True)
+pytestmark = pytest.mark.parametrize("export_dir", export_params([EXPORT, XLA_EXPORT]), indirect=True)
 
 
 def test_a_shared_three_chunk_prefix_schedules_only_the_suffix(engine, hf_reference):

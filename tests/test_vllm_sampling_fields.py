@@ -33,7 +33,9 @@ def test_a_field_set_away_from_its_default_is_honoured(field):
         assert not on_device_eligible(params, max_topk=256, vocab_size=512)
 
 
-@pytest.mark.parametrize("export_dir", export_params(["llama-2x4x32-eager"]), indirect=True)
+@pytest.mark.parametrize(
+    "export_dir", export_params(["llama-2x4x32-eager", "llama-2x4x32-xla"]), indirect=True
+)
 @pytest.mark.parametrize("asked", [dict(temperature=0.0), dict(temperature=0.8, top_k=5, top_p=0.9)])
 def test_plain_requests_as_vllm_prepares_them_sample_on_device(export_dir, llm, asked):  # noqa: F811
     """The runner sees the parameters after vLLM's front end has filled in what it resolves
@@ -63,7 +65,9 @@ def test_logprob_token_ids_come_with_every_token(export_dir, llm):  # noqa: F811
     assert len(out.logprobs) == 4 and all({5, 6} <= set(step) for step in out.logprobs)
 
 
-@pytest.mark.parametrize("export_dir", export_params(["llama-2x4x32-eager"]), indirect=True)
+@pytest.mark.parametrize(
+    "export_dir", export_params(["llama-2x4x32-eager", "llama-2x4x32-xla"]), indirect=True
+)
 def test_greedy_with_min_tokens_and_seed_decode_on_the_host(export_dir, llm):  # noqa: F811
     from vllm import SamplingParams
 

@@ -10,7 +10,8 @@ from test_parity import prompt
 from test_vllm_engine import hf_greedy
 from vllm_server import Server, concurrent_greedy_tokens
 
-SERVED = ["gemma3_text-2x4x32-eager", "qwen3_moe-2x4x32-eager"]
+# eager, and the sliding-window family on xla (the SDK-mirror environment; llama: test_vllm_xla)
+SERVED = ["gemma3_text-2x4x32-eager", "qwen3_moe-2x4x32-eager", "gemma3_text-2x4x32-xla"]
 
 
 @pytest.mark.parametrize("export_dir", export_params(SERVED), indirect=True)

@@ -16,6 +16,7 @@ from test_vllm_engine import hf_greedy
 from optimum_neuron_chunked.vllm.plan import describe_chunks
 
 EXPORT = "llama-2x4x32-eager"
+XLA_EXPORT = "llama-2x4x32-xla"  # the graphs on torch-xla's device, served by the SDK's vLLM
 
 
 class Engine:
@@ -101,7 +102,7 @@ def engine_factory(export_dir):
     return lambda: Engine(export_dir)
 
 
-@pytest.mark.parametrize("export_dir", export_params([EXPORT]), indirect=True)
+@pytest.mark.parametrize("export_dir", export_params([EXPORT, XLA_EXPORT]), indirect=True)
 def test_decodes_continue_between_the_chunks_of_a_long_prompt(export_dir, engine_factory, hf_reference):
     engine = engine_factory()
     a, b = prompt(5, seed=10), prompt(100, seed=11)
@@ -143,7 +144,7 @@ def test_a_prompt_alone_runs_full_chunks_back_to_back(export_dir, engine_factory
     assert engine.tokens["a"] == hf_greedy(hf_reference("llama"), ids, 2)
 
 
-@pytest.mark.parametrize("export_dir", export_params([EXPORT]), indirect=True)
+@pytest.mark.parametrize("export_dir", export_params([EXPORT, XLA_EXPORT]), indirect=True)
 def test_abort_mid_prefill_frees_the_slot_for_a_queued_request(export_dir, engine_factory, hf_reference):
     engine = engine_factory()
     a, b, c = prompt(6, seed=13), prompt(90, seed=14), prompt(40, seed=15)
@@ -203,7 +204,7 @@ def budget_engine(export_dir, budget: int) -> Engine:
     return Engine(export_dir, VllmConfig(model_config=model, scheduler_config=sched))
 
 
-@pytest.mark.parametrize("export_dir", export_params([EXPORT]), indirect=True)
+@pytest.mark.parametrize("export_dir", export_params([EXPORT, XLA_EXPORT]), indirect=True)
 @pytest.mark.parametrize("budget", [1, 2, 32])
 @pytest.mark.parametrize("reset_after", ["a-decoding-b-prefilling", "both-decoding"])
 def test_recompute_after_a_reset_gives_the_transformers_tokens(export_dir, hf_reference, budget, reset_after):

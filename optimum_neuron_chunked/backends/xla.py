@@ -9,7 +9,8 @@ and computes the right tokens here is what the Neuron compiler receives. Only th
 layers differ (plain torch layers at tp 1; tests/nxd_source_check.py runs NxD's own).
 
 An export holds the weights alone, as the eager backend's; each graph is traced at its first
-call, when its `HloReport` is recorded (`XlaRuntime.hlo`). torch_xla is imported only here,
+call, when its `HloReport` is recorded (`XlaRuntime.hlo`) and a graph that is not one static,
+device-only HLO module is refused (`XlaLoweringError`): serving an xla export is a Neuron gate. torch_xla is imported only here,
 inside functions: hosts without it still read such exports' configs.
 """
 
@@ -104,14 +105,18 @@ class XlaRuntime:
         got = [(tuple(x.shape), x.dtype) for x in inputs]
         if got != self.signatures[name]:
             raise TypeError(f"graph {name} was traced with inputs {self.signatures[name]}, got {got}")
+        before = fallback_counts() if name not in self.hlo else {}
         self.bundle.select(name)
         with torch.no_grad():
             outputs = self.bundle(*(x.to(self.device) for x in inputs))
         flat = list(outputs) if isinstance(outputs, tuple) else [outputs]
-        if name not in self.hlo:
+        first = name not in self.hlo
+        if first:
             caches = list(self._caches().values())
             self.hlo[name] = HloReport.of(name, torch_xla._XLAC._get_xla_tensors_hlo(flat + caches))
         torch_xla.sync()
+        if first:
+            self.hlo[name].raise_if_unfit(fallback_counts(), before)
         host = [t.cpu() for t in flat]
         return tuple(host) if isinstance(outputs, tuple) else host[0]
 
@@ -160,6 +165,36 @@ class HloReport:
                 report.census["s64 values"] += 1
             report.census["instructions"] += 1
         return report
+
+    def raise_if_unfit(self, fallbacks: dict[str, int], before: dict[str, int]) -> None:
+        """Refuse a graph neuronx-cc would not take as the static graph it is meant to be: HLO
+        with forbidden constructs or dynamic shapes, or aten ops that ran on the host while it
+        was traced (`fallbacks` vs `before`: counts of `fallback_counts`)."""
+        host = sorted(op for op, n in fallbacks.items() if n > before.get(op, 0))
+        problems = [
+            f"{what}: {', '.join(found[:5])}"
+            for what, found in (
+                ("forbidden HLO", self.forbidden),
+                ("dynamic shapes", self.dynamic_shapes),
+                ("aten ops on the host", host),
+            )
+            if found
+        ]
+        if problems:
+            raise XlaLoweringError(
+                f"graph {self.graph} does not lower to static device HLO: {'; '.join(problems)}"
+            )
+
+
+class XlaLoweringError(RuntimeError):
+    """A graph that would not reach neuronx-cc as one static, device-only HLO module."""
+
+
+def fallback_counts() -> dict[str, int]:
+    """aten op -> how often it ran on the host instead of lowering to XLA (process-wide)."""
+    import torch_xla.debug.metrics as metrics
+
+    return {n: metrics.counter_value(n) for n in metrics.counter_names() if n.startswith("aten::")}
 
 
 def fallback_ops() -> list[str]:
