@@ -43,7 +43,9 @@ def main() -> int:
     parser.add_argument("--chunk", type=int, default=32, help="0: standard export")
     parser.add_argument("--vllm", action="store_true", help="generate through vllm.LLM instead")
     parser.add_argument(
-        "--backend", default="neuron", help="eager/cpu (tp 1) to check this script off device"
+        "--backend",
+        default="neuron",
+        help="eager/cpu/xla (tp 1) to check this script off device; xla in the SDK-mirror environment runs the neuron graphs on torch-xla",
     )
     args = parser.parse_args()
     from exporters.neuron import export
