@@ -1,8 +1,8 @@
 """The machine a result was measured on, as a results header records it.
 
 The CPU's model and widest vector extension are part of it: vLLM's native CPU engine runs
-oneDNN kernels picked by those, and its timings moved 5x between sessions here
-(engine-2026-11-24-vm-live-window vs -per-row-live), so a result must say which host it had.
+oneDNN kernels picked by those, and its timings moved 5x between sessions under one VM label
+(an AVX2 host one day, an AVX-512 host the next), so a result must say which host it had.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""What one graph call per mixed step (issue 11, lever 4) would save on Neuron: an analytic
+"""What one graph call per mixed step (`--mixed-step`) would save on Neuron: an analytic
 roofline, not a measurement. Llama-3.1-8B in bf16, TP=8 on trn1 (8 NeuronCore-v2 = 4 Trainium
 chips), B decode rows + one C-token chunk per mixed step.
 

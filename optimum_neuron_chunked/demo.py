@@ -11,6 +11,7 @@ python -m optimum_neuron_chunked.demo [--out demo-out] [--backend cpu]
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import time
 from pathlib import Path
@@ -33,6 +34,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--backend", default="cpu", choices=("cpu", "eager"))
     parser.add_argument("--long-prompt", type=int, default=1900, help="tokens of the long prompt")
     args = parser.parse_args(argv)
+    # The demo's output is its tables; vLLM's INFO lines would bury them. vLLM reads the level
+    # once, when its logger module is first imported (below, in run_scenario); a level the
+    # user set still wins.
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

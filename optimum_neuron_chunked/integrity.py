@@ -6,12 +6,17 @@ Sizes are checked at every load. Graph files are hashed at every load too: they 
 code or compiled programs that may crash the process if damaged, and small beside the
 weights. Weights are hashed on request (`from_pretrained(..., verify_weights=True)`): a
 damaged weight file loads and computes wrong tokens, and hashing tens of GB costs seconds.
+
+A `vllm serve` start checks the export in the front end's process and twice in the engine
+core's (its config hook, then `load_model`): a process hashes a file once and reuses the digest
+while the file's identity and stat are unchanged (`_digest_of`).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import time
 from pathlib import Path
 
 from .config import CONFIG_NAME, InvalidExportError
@@ -25,6 +30,33 @@ def sha256_of(path: Path) -> str:
         while block := f.read(1 << 20):
             digest.update(block)
     return digest.hexdigest()
+
+
+# (resolved path, device, inode, size, mtime_ns, ctime_ns) -> SHA-256 hex digest.
+_DIGESTS: dict[tuple, str] = {}
+# A file modified less than this before its hashing started is not cached: file timestamps come
+# from a coarse clock (one tick, up to 10 ms on Linux; seconds on some filesystems), so a same-size
+# rewrite within one tick would leave the stat unchanged ("racily clean" files, as git calls
+# them). Older files cannot change without mtime or ctime moving (utime sets ctime to now).
+_SETTLED_NS = 2_000_000_000
+_now_ns = time.time_ns
+
+
+def _stat_key(path: Path) -> tuple:
+    st = path.stat()
+    return (str(path.resolve()), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
+def _digest_of(path: Path) -> str:
+    """`sha256_of(path)`, computed once per process while the file is unchanged."""
+    key = _stat_key(path)
+    if key in _DIGESTS:
+        return _DIGESTS[key]
+    settled = _now_ns() - max(key[4], key[5]) >= _SETTLED_NS
+    digest = sha256_of(path)
+    if settled and _stat_key(path) == key:  # unchanged while it was read
+        _DIGESTS[key] = digest
+    return digest
 
 
 def record_files(folder: Path, names: list[str]) -> dict[str, dict]:
@@ -48,7 +80,7 @@ def verify_files(folder: Path, records: dict[str, dict], hashed: set[str]) -> No
             raise _damaged(
                 folder, name, f"{found}, {record['size']} when exported (truncated or incomplete copy?)"
             )
-        if name in hashed and sha256_of(path) != record["sha256"]:
+        if name in hashed and _digest_of(path) != record["sha256"]:
             raise _damaged(
                 folder, name, "its SHA-256 differs from the one recorded at export (corrupted copy?)"
             )

@@ -42,8 +42,8 @@ def keep_freed_heap() -> bool:
     By default glibc serves large buffers with fresh mmaps, or trims the heap once its free top
     passes twice the (moving) mmap threshold: every graph call then page-faults its
     multi-megabyte buffers back in. With the thresholds fixed, buffers up to 32 MiB come from
-    the heap and freed memory stays there (resident: the largest call's buffers). Measured on
-    the bench export: AGENTS.md's performance notes. Process-wide; False where libc is not glibc.
+    the heap and freed memory stays there (resident: the largest call's buffers); see
+    docs/performance.md. Process-wide; False where libc is not glibc.
     """
     name = ctypes.util.find_library("c")
     libc = ctypes.CDLL(name) if name else None

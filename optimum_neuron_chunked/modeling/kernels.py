@@ -1,43 +1,42 @@
-"""Per-backend choices of how the same math is computed, made here only (by measurement).
+"""Per-backend choices of how the same math is computed, made here only. Each cpu choice was
+set by measurement: docs/performance.md gives its current figure and the command that reproduces it.
 
 - sdpa_prefill_from_window / sdpa_decode_from_window: prefill (CP, CE) / decode (TG) graphs
   whose bucket is at least this many positions compute attention with SDPA, which
   AOTInductor lowers to a fused CPU kernel that never materialises the [T, W] scores; below
   it, and on backends without it (None), the explicit masked softmax with MASK_VALUE (eager's
-  reference; XLA / Neuron: exp of dtype-min NaNs there). Measured on the cpu backend with its
-  other choices (benchmark/attention_kernel.py, the two cores interleaved): see AGENTS.md's
-  performance notes.
+  reference; XLA / Neuron: exp of dtype-min NaNs there). On the cpu backend SDPA wins for
+  prefill graphs at every bucket; decode graphs (one query row per call) keep the masked
+  softmax, whose setup costs less than the scores SDPA avoids.
 - slot_view: one-row graphs (CP, CE) read their slot id as a scalar and attend over a view
   of the slot's cache instead of gathering its window (a copy of every layer's K/V window
-  per call). Measured on the bench model at window 4096, two exports interleaved
-  (benchmark/ab_exports.py, results ab-2026-11-23-vm-slot-view-*): a 64-token chunk 0.91x,
-  a 256-token chunk 0.99x. Only where the graph compiler keeps a scalar read inside the graph
-  (AOTInductor: an unbacked symbol with bound checks); under XLA it would sync the device,
-  and NxD traces through XLA, so eager/XLA/Neuron gather.
+  per call); it pays on short chunks at wide windows. Only where the graph compiler keeps a
+  scalar read inside the graph (AOTInductor: an unbacked symbol with bound checks); under XLA
+  it would sync the device, and NxD traces through XLA, so eager/XLA/Neuron gather.
 - live_window: every graph reads its positions' maximum as a scalar and attends over that
   many cache positions (attention.CacheRead) rather than the whole bucket: a chunk or decode
   step costs what its live context costs. Same condition as slot_view (a scalar read inside
-  the graph), so cpu only. Measured: see AGENTS.md's performance notes.
+  the graph), so cpu only.
 - per_row_live: decode graphs (one row per slot) read each row's slot and position as scalars
   and attend per row over a view of its slot up to its own position, instead of every slot up
   to the longest row's: a step reads the sum of the rows' contexts (W2's rows hold 128-2048
   tokens each). Same condition as slot_view (scalar reads inside the graph), so cpu only; ring
-  layers keep reading whole rings in slot order. Measured: see AGENTS.md's performance notes.
+  layers keep reading whole rings in slot order.
 - expert_selection: a MoE graph of M tokens gathers its selected experts' weights while
   M * top_k / E < this fraction, else runs every expert densely. 1.0 is neuronx-distributed's
   rule (DEFAULT_SELECTIVE_LOADING_THRESHOLD, modules/moe/model_utils.py, Release 2.29 / 0.18.0).
   On CPU the gather copies the weights it selects (and first-touches new pages), so it pays
-  only for small selections: 0.2 sits between the measured wins at 1/16 and 1/8 and the
-  losses at 1/4 (benchmark/moe_experts.py, results moe-2026-11-23-vm).
+  only for small selections: 0.2 sits between the selections where gathering won (1/16, 1/8)
+  and where it lost (1/4).
 - rowwise_linear_rows: linear layers over at most this many rows (decode graphs: one row per
   slot) compute each output as a dot product, which AOTInductor fuses into one kernel reading
   each weight row once for all rows (layers.CpuLinear); ATen's GEMM (MKL sgemm) streams a
-  decode step's weights at 4-6 GB/s on this AMD host, a quarter of its read bandwidth.
-  0: always ATen. Measured: see AGENTS.md's performance notes.
+  decode step's weights at a fraction of the memory stream (it uses no AVX-512 on AMD CPUs).
+  0: always ATen.
 - onednn_linear: linear layers over more rows (chunks) call oneDNN's matmul
   (torch.ops.mkldnn._linear_pointwise) on the plain weight instead of ATen's MKL sgemm, which
-  does not use AVX-512 on AMD hosts: 2.4x at 256 rows on an avx512 EPYC (benchmark/gemm.py).
-  The weight stays the one shared constant (no prepacked copy per graph).
+  does not use AVX-512 on AMD CPUs. The weight stays the one shared constant (no prepacked
+  copy per graph: AOTInductor's own prepacking needs frozen weights, one copy per graph).
 - onednn_chunk_attention_from_window: one-row prefill graphs (CP, CE) whose bucket is at least
   this many positions run their causal attention as the custom op
   chunk_attention.chunk_attention (oneDNN products per query head) instead of SDPA, whose CPU
@@ -45,21 +44,20 @@
   more than oneDNN saves (break-even near a live width of 1024). Plain causal layers only:
   sliding windows, rings and sinks keep the choices above. It allocates its score blocks per
   head, so it pays only with backends.cpu.keep_freed_heap. Hosts with AVX-512 only: without
-  it oneDNN's products lose to SDPA at every width. Measured: see AGENTS.md's performance notes.
+  it oneDNN's products lose to SDPA at every width.
 - decode_attention_op: decode graphs (one row per slot) run plain causal fp32 layers through the
   C++ op decode_attention.decode_attention: one call a layer for all rows, each row over its
   own slot up to its own position (as per_row_live, without the scalar reads), reading every
   key and value once for the query heads of its group, instead of ATen's bmm with the group's
-  2-4 query heads as its rows: TG steps 0.90-0.94x, and TG graphs compile without per-row
-  unrolling. Hosts where it was measured only (AVX2); rings, sliding windows, sinks and other
-  dtypes keep the choices above. Measured: see AGENTS.md's performance notes.
+  2-4 query heads as its rows; TG graphs also compile without per-row unrolling. AVX2 hosts
+  only (not measured with AVX-512, where bmm stays); rings, sliding windows, sinks and other
+  dtypes keep the choices above.
 - realize_reused_values: AOTInductor stores every value that more than one operation consumes
   (inductor config realize_reads_threshold=0) instead of recomputing it inside each consumer.
   By default it inlines a pointwise producer into its consumers: a decode graph's RMSNorm output
   feeds q, k and v (gate and up), so each dot-product kernel of layers.CpuLinear recomputed the
   norm for every weight row it read, and the linears ran compute-bound, not at the memory
-  stream. TG steps 0.67-0.91x, CP chunks 0.97-0.99x. Measured: see AGENTS.md's performance
-  notes.
+  stream. Chunk graphs gain little: their linears are oneDNN calls, whose inputs are stored.
 
 The cpu backend's choices follow the vector ISA of the host that compiles (an export records it
 as NeuronConfig.cpu_isa); the other backends' do not depend on the host.
@@ -90,7 +88,7 @@ class KernelChoices:
 # The oneDNN chunk op pays only with AVX-512: on an AVX2 host its per-head products lose to
 # SDPA's flash kernel at every width (the linears are a wash there, so onednn_linear stays).
 ONEDNN_CHUNK_OP_ISAS = ("AVX512",)
-# The decode op is measured on AVX2 hosts only (2026-11-25); elsewhere bmm stays until it is.
+# The decode op is chosen only where it was measured to pay (AVX2); elsewhere bmm stays.
 DECODE_ATTENTION_OP_ISAS = ("AVX2",)
 
 CPU = KernelChoices(
