@@ -5,35 +5,36 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig, GenerationConfig
+from transformers import GenerationConfig, PretrainedConfig
 
-from .backends import get_backend
-from .config import CONFIG_NAME, InvalidExportError, NeuronConfig, NeuronConfigError
+from .config import InvalidExportError, NeuronConfig, NeuronConfigError
 from .graph_runner import GraphRunner
-from .graphs import graph_specs
 from .hub import resolve_export
-from .integrity import recorded_files, verify_files
+from .loaded_export import ExportCapabilities, LoadedExport, check_export
 from .modeling.sampler import sampling_params
 from .slots import SlotPool
-from .version import __version__
+
+__all__ = [
+    "ExportCapabilities",
+    "InvalidExportError",
+    "LoadedExport",
+    "NeuronModelForCausalLM",
+    "check_export",
+    "sampling_params",
+]
 
 
 class NeuronModelForCausalLM:
     """Compiled graphs + weights + KV cache + slots of one export.
 
     Low-level calls address KV-cache slots (`seq_id`) explicitly; `generate` acquires and
-    releases slots itself.
+    releases slots itself. `sampling_params` builds the rows of `decode`'s `params`.
     """
 
-    def __init__(
-        self, model_dir: Path, hf_config, config: NeuronConfig, runner: GraphRunner, generation_config
-    ):
-        self.model_dir = model_dir
-        self.config = hf_config
-        self.neuron_config = config
-        self.runner = runner
+    def __init__(self, export: LoadedExport, generation_config: GenerationConfig):
+        self.export = export
         self.generation_config = generation_config
-        self.slots = SlotPool(config.batch_size)
+        self.slots = SlotPool(export.config.batch_size)
 
     @classmethod
     def from_pretrained(
@@ -46,17 +47,29 @@ class NeuronModelForCausalLM:
         """An export folder, or the repo id of an export on the Hugging Face Hub (at `revision`).
 
         `verify_weights`: also check the weight files' SHA-256 (sizes and graphs always are)."""
-        model_dir = resolve_export(model_dir, revision)
-        config = check_export(model_dir, backend, verify_weights)
-        impl = get_backend(config.backend)
-        specs = graph_specs(config)
-        hf_config = AutoConfig.from_pretrained(model_dir)
-        runner = GraphRunner(config, impl.load(hf_config, config, specs, model_dir))
+        export = LoadedExport.load(resolve_export(model_dir, revision), backend, verify_weights)
         try:
-            generation_config = GenerationConfig.from_pretrained(model_dir)
+            generation_config = GenerationConfig.from_pretrained(export.model_dir)
         except OSError:
-            generation_config = GenerationConfig.from_model_config(hf_config)
-        return cls(model_dir, hf_config, config, runner, generation_config)
+            generation_config = GenerationConfig.from_model_config(export.hf_config)
+        return cls(export, generation_config)
+
+    @property
+    def model_dir(self) -> Path:
+        return self.export.model_dir
+
+    @property
+    def config(self) -> PretrainedConfig:
+        """The HF config (transformers' name for it)."""
+        return self.export.hf_config
+
+    @property
+    def neuron_config(self) -> NeuronConfig:
+        return self.export.config
+
+    @property
+    def runner(self) -> GraphRunner:
+        return self.export.runner
 
     # -- graph calls -------------------------------------------------------------------------
 
@@ -73,6 +86,17 @@ class NeuronModelForCausalLM:
                 "this is a chunked export (no CE graph): use prefill_chunk() or prefill()."
             )
         return self.runner.prefill(input_ids, 0, seq_id)
+
+    def prefill_at(self, input_ids: torch.Tensor, start: int, seq_id: int) -> torch.Tensor:
+        """Tokens at positions start.. of slot seq_id in one call of the export's prefill graph
+        (a chunk of at most prefill_chunk_size tokens, or a standard export's prompt) -> logits
+        [V] after the last one."""
+        return self.runner.prefill(input_ids, start, seq_id)
+
+    def prefill_positions(self, input_ids: torch.Tensor, start: int, seq_id: int) -> torch.Tensor:
+        """Like `prefill_at`, but the logits after every token: [T, V] (exports with
+        --prompt-logprobs)."""
+        return self.runner.prefill_positions(input_ids, start, seq_id)
 
     def prefill(self, input_ids: torch.Tensor, seq_id: int) -> torch.Tensor:
         """A whole prompt, chunk by chunk or through CE, whichever the export has -> logits [V]."""
@@ -106,6 +130,29 @@ class NeuronModelForCausalLM:
             rand = torch.zeros(n)
         return self.runner.decode(input_ids, positions, seq_ids, params, rand, need_logits)
 
+    def decode_with_chunk(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        seq_ids: torch.Tensor,
+        params: torch.Tensor,
+        rand: torch.Tensor,
+        chunk_ids: torch.Tensor,
+        chunk_start: int,
+        chunk_seq_id: int,
+        need_logits: bool = True,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        """A decode step and a full prefill chunk of another slot in one call (--mixed-step
+        exports) -> (tokens [N], decode logits [N, V] or None, the chunk's last logits [V])."""
+        return self.runner.decode_with_chunk(
+            input_ids, positions, seq_ids, params, rand, chunk_ids, chunk_start, chunk_seq_id, need_logits
+        )
+
+    def copy_prefix(self, src_seq_id: int, dst_seq_id: int, length: int) -> int:
+        """Copy the K/V of positions [0, length) from one slot to another (chunked exports) ->
+        the copy-graph calls made."""
+        return self.runner.copy_prefix(src_seq_id, dst_seq_id, length)
+
     def generate(
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, **kwargs
     ) -> torch.Tensor:
@@ -113,46 +160,3 @@ class NeuronModelForCausalLM:
         from .generation import generate
 
         return generate(self, input_ids, attention_mask, **kwargs)
-
-
-def check_export(
-    model_dir: str | Path, backend: str | None = None, verify_weights: bool = False
-) -> NeuronConfig:
-    """The config of a complete, undamaged export of this version (for `backend` if given), or
-    InvalidExportError naming what is wrong."""
-    model_dir = Path(model_dir)
-    config = _load_neuron_config(model_dir)
-    if backend is not None and backend != config.backend:
-        raise InvalidExportError(
-            f"{model_dir} was compiled for the {config.backend!r} backend, not {backend!r}: "
-            f"re-export with --backend {backend}."
-        )
-    impl = get_backend(config.backend)
-    graphs, weights = impl.graph_files(graph_specs(config)), impl.weight_files(config)
-    _check_complete(model_dir, [CONFIG_NAME, "config.json", *weights, *graphs])
-    hashed = set(graphs) | (set(weights) if verify_weights else set())
-    verify_files(model_dir, recorded_files(model_dir), hashed)
-    return config
-
-
-def _load_neuron_config(model_dir: Path) -> NeuronConfig:
-    if not model_dir.is_dir():
-        raise InvalidExportError(
-            f"{model_dir} is not a folder: pass the OUT folder of `optimum-cli export neuron`."
-        )
-    try:
-        config = NeuronConfig.load(model_dir)
-    except NeuronConfigError as e:
-        raise InvalidExportError(str(e)) from e
-    if config.package_version != __version__:
-        raise InvalidExportError(
-            f"{model_dir} was exported by optimum-neuron-chunked {config.package_version}, this is {__version__}: "
-            "re-export it with this version."
-        )
-    return config
-
-
-def _check_complete(model_dir: Path, files: list[str]) -> None:
-    missing = [f for f in files if not (model_dir / f).is_file()]
-    if missing:
-        raise InvalidExportError(f"{model_dir} is an incomplete export, missing {missing}: export it again.")

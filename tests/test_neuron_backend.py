@@ -68,6 +68,29 @@ def test_visible_cores():
         visible_cores_env(8, None, available=2)
 
 
+def test_each_data_parallel_rank_gets_its_own_neuron_cores(monkeypatch):
+    """The backend hooks the vLLM layer calls: the platform's host check, the worker's device env."""
+    from optimum_neuron_chunked.backends import get_backend
+    from optimum_neuron_chunked.backends.neuron import backend
+
+    eager = NeuronConfig(batch_size=2, sequence_length=64, backend="eager")
+    assert get_backend("eager").device_env(eager, 1, 2) == {}
+    get_backend("eager").check_serving_host(eager, 2)  # no devices to check
+    monkeypatch.setattr(backend, "require_neuron_sdk", lambda: None)
+    monkeypatch.setattr(backend, "require_neuron_device", lambda: None)
+    monkeypatch.setattr(backend, "host_core_count", lambda target: 8)
+    monkeypatch.delenv("NEURON_RT_VISIBLE_CORES", raising=False)
+    neuron = NeuronBackend()
+    config = neuron_config(tp=2)
+    cores = [neuron.device_env(config, rank, 4)["NEURON_RT_VISIBLE_CORES"] for rank in range(4)]
+    assert cores == ["0-1", "2-3", "4-5", "6-7"]
+    neuron.check_serving_host(config, 4)
+    with pytest.raises(BackendUnavailableError, match=r"has 8 NeuronCores.*tp_degree=2 x 5 data-parallel"):
+        neuron.check_serving_host(config, 5)
+    monkeypatch.setenv("NEURON_RT_VISIBLE_CORES", "4-7")
+    assert neuron.device_env(config, 1, 2) == {"NEURON_RT_VISIBLE_CORES": "6,7"}
+
+
 @pytest.mark.parametrize(
     "fields,message",
     [
@@ -242,10 +265,10 @@ def test_sdk_imports_stay_lazy():
 def test_platform_refuses_a_neuron_export_off_neuron_hosts():
     from vllm.config import ParallelConfig
 
-    from optimum_neuron_chunked.vllm.platform import neuron_cores
+    from optimum_neuron_chunked.vllm.platform import check_serving_host
 
     with pytest.raises(BackendUnavailableError, match="Neuron SDK"):
-        neuron_cores(neuron_config(), ParallelConfig())
+        check_serving_host(neuron_config(), ParallelConfig())
     with pytest.raises(
         BackendUnavailableError, match=r"no Neuron device \(/dev/neuron\*\): run it on a trn1"
     ):

@@ -49,6 +49,16 @@ class Backend(ABC):
         """Raise BackendUnavailableError, saying what is missing, if this host cannot compile."""
         return None
 
+    def check_serving_host(self, config: NeuronConfig, dp_size: int = 1) -> None:
+        """Raise BackendUnavailableError, saying what is missing, if this host cannot serve
+        `dp_size` data-parallel copies of the export side by side. Runs before any copy loads."""
+        return None
+
+    def device_env(self, config: NeuronConfig, dp_rank: int = 0, dp_size: int = 1) -> dict[str, str]:
+        """Environment variables that give data-parallel rank `dp_rank` of `dp_size` (on this host)
+        its own devices; set in the rank's process before the export loads."""
+        return {}
+
     def save_weights(self, model: DecoderModel, config: NeuronConfig, out_dir: Path) -> None:
         """Store the weights of `model` (unsharded, loaded from the checkpoint) into the export."""
         save_file(model.stored_weights(), out_dir / WEIGHTS_NAME)

@@ -12,9 +12,10 @@ import torch
 from vllm.logger import init_logger
 from vllm.platforms import Platform, PlatformEnum
 
+from ..backends import get_backend
 from ..config import NeuronConfig
 from ..hub import resolve_export
-from ..loader import InvalidExportError, check_export
+from ..loader import ExportCapabilities, InvalidExportError, check_export
 from .features import refuse_unsupported
 from .limits import EngineRequest, ServingConfigError, serving_limits
 
@@ -95,8 +96,7 @@ class NeuronChunkedPlatform(Platform):
         refuse_unsupported(vllm_config)
         # validate_request has no config: what the export serves is kept for this process.
         cls.serves_prompt_logprobs = export.prompt_logits
-        if export.backend == "neuron":
-            neuron_cores(export, vllm_config.parallel_config)  # each worker takes its own
+        check_serving_host(export, vllm_config.parallel_config)  # each worker takes its devices
         sched, cache = vllm_config.scheduler_config, vllm_config.cache_config
         request = _engine_request(vllm_config, export)
         limits = serving_limits(export, request)
@@ -221,19 +221,16 @@ def _warn_if_read_as_default(vllm_config, request: EngineRequest, limits) -> Non
             )  # fmt: skip
 
 
-def neuron_cores(export: NeuronConfig, parallel_config, dp_rank: int | None = None) -> str:
-    """NEURON_RT_VISIBLE_CORES of data-parallel rank `dp_rank` (default: the last of this host,
-    to check that they all fit). Refuses without the SDK or a device."""
-    from ..backends.neuron import TARGETS, require_neuron_sdk
-    from ..backends.neuron.target import host_core_count, require_neuron_device, visible_cores_env
+def data_parallel_rank(parallel_config) -> tuple[int, int]:
+    """(this engine core's rank, ranks) among the data-parallel ranks on this host."""
+    return parallel_config.data_parallel_rank_local or 0, max(1, parallel_config.data_parallel_size_local)
 
-    require_neuron_sdk()
-    require_neuron_device()
-    dp_size = max(1, parallel_config.data_parallel_size_local)
-    rank = dp_size - 1 if dp_rank is None else dp_rank
-    available = host_core_count(TARGETS[export.instance_type])
-    current = os.environ.get("NEURON_RT_VISIBLE_CORES")
-    return visible_cores_env(export.tp_degree, current, available, rank, dp_size)
+
+def check_serving_host(export: NeuronConfig, parallel_config) -> None:
+    """Refuse, saying what is missing, a host where the export's backend cannot serve every
+    data-parallel rank of this host (the neuron backend: SDK, device, enough NeuronCores)."""
+    _, dp_size = data_parallel_rank(parallel_config)
+    get_backend(export.backend).check_serving_host(export, dp_size)
 
 
 def _set_prefix_caching(vllm_config, export: NeuronConfig) -> str:
@@ -268,14 +265,9 @@ def _set_prefix_caching(vllm_config, export: NeuronConfig) -> str:
 
 def prefix_caching_unsupported(export: NeuronConfig, hf_config) -> str | None:
     """Why this export cannot reuse cached prefixes, or None."""
-    from ..modeling.attention import cache_lengths
-    from ..modeling.family import family_spec
-
     if not export.chunked:
         return "a standard export encodes whole prompts from position 0 (export with --prefill-chunk-size)"
-    spec = family_spec(hf_config)
-    lengths = cache_lengths(spec.sliding_windows, export.sequence_length, export.prefill_chunk_size)
-    if min(lengths) < export.sequence_length:
+    if ExportCapabilities.of(export, hf_config).ring_layers:
         return (
             "its sliding-window layers keep a ring of the last positions only, so a finished "
             "request's slot no longer holds its prefix"

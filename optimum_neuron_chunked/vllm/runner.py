@@ -39,6 +39,7 @@ class StepRunner:
     def __init__(self, model: NeuronModelForCausalLM, vllm_config: VllmConfig):
         self.model = model
         self.config = model.neuron_config
+        self.capabilities = model.export.capabilities
         self.batch = BatchState(vllm_config)
         self.logprobs_mode = vllm_config.model_config.logprobs_mode
         self.sampler = host_sampler(self.logprobs_mode)
@@ -65,7 +66,7 @@ class StepRunner:
         logger.debug("step: %s", describe(plan))
         result = StepResult(plan)
         for c in plan.copies:  # before any graph of the step writes a slot
-            self.model.runner.copy_prefix(c.source, c.target, c.length)
+            self.model.copy_prefix(c.source, c.target, c.length)
         self._run_decodes(result)
         self._run_chunks(result)
         self._pending = (so, result)
@@ -93,8 +94,9 @@ class StepRunner:
         if not decodes:
             return
         params = [self.batch.requests[d.req_id].sampling_params for d in decodes]
-        on_device = self.config.on_device_sampling and all(
-            on_device_eligible(p, self.config.max_topk, self.vocab_size) for p in params
+        caps = self.capabilities
+        on_device = caps.on_device_sampling and all(
+            on_device_eligible(p, caps.max_topk, self.vocab_size) for p in params
         )
         sampling, rand = device_sampling_inputs(params, self.rng)
         rows = [torch.tensor([getattr(d, f) for d in decodes]) for f in ("token_id", "position", "slot")]
@@ -102,7 +104,7 @@ class StepRunner:
             tokens, logits = self.model.decode(*rows, sampling, rand, need_logits=not on_device)
         else:
             chunk = result.plan.chunks[result.plan.fused]
-            tokens, logits, chunk_logits = self.model.runner.decode_with_chunk(
+            tokens, logits, chunk_logits = self.model.decode_with_chunk(
                 *rows, sampling, rand, torch.tensor(chunk.token_ids), chunk.start, chunk.slot, not on_device
             )
             if chunk.samples:
@@ -118,9 +120,9 @@ class StepRunner:
             tokens = torch.tensor(chunk.token_ids)
             wanted = self.batch.prompt_logprobs.get(chunk.req_id)
             if wanted is None:
-                logits = self.model.runner.prefill(tokens, chunk.start, chunk.slot)
+                logits = self.model.prefill_at(tokens, chunk.start, chunk.slot)
             else:
-                rows = self.model.runner.prefill_positions(tokens, chunk.start, chunk.slot)
+                rows = self.model.prefill_positions(tokens, chunk.start, chunk.slot)
                 logits = rows[-1]
                 prompt = self.batch.requests[chunk.req_id].prompt_token_ids
                 done, tensors = add_chunk(wanted, prompt, chunk.start, rows, self.sampler, self.logprobs_mode)

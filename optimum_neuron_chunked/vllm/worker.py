@@ -9,13 +9,13 @@ from vllm.logger import init_logger
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheSpec
 from vllm.v1.worker.worker_base import WorkerBase
 
+from ..backends import get_backend
 from ..config import NeuronConfig
 from ..hub import resolve_export
 from ..loader import NeuronModelForCausalLM
-from ..modeling import torch_dtype
 from .compat import no_compilation_times
 from .plan import describe
-from .platform import neuron_cores
+from .platform import data_parallel_rank
 from .runner import StepRunner
 
 logger = init_logger(f"vllm.{__name__}")  # under vLLM's configured logger
@@ -30,31 +30,37 @@ class NeuronChunkedWorker(WorkerBase):
         self.device = torch.device("cpu")
         # Checked by the platform already and again by load_model: only the shapes are read here.
         export = NeuronConfig.load(resolve_export(self.model_config.model, self.model_config.revision))
-        if export.backend == "neuron":
-            # Before the Neuron runtime starts (load_model): data-parallel rank r (one engine
-            # core process each, vllm/v1/engine/core.py 0.32) takes its own NeuronCores.
-            parallel = self.parallel_config
-            rank = parallel.data_parallel_rank_local or 0
-            os.environ["NEURON_RT_VISIBLE_CORES"] = neuron_cores(export, parallel, rank)
-            logger.info("data-parallel rank %d: NeuronCores %s", rank, os.environ["NEURON_RT_VISIBLE_CORES"])
+        # Before load_model starts the backend's runtime: data-parallel rank r (one engine core
+        # process each, vllm/v1/engine/core.py 0.16.0 and 0.32) takes its own devices.
+        rank, size = data_parallel_rank(self.parallel_config)
+        env = get_backend(export.backend).device_env(export, rank, size)
+        os.environ.update(env)
+        if env:
+            logger.info("data-parallel rank %d: %s", rank, " ".join(f"{k}={v}" for k, v in env.items()))
 
     def load_model(self, *, load_dummy_weights: bool = False) -> None:
         mc = self.model_config
         self.model = NeuronModelForCausalLM.from_pretrained(mc.model, revision=mc.revision)
         self.runner = StepRunner(self.model, self.vllm_config)
-        logger.info("loaded %s; torch threads: %d", self.model_config.model, torch.get_num_threads())
+        logger.info(
+            "loaded %s; KV cache %.1f MiB a slot; torch threads: %d",
+            self.model_config.model,
+            self.model.export.capabilities.kv.bytes_per_slot / 2**20,
+            torch.get_num_threads(),
+        )
 
     def get_model(self) -> torch.nn.Module:
         return torch.nn.Module()  # the model lives inside the compiled graphs
 
     def get_kv_cache_spec(self) -> dict[str, KVCacheSpec]:
-        hf, nc = self.model.config, self.model.neuron_config
-        head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+        # vLLM accounts the static cache as one layer of every layer's KV heads: its block
+        # count is fixed by the platform, so only the page size matters (determine_available_memory)
+        kv = self.model.export.capabilities.kv
         spec = FullAttentionSpec(
             block_size=self.cache_config.block_size,
-            num_kv_heads=hf.num_key_value_heads * hf.num_hidden_layers,
-            head_size=head_dim,
-            dtype=torch_dtype(nc),
+            num_kv_heads=kv.num_kv_heads * kv.num_layers,
+            head_size=kv.head_dim,
+            dtype=kv.dtype,
         )
         return {KV_LAYER: spec}
 

@@ -25,9 +25,12 @@ from ...modeling.parallel import ShardLayout, rank_shard, tp_checkpoint
 from ..base import GRAPHS_DIR, Backend, OnGraph
 from .target import (
     TARGETS,
+    VISIBLE_CORES,
     compiler_args,
+    host_core_count,
     require_neuron_device,
     require_neuron_sdk,
+    visible_cores_env,
 )
 
 BUNDLE = f"{GRAPHS_DIR}/nxd_model.pt"
@@ -39,6 +42,19 @@ class NeuronBackend(Backend):
 
     def check_available(self) -> None:
         require_neuron_sdk()
+
+    def check_serving_host(self, config: NeuronConfig, dp_size: int = 1) -> None:
+        self.device_env(config, dp_size - 1, dp_size)  # the last rank's cores fit: every rank's do
+
+    def device_env(self, config: NeuronConfig, dp_rank: int = 0, dp_size: int = 1) -> dict[str, str]:
+        """NEURON_RT_VISIBLE_CORES of the rank: tp_degree cores of its own, taken from the user's
+        NEURON_RT_VISIBLE_CORES if set, else from the host's. The Neuron runtime reads it when it
+        starts (at load), so each rank's process sets it before loading."""
+        require_neuron_sdk()
+        require_neuron_device()
+        available = host_core_count(TARGETS[config.instance_type])
+        current = os.environ.get(VISIBLE_CORES)
+        return {VISIBLE_CORES: visible_cores_env(config.tp_degree, current, available, dp_rank, dp_size)}
 
     def graph_files(self, specs: list[GraphSpec]) -> list[str]:
         return [BUNDLE]

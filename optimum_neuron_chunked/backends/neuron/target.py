@@ -11,6 +11,7 @@ from pathlib import Path
 from ..base import BackendUnavailableError
 
 SDK_MODULES = ("torch_neuronx", "neuronx_distributed")
+VISIBLE_CORES = "NEURON_RT_VISIBLE_CORES"  # the Neuron runtime's choice of cores for a process
 SDK_HINT = (
     "pip install 'optimum-neuron-chunked[neuron]' --extra-index-url https://pip.repos.neuron.amazonaws.com"
 )

@@ -1,0 +1,133 @@
+"""One export folder as the loader and the vLLM layer both see it: its two configs, what it
+serves (read off the configs, so it is known before any graph loads), its backend and, once
+loaded, the graph runner."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, PretrainedConfig
+
+from .backends import Backend, get_backend
+from .config import CONFIG_NAME, InvalidExportError, NeuronConfig, NeuronConfigError
+from .graph_runner import GraphRunner
+from .graphs import graph_specs
+from .integrity import recorded_files, verify_files
+from .modeling import family_spec, torch_dtype
+from .modeling.attention import cache_lengths
+from .version import __version__
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """One slot of the static KV cache (`[kv_heads, length, head_dim]` per layer, K and V), with
+    the checkpoint's KV heads: tensor parallelism may replicate them on the device."""
+
+    num_kv_heads: int  # per layer
+    head_dim: int
+    dtype: torch.dtype
+    cache_lengths: tuple[int, ...]  # per layer: the positions a slot keeps (modeling/attention.py)
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.cache_lengths)
+
+    @property
+    def bytes_per_slot(self) -> int:
+        return 2 * sum(self.cache_lengths) * self.num_kv_heads * self.head_dim * self.dtype.itemsize
+
+
+@dataclass(frozen=True)
+class ExportCapabilities:
+    """What an export serves beyond its compiled shapes. Read off its NeuronConfig and HF config
+    alone: vLLM's platform decides with it at start-up, before any worker loads the graphs."""
+
+    sequence_length: int
+    kv: KVLayout
+    prompt_logits: bool  # prefill graphs return every position's logits (prompt logprobs)
+    on_device_sampling: bool  # TG graphs sample: greedy, temperature, top-k <= max_topk, top-p
+    max_topk: int
+
+    @classmethod
+    def of(cls, config: NeuronConfig, hf_config: PretrainedConfig) -> ExportCapabilities:
+        spec = family_spec(hf_config)
+        # the decoder's own rule (DecoderModel.cache_lengths), so the two cannot disagree
+        lengths = cache_lengths(spec.sliding_windows, config.sequence_length, config.prefill_width)
+        kv = KVLayout(spec.num_kv_heads, spec.head_dim, torch_dtype(config), lengths)
+        return cls(
+            config.sequence_length, kv, config.prompt_logits, config.on_device_sampling, config.max_topk
+        )
+
+    @property
+    def ring_layers(self) -> tuple[int, ...]:
+        """Layers whose cache is a ring of the last positions (sliding-window layers of chunked
+        exports): there, a finished request's slot no longer holds its whole prompt."""
+        return tuple(i for i, n in enumerate(self.kv.cache_lengths) if n < self.sequence_length)
+
+
+@dataclass(frozen=True)
+class LoadedExport:
+    """A checked export with its graphs loaded: every graph bound to one set of weights and one
+    KV cache, called through `runner` (which pads real inputs to the static shapes)."""
+
+    model_dir: Path
+    config: NeuronConfig
+    hf_config: PretrainedConfig
+    capabilities: ExportCapabilities
+    backend: Backend
+    runner: GraphRunner
+
+    @classmethod
+    def load(cls, model_dir: Path, backend: str | None = None, verify_weights: bool = False) -> LoadedExport:
+        """The export in local folder `model_dir`, checked (check_export) then loaded."""
+        config = check_export(model_dir, backend, verify_weights)
+        impl = get_backend(config.backend)
+        hf_config = AutoConfig.from_pretrained(model_dir)
+        runner = GraphRunner(config, impl.load(hf_config, config, graph_specs(config), model_dir))
+        capabilities = ExportCapabilities.of(config, hf_config)
+        return cls(Path(model_dir), config, hf_config, capabilities, impl, runner)
+
+
+def check_export(
+    model_dir: str | Path, backend: str | None = None, verify_weights: bool = False
+) -> NeuronConfig:
+    """The config of a complete, undamaged export of this version (for `backend` if given), or
+    InvalidExportError naming what is wrong."""
+    model_dir = Path(model_dir)
+    config = _load_neuron_config(model_dir)
+    if backend is not None and backend != config.backend:
+        raise InvalidExportError(
+            f"{model_dir} was compiled for the {config.backend!r} backend, not {backend!r}: "
+            f"re-export with --backend {backend}."
+        )
+    impl = get_backend(config.backend)
+    graphs, weights = impl.graph_files(graph_specs(config)), impl.weight_files(config)
+    _check_complete(model_dir, [CONFIG_NAME, "config.json", *weights, *graphs])
+    hashed = set(graphs) | (set(weights) if verify_weights else set())
+    verify_files(model_dir, recorded_files(model_dir), hashed)
+    return config
+
+
+def _load_neuron_config(model_dir: Path) -> NeuronConfig:
+    if not model_dir.is_dir():
+        raise InvalidExportError(
+            f"{model_dir} is not a folder: pass the OUT folder of `optimum-cli export neuron`."
+        )
+    try:
+        config = NeuronConfig.load(model_dir)
+    except NeuronConfigError as e:
+        raise InvalidExportError(str(e)) from e
+    if config.package_version != __version__:
+        raise InvalidExportError(
+            f"{model_dir} was exported by optimum-neuron-chunked {config.package_version}, this is {__version__}: "
+            "re-export it with this version."
+        )
+    return config
+
+
+def _check_complete(model_dir: Path, files: list[str]) -> None:
+    missing = [f for f in files if not (model_dir / f).is_file()]
+    if missing:
+        raise InvalidExportError(f"{model_dir} is an incomplete export, missing {missing}: export it again.")
