@@ -27,6 +27,7 @@ on the path Neuron compiles. The decoder widens them once (DecoderModel.hidden_s
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import StrEnum
 
 import torch
 from torch import nn
@@ -38,40 +39,54 @@ from .modeling.sampler import sample
 INDEX_DTYPE = torch.int32
 
 
+class GraphKind(StrEnum):
+    """What a graph computes (module docstring); its value is the prefix of the graph's name."""
+
+    CE = "ce"
+    CP = "cp"
+    TG = "tg"
+    MX = "mx"
+    COPY = "copy"
+
+
 @dataclass(frozen=True)
 class GraphSpec:
-    kind: str  # "ce" | "cp" | "tg" | "mx" | "copy"
+    kind: GraphKind
     batch: int  # rows (mx: decode rows)
     width: int  # tokens per row (mx: of its chunk; copy: positions per call)
     window: int  # context bucket: positions attended over (copy: 0, it attends over nothing)
     narrow: bool = False  # a CP graph narrower than the chunk size, a TG graph than the batch
 
+    def __post_init__(self):
+        object.__setattr__(self, "kind", GraphKind(self.kind))  # "tg" -> GraphKind.TG
+
     @property
     def name(self) -> str:
-        if self.kind == COPY:
-            return self.kind
+        if self.kind == GraphKind.COPY:
+            return str(self.kind)
+        name = f"{self.kind}_w{self.window}"
         if not self.narrow:
-            return f"{self.kind}_w{self.window}"
-        return f"{self.kind}_w{self.window}" + (f"_r{self.batch}" if self.kind == "tg" else f"_c{self.width}")
+            return name
+        return name + (f"_r{self.batch}" if self.kind == GraphKind.TG else f"_c{self.width}")
 
 
-COPY = "copy"
+COPY = GraphKind.COPY.value  # the copy graph's name
 
 
 def cp_spec(config: NeuronConfig, width: int, window: int) -> GraphSpec:
-    return GraphSpec("cp", 1, width, window, narrow=width < config.prefill_chunk_size)
+    return GraphSpec(GraphKind.CP, 1, width, window, narrow=width < config.prefill_chunk_size)
 
 
 def tg_spec(config: NeuronConfig, rows: int, window: int) -> GraphSpec:
-    return GraphSpec("tg", rows, 1, window, narrow=rows < config.batch_size)
+    return GraphSpec(GraphKind.TG, rows, 1, window, narrow=rows < config.batch_size)
 
 
 def mx_spec(config: NeuronConfig, window: int) -> GraphSpec:
-    return GraphSpec("mx", config.batch_size, config.prefill_chunk_size, window)
+    return GraphSpec(GraphKind.MX, config.batch_size, config.prefill_chunk_size, window)
 
 
 def ce_spec(window: int) -> GraphSpec:
-    return GraphSpec("ce", 1, window, window)
+    return GraphSpec(GraphKind.CE, 1, window, window)
 
 
 def graph_specs(config: NeuronConfig) -> list[GraphSpec]:
@@ -85,7 +100,7 @@ def graph_specs(config: NeuronConfig) -> list[GraphSpec]:
         if config.mixed_step:
             specs.append(mx_spec(config, window))
     if config.chunked:
-        specs.append(GraphSpec(COPY, 1, config.prefill_chunk_size, 0))
+        specs.append(GraphSpec(GraphKind.COPY, 1, config.prefill_chunk_size, 0))
     return specs
 
 
@@ -173,24 +188,24 @@ class CopyGraph(nn.Module):
 
 
 def graph_module(model: DecoderModel, spec: GraphSpec, config: NeuronConfig) -> nn.Module:
-    if spec.kind == COPY:
+    if spec.kind == GraphKind.COPY:
         return CopyGraph(model)
-    if spec.kind == "tg":
+    if spec.kind == GraphKind.TG:
         return DecodeGraph(model, spec.window, config.on_device_sampling, config.max_topk)
-    if spec.kind == "mx":
+    if spec.kind == GraphKind.MX:
         return MixedGraph(model, spec.window, config.on_device_sampling, config.max_topk)
     return PrefillGraph(model, spec.window, config.prompt_logits)
 
 
 def example_inputs(spec: GraphSpec, config: NeuronConfig) -> tuple[torch.Tensor, ...]:
     """Inputs of the static shapes a graph is traced and compiled with."""
-    if spec.kind == COPY:
+    if spec.kind == GraphKind.COPY:
         return torch.arange(spec.width, dtype=INDEX_DTYPE)[None], torch.arange(2, dtype=INDEX_DTYPE)
-    if spec.kind == "mx":  # decode rows in slots 0..B-1, the chunk in slot 0 (shapes only)
+    if spec.kind == GraphKind.MX:  # decode rows in slots 0..B-1, the chunk in slot 0 (shapes only)
         inputs = _token_inputs(spec.batch, 1) + _token_inputs(1, spec.width)
     else:
         inputs = _token_inputs(spec.batch, spec.width)
-    if spec.kind in ("tg", "mx") and config.on_device_sampling:
+    if spec.kind in (GraphKind.TG, GraphKind.MX) and config.on_device_sampling:
         inputs += (torch.zeros(spec.batch, 3), torch.zeros(spec.batch))
     return inputs
 
