@@ -33,7 +33,7 @@ $(VENV)/.installed: pyproject.toml
 	$(call pip_install,$(PY),torch==2.13.0)
 	$(call pip_install,$(PY),-e ".[cpu$(comma)dev]")
 	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec || true
-	$(PY) -m optimum_neuron_chunked.vllm.dist_alias
+	$(PY) tools/vllm_dist_alias.py
 	$(PY) -c "import torch, transformers, vllm; assert torch.__version__.startswith('2.13.0')"
 	touch $@
 

