@@ -26,7 +26,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tests"))
 
-from test_vllm_engine import hf_greedy  # noqa: E402
+from helpers import hf_greedy  # noqa: E402
 from vllm_server import Server  # noqa: E402
 
 from exporters.neuron import export  # noqa: E402

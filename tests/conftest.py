@@ -72,3 +72,13 @@ def pytest_terminal_summary(terminalreporter):
     for name, report in sorted(census.items()):
         counts = [report.census[op] for op in ops] + [report.widest_sort]
         terminalreporter.write_line(f"{name:<30}" + "".join(f"{c:>13}" for c in counts))
+
+
+@pytest.fixture(scope="module")
+def llm(export_dir):
+    """vllm.LLM on the export of `export_dir`, in this process's engine core."""
+    from vllm import LLM
+
+    engine = LLM(model=str(export_dir), seed=0)
+    yield engine
+    engine.llm_engine.engine_core.shutdown()

@@ -13,7 +13,7 @@ the neuron backend builds it, the script checks that
   - at tp 1, every graph of the bundle, run on torch-xla's CPU device with its int32 example
     inputs, equals the eager graph on the unsharded model.
 Then it runs the real `NeuronBackend.compile` on llama exports holding every graph kind
-(test_neuron_backend.every_graph_kind: CP narrow and full, TG narrow and full, MX, copy,
+(helpers.every_graph_kind: CP narrow and full, TG narrow and full, MX, copy,
 prompt logits; CE; with and without on-device sampling) at tp 1 and 2, up to the first
 closed call of each trace: the stub of `torch_neuronx.xla_impl.trace.generate_hlo` records
 what NxD's `ModelBuilder.trace` hands it and stops that graph's trace. Per graph it prints
@@ -257,19 +257,23 @@ def check_compile(name: str, tp: int) -> list[str]:
     """The real NeuronBackend.compile on a llama export, each trace up to generate_hlo."""
     global RUN_TRACED_MODULE
     from fixtures.export_models import checkpoint_path
-    from test_neuron_backend import every_graph_kind
+    from helpers import every_graph_kind
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from optimum_neuron_chunked.backends.neuron.backend import NeuronBackend
+    from optimum_neuron_chunked.checkpoint_stream import stream_weights, weight_files
     from optimum_neuron_chunked.graphs import example_inputs, graph_module, graph_specs
-    from optimum_neuron_chunked.modeling import build_model
+    from optimum_neuron_chunked.modeling import build_model, model_from_spec
 
     config = every_graph_kind(tp)[name]
     path = checkpoint_path("llama")
     hf_config = AutoConfig.from_pretrained(path)
-    # as exporters/neuron.py hands it to the backend: unsharded, plain layers, HF weights
+    # the eager reference graphs below: unsharded, plain layers, HF weights
     decoder = build_model(hf_config, config)
     decoder.load_weights(decoder.weights_from_hf(AutoModelForCausalLM.from_pretrained(path)))
+    # as exporters/neuron.py hands it to the backend: the shard files streamed from the
+    # checkpoint, a decoder on the meta device (compile loads rank 0's shard from its file)
+    meta = model_from_spec(decoder.spec, config, device="meta")
     specs = graph_specs(config)
     reached: dict[str, Reached] = {}
 
@@ -297,8 +301,9 @@ def check_compile(name: str, tp: int) -> list[str]:
     quiet = _QuietStops()
     logging.getLogger("Neuron").addFilter(quiet)
     with tempfile.TemporaryDirectory() as out:
+        stream_weights(path, hf_config, config, meta, *weight_files("neuron", config, ""), Path(out))
         try:
-            NeuronBackend().compile(decoder, config, specs, Path(out), on_graph)
+            NeuronBackend().compile(meta, config, specs, Path(out), on_graph)
         except ValueError as e:
             end = f"{_refusal(e)}"
         finally:
@@ -389,7 +394,7 @@ def main() -> int:
     install_stubs(Path(sys.argv[1]))
     problems = [p for family in ("llama", "qwen3") for tp in (1, 2) for p in check_family(family, tp)]
     print("\n".join(problems) if problems else "OK: bundle names == shard files; tp 1 forward == eager")
-    from test_neuron_backend import every_graph_kind
+    from helpers import every_graph_kind
 
     traced = [p for tp in (1, 2) for name in every_graph_kind(tp) for p in check_compile(name, tp)]
     print(

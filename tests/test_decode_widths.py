@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from fixtures.export_models import BUCKETS, CHUNK, SEQUENCE_LENGTH, checkpoint_path
+from helpers import RecordingGraphs
 from transformers import AutoModelForCausalLM
 
 from exporters.neuron import export
@@ -47,18 +48,6 @@ def test_each_step_runs_in_the_narrowest_width_that_holds_its_rows():
     ]
     with pytest.raises(ValueError, match="1 to 4 rows"):
         step([0, 1, 2, 3, 3], [1, 1, 1, 1, 1])
-
-
-class RecordingGraphs(dict):
-    """The loaded graphs, recording which ran."""
-
-    def __init__(self, graphs):
-        super().__init__(graphs)
-        self.ran = []
-
-    def __getitem__(self, name):
-        self.ran.append(name)
-        return super().__getitem__(name)
 
 
 @pytest.mark.parametrize("backend", ["eager", pytest.param("cpu", marks=pytest.mark.slow)])

@@ -7,9 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from fixtures.export_models import BUCKETS, CHUNK, SEQUENCE_LENGTH, checkpoint_path
-from test_decode_widths import RecordingGraphs
-from test_parity import prompt
-from test_vllm_engine import hf_greedy
+from helpers import RecordingGraphs, hf_greedy, prompt
 from transformers import AutoModelForCausalLM
 
 from exporters.neuron import export
@@ -135,7 +133,7 @@ def mixed_export(tmp_path_factory):
 @pytest.mark.parametrize("sampling", [{}, {"logprobs": 2}], ids=["on-device", "host-sampled"])
 def test_vllm_runs_a_decode_and_each_full_chunk_in_one_call(mixed_export, hf_reference, sampling):
     """Host-sampled: a's logprobs need its logits, fetched from the MX call's decode rows."""
-    from test_vllm_steps import Engine
+    from vllm_stepper import Engine
 
     engine = Engine(mixed_export)
     engine.worker.runner.model.runner.graphs = graphs = RecordingGraphs(

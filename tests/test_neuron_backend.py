@@ -11,6 +11,7 @@ import json
 import pytest
 import torch
 from fixtures.export_models import checkpoint_path
+from helpers import every_graph_kind
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from optimum_neuron_chunked.backends import BackendUnavailableError
@@ -143,28 +144,6 @@ def test_priority_graph_is_the_widest_tg_in_rows_and_bucket():
     names = [s.name for s in graph_specs(config)]
     assert {"tg_w32_r1", "tg_w64_r1", "tg_w64"} <= set(names)
     assert priority_graph(graph_specs(config)) == "tg_w64"
-
-
-def every_graph_kind(tp: int = 1) -> dict[str, NeuronConfig]:
-    """Configs whose graph sets hold every kind of graph and every input count: CP (narrow
-    and full), CE, TG (narrow and full, with and without sampling), MX (with and without
-    sampling), copy, prompt logits. tests/nxd_source_check.py traces them with NxD."""
-    shapes = dict(
-        batch_size=2,
-        sequence_length=64,
-        prefill_chunk_size=16,
-        context_buckets=(32, 64),
-        backend="neuron",
-        instance_type="trn1",
-        tp_degree=tp,
-    )
-    return {
-        "chunked": NeuronConfig(
-            **shapes, prefill_widths=(4, 16), decode_widths=(1, 2), mixed_step=True, prompt_logits=True
-        ),
-        "chunked-host-sampling": NeuronConfig(**shapes, mixed_step=True, on_device_sampling=False),
-        "standard": NeuronConfig(**(shapes | dict(prefill_chunk_size=0, decode_widths=(1, 2)))),
-    }
 
 
 def nxd_trace_kwargs(module: torch.nn.Module, args: tuple) -> dict[str, torch.Tensor]:

@@ -6,16 +6,12 @@ import pytest
 import torch
 from conftest import export_params
 from fixtures.export_models import CHUNK, EXPORTS
+from helpers import prompt
 
 # 1, C-1, C, C+1 and 3C+5 tokens: single token, partial, exact and overflowing chunks.
 PROMPT_LENGTHS = (1, CHUNK - 1, CHUNK, CHUNK + 1, 3 * CHUNK + 5)
 LOGITS_TOLERANCE = 1e-4  # fp32; observed differences are ~1e-5
 NEW_TOKENS = 12
-
-
-def prompt(n: int, seed: int = 0) -> torch.Tensor:
-    # ids 4.. skip the special tokens (eos would end generation early)
-    return torch.randint(4, 380, (n,), generator=torch.Generator().manual_seed(1000 * seed + n))
 
 
 # xla exports of llama alone (~10 s each on XLA's CPU device; test_xla generates with every family's)

@@ -7,7 +7,7 @@ import pytest
 import torch
 from conftest import export_params
 from fixtures.export_models import CHUNK
-from test_parity import prompt
+from helpers import prompt
 
 EXPORTS = ["llama-2x4x32-eager", "llama-2x4x32-cpu", "qwen3_moe-2x4x32-cpu"]
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from fixtures.export_models import checkpoint_path
-from test_parity import prompt
+from helpers import prompt
 
 from exporters.neuron import export
 from optimum_neuron_chunked import NeuronModelForCausalLM

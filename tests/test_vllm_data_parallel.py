@@ -10,8 +10,7 @@ import urllib.request
 
 import pytest
 from conftest import export_params
-from test_parity import prompt
-from test_vllm_engine import hf_greedy
+from helpers import hf_greedy, prompt
 from vllm_server import Server
 
 

@@ -6,49 +6,10 @@ import pytest
 import torch
 from conftest import export_params
 from fixtures.export_models import CHUNK, EXPORTS
-from test_parity import prompt
+from helpers import NEW_TOKENS, generate, greedy, hf_greedy, prompt
 
 PROMPT_LENGTHS = (1, CHUNK - 1, CHUNK, CHUNK + 1, 3 * CHUNK + 5)
-NEW_TOKENS = 10
 ENGINE_EXPORTS = ["llama-2x4x32-eager", "llama-2x1x128-eager", "qwen3-2x4x32-cpu", "qwen3-2x1x128-cpu"]
-
-
-@pytest.fixture(scope="module")
-def llm(export_dir):
-    from vllm import LLM
-
-    engine = LLM(model=str(export_dir), seed=0)
-    yield engine
-    engine.llm_engine.engine_core.shutdown()
-
-
-def greedy(n: int = NEW_TOKENS, **kwargs):
-    from vllm import SamplingParams
-
-    return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, **kwargs)
-
-
-def hf_greedy(
-    hf, ids: torch.Tensor, n: int = NEW_TOKENS, repetition_penalty: float | None = None
-) -> list[int]:
-    """HF's greedy continuation that, like vLLM's ignore_eos, neither stops at nor avoids eos."""
-    from transformers import RepetitionPenaltyLogitsProcessor
-
-    penalty = RepetitionPenaltyLogitsProcessor(repetition_penalty) if repetition_penalty else None
-    seq, past, step_ids = ids[None], None, ids[None]
-    with torch.no_grad():
-        for _ in range(n):
-            out = hf(step_ids, past_key_values=past, use_cache=True)
-            logits, past = out.logits[:, -1].float(), out.past_key_values
-            if penalty is not None:
-                logits = penalty(seq, logits)
-            step_ids = logits.argmax(-1, keepdim=True)
-            seq = torch.cat([seq, step_ids], dim=1)
-    return seq[0, ids.shape[0] :].tolist()
-
-
-def generate(llm, prompts: list[torch.Tensor], params) -> list:
-    return [o.outputs[0] for o in llm.generate([{"prompt_token_ids": p.tolist()} for p in prompts], params)]
 
 
 @pytest.mark.parametrize("export_dir", export_params(ENGINE_EXPORTS), indirect=True)

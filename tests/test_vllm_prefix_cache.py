@@ -11,9 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import export_params
-from test_parity import prompt
-from test_vllm_engine import hf_greedy
-from test_vllm_steps import EXPORT, XLA_EXPORT, Engine
+from helpers import hf_greedy, prompt
+from vllm_stepper import EXPORT, XLA_EXPORT, Engine
 
 from optimum_neuron_chunked.vllm.compat import LONE_PREFILL_TAKES_BUDGET
 

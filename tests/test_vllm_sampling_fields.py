@@ -6,8 +6,7 @@ from __future__ import annotations
 import msgspec
 import pytest
 from conftest import export_params
-from test_parity import prompt
-from test_vllm_engine import generate, llm  # noqa: F401  (the module-scoped engine fixture)
+from helpers import generate, prompt
 
 from optimum_neuron_chunked.vllm.sampling import DEVICE_FIELDS, OUTPUT_FIELDS, host_fields, on_device_eligible
 

@@ -6,8 +6,7 @@ from __future__ import annotations
 import pytest
 from conftest import export_params
 from fixtures.export_models import CHUNK, EXPORTS
-from test_parity import prompt
-from test_vllm_engine import hf_greedy
+from helpers import hf_greedy, prompt
 from vllm_server import Server, concurrent_greedy_tokens
 
 # eager, and the sliding-window family on xla (the SDK-mirror environment; llama: test_vllm_xla)

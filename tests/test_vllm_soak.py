@@ -13,8 +13,7 @@ import random
 import pytest
 from conftest import export_params
 from fixtures.export_models import CHUNK
-from test_parity import prompt
-from test_vllm_engine import hf_greedy
+from helpers import hf_greedy, prompt
 from vllm_server import Server
 
 EXPORT = "llama-2x4x32-eager"  # 2 slots, S=128, C=32

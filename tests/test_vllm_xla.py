@@ -18,8 +18,7 @@ import re
 import pytest
 import torch
 from fixtures.export_models import BUCKETS, checkpoint_path
-from test_parity import prompt
-from test_vllm_engine import hf_greedy
+from helpers import hf_greedy, prompt
 from vllm_server import Server, concurrent_greedy_tokens
 
 pytestmark = pytest.mark.xla

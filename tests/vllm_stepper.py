@@ -1,0 +1,89 @@
+"""vLLM's real V1 scheduler driving the real worker and runner in this process, step by step:
+the harness of the step-table tests."""
+
+from __future__ import annotations
+
+import torch
+
+from optimum_neuron_chunked.vllm.plan import describe_chunks
+
+EXPORT = "llama-2x4x32-eager"
+XLA_EXPORT = "llama-2x4x32-xla"  # the graphs on torch-xla's device, served by the SDK's vLLM
+
+
+class Engine:
+    """Scheduler + worker in this process; `step()` returns what the step ran."""
+
+    def __init__(self, export_dir, config=None):
+        from vllm.config import ModelConfig, VllmConfig
+        from vllm.v1.core.sched.scheduler import Scheduler
+        from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec
+        from vllm.v1.structured_output import StructuredOutputManager
+
+        from optimum_neuron_chunked.vllm.worker import KV_LAYER, NeuronChunkedWorker
+
+        config = config or VllmConfig(
+            model_config=ModelConfig(model=str(export_dir), dtype="float32", seed=0)
+        )
+        self.worker = NeuronChunkedWorker(config, 0, 0, "tcp://127.0.0.1:0", is_driver_worker=True)
+        self.worker.init_device()
+        self.worker.load_model()
+        num_blocks = config.cache_config.num_gpu_blocks_override
+        spec = self.worker.get_kv_cache_spec()[KV_LAYER]
+        kv = KVCacheConfig(num_blocks, [], [KVCacheGroupSpec([KV_LAYER], spec)])
+        self.worker.initialize_from_config(kv)
+        config.cache_config.num_gpu_blocks = num_blocks
+        self.scheduler = Scheduler(config, kv, StructuredOutputManager(config), block_size=spec.block_size)
+        self.tokens: dict[str, list[int]] = {}
+
+    def add(
+        self, req_id: str, ids: torch.Tensor, max_tokens: int, resumable: bool = False, **sampling
+    ) -> None:
+        """A greedy request; `resumable`: a streaming-input session, whose next input re-adds the
+        id; `sampling`: further SamplingParams fields."""
+        from vllm import SamplingParams
+
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, **sampling)
+        self.add_request(req_id, ids, params, resumable)
+
+    def add_request(self, req_id: str, ids: torch.Tensor, params, resumable: bool = False) -> None:
+        import inspect
+
+        from vllm.v1.request import Request
+
+        # vLLM 0.16.0's Request takes the eos token id (vllm/v1/request.py); 0.32 reads it from params
+        eos = {"eos_token_id": None} if "eos_token_id" in inspect.signature(Request).parameters else {}
+        self.scheduler.add_request(Request(req_id, ids.tolist(), params, None, resumable=resumable, **eos))
+        self.tokens.setdefault(req_id, [])
+
+    def abort(self, req_id: str) -> None:
+        from vllm.v1.request import RequestStatus
+
+        self.scheduler.finish_requests([req_id], RequestStatus.FINISHED_ABORTED)
+
+    def step(self) -> str:
+        """One engine step -> 'a+b | c[0:32]' (decodes | prefill chunks with their positions)."""
+        so = self.scheduler.schedule()
+        out = self.worker.execute_model(so)
+        if out is None:
+            out = self.worker.sample_tokens(None)
+        self.scheduler.update_from_output(so, out)
+        for req_id, index in out.req_id_to_index.items():
+            self.tokens[req_id] += out.sampled_token_ids[index]
+        if so.total_num_scheduled_tokens == 0:
+            return ""
+        plan = self.worker.runner.last_plan
+        decodes = "+".join(d.req_id for d in plan.decodes)
+        return f"{decodes} | {describe_chunks(plan)}".strip()
+
+    def step_until(self, done, max_steps: int = 200) -> None:
+        """Step until `done()`; a scheduler that never gets there fails instead of hanging."""
+        for _ in range(max_steps):
+            if done():
+                return
+            self.step()
+        raise AssertionError(f"not done after {max_steps} steps: {self.tokens}")
+
+    @property
+    def free_slots(self) -> int:
+        return self.scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
