@@ -3,9 +3,18 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 
 from optimum.commands.base import BaseOptimumCLICommand, CommandInfo
+
+from optimum_neuron_chunked.config import BACKENDS, DTYPES, NeuronConfig
+
+# Choices and defaults come from the config: declared once there.
+DEFAULTS = {
+    f.name: f.default for f in dataclasses.fields(NeuronConfig) if f.default is not dataclasses.MISSING
+}
+INSTANCE_TYPES = ("trn1", "inf2", "trn2")  # backends/neuron/target.py TARGETS
 
 EPILOG = (
     "Chunked export (CP + TG graphs):  --prefill-chunk-size 128\n"
@@ -29,19 +38,17 @@ def add_export_arguments(parser: argparse.ArgumentParser) -> None:
         "--prefill-chunk-size",
         "--prefill_chunk_size",
         type=int,
-        default=0,
+        default=DEFAULTS["prefill_chunk_size"],
         dest="prefill_chunk_size",
         help="Width C of the chunked-prefill graph; 0 (default) compiles the standard context-encoding graph.",
     )
     parser.add_argument(
         "--backend",
-        choices=("cpu", "eager", "neuron", "xla"),
+        choices=BACKENDS,
         default=None,
         help="What the graphs compile for (default: neuron where the Neuron SDK is importable, else cpu).",
     )
-    parser.add_argument(
-        "--dtype", "--torch_dtype", choices=("float32", "bfloat16", "float16"), default="float32"
-    )
+    parser.add_argument("--dtype", "--torch_dtype", choices=DTYPES, default=DEFAULTS["dtype"])
     parser.add_argument(
         "--no-on-device-sampling",
         action="store_false",
@@ -57,12 +64,16 @@ def add_export_arguments(parser: argparse.ArgumentParser) -> None:
         "(evaluation harnesses); costs a [C, V] (chunked) or [P, V] (standard) output per call.",
     )
     parser.add_argument(
-        "--tensor_parallel_size", "--tensor-parallel-size", type=int, default=1, dest="tp_degree"
+        "--tensor_parallel_size",
+        "--tensor-parallel-size",
+        type=int,
+        default=DEFAULTS["tp_degree"],
+        dest="tp_degree",
     )
     parser.add_argument(
         "--instance_type",
         "--instance-type",
-        choices=("trn1", "inf2", "trn2"),
+        choices=INSTANCE_TYPES,
         default=None,
         help="Neuron backend: the instance the graphs are compiled for (default: this host's).",
     )
@@ -70,7 +81,7 @@ def add_export_arguments(parser: argparse.ArgumentParser) -> None:
         "--max-topk",
         "--max_topk",
         type=int,
-        default=256,
+        default=DEFAULTS["max_topk"],
         dest="max_topk",
         help="Candidates considered by on-device sampling.",
     )

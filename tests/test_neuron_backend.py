@@ -322,3 +322,9 @@ def test_tg_outputs_stay_on_the_device_until_fetched():
     assert (tokens.item(), logits.item()) == (1, 2)  # rank 0's outputs
     assert NeuronGraph(nxd, "cp_w64")(torch.tensor([1])).item() == 2
     assert nxd.calls == [("tg_w64", "async"), ("cp_w64", "default")]
+
+
+def test_the_cli_offers_every_compile_target():
+    from exporters.cli import INSTANCE_TYPES
+
+    assert INSTANCE_TYPES == tuple(TARGETS)
