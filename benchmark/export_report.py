@@ -1,9 +1,17 @@
-"""Export time, artifact size and HF parity of std vs chunked exports, for every family.
+"""Export time, artifact size and HF parity of std vs chunked exports, for every family; with
+--memory, the peak resident memory of exporting a ~1B-parameter bf16 checkpoint.
 
 Checkpoints here use shapes the tests do not (other head dims, GQA ratios, vocab sizes).
 Writes benchmark/results/export-<date>-<host>.{json,md}.
 
     python benchmark/export_report.py [--batch-size 4 --sequence-length 1024 --chunk 128]
+    python benchmark/export_report.py --memory --backends eager cpu [--weights stream transformers]
+    python benchmark/export_report.py --memory --backends neuron-weights-tp1 neuron-weights-tp2
+
+--memory builds a random Llama checkpoint (MEMORY_MODEL, bf16, ~2 GB; cached under --work, not
+shipped) and exports it once per backend and weight path, each in a fresh process: its peak
+resident set (VmHWM) is given beside the checkpoint's bytes (the ratio issue 37 bounds) and
+the peak of the process once its imports are done.
 """
 
 from __future__ import annotations
@@ -23,6 +31,8 @@ from rich.table import Table
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+
+from export_memory import child_export, memory_report  # noqa: E402  (beside this file)
 
 from exporters.neuron import export  # noqa: E402
 from optimum_neuron_chunked import NeuronModelForCausalLM  # noqa: E402
@@ -166,6 +176,16 @@ UNSEEN = {
 }
 
 
+def write_results(stamp: str, tag: str, meta: dict, rows: list, table: list[str]) -> None:
+    stamp += f"-{tag}" if tag else ""
+    results = REPO / "benchmark" / "results"
+    results.mkdir(parents=True, exist_ok=True)
+    (results / f"{stamp}.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=2, default=str))
+    (results / f"{stamp}.md").write_text(
+        "\n".join([f"# {stamp}", "", f"`{json.dumps(meta)}`", "", *table]) + "\n"
+    )
+
+
 def size_mb(path: Path, pattern: str = "*") -> float:
     return sum(p.stat().st_size for p in path.rglob(pattern) if p.is_file()) / 2**20
 
@@ -190,7 +210,23 @@ def main() -> int:
     parser.add_argument("--backend", default="cpu")
     parser.add_argument("--families", nargs="*", default=list(UNSEEN))
     parser.add_argument("--tag", default="", help="appended to the result file names")
+    parser.add_argument("--memory", action="store_true", help="peak resident memory of a ~1B export")
+    parser.add_argument("--backends", nargs="*", default=["eager", "cpu"], help="--memory: backends")
+    parser.add_argument("--weights", nargs="*", default=["transformers", "stream"], help="--memory: paths")
+    parser.add_argument("--work", default="/tmp/onc-export-memory", help="--memory: checkpoint, exports")
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--checkpoint", help=argparse.SUPPRESS)
+    parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.child:
+        return child_export(args)
+    if args.memory:
+        report = memory_report(args)
+        if report is None:
+            return 1
+        stamp = f"export-memory-{datetime.date.today()}-{platform.node()}"
+        write_results(stamp, args.tag, *report)
+        return 0
     from transformers import AutoModelForCausalLM
 
     console = Console()
@@ -243,18 +279,10 @@ def main() -> int:
             str(r["greedy_equal_hf"]),
         )
     console.print(table)
-    stamp = f"export-{datetime.date.today()}-{platform.node()}" + (f"-{args.tag}" if args.tag else "")
-    results = REPO / "benchmark" / "results"
-    results.mkdir(parents=True, exist_ok=True)
     meta = dict(
         batch_size=args.batch_size, sequence_length=s, chunk=c, backend=args.backend, prompt_lengths=lengths
     )
-    (results / f"{stamp}.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=2, default=str))
     lines = [
-        f"# Export report ({stamp})",
-        "",
-        f"`{json.dumps(meta)}`",
-        "",
         "| family | kind | export s | graphs MiB | weights MiB | greedy == HF |",
         "|---|---|---|---|---|---|",
     ]
@@ -263,7 +291,7 @@ def main() -> int:
         f"{r['greedy_equal_hf']} |"
         for r in rows
     ]
-    (results / f"{stamp}.md").write_text("\n".join(lines) + "\n")
+    write_results(f"export-{datetime.date.today()}-{platform.node()}", args.tag, meta, rows, lines)
     return 0 if all(r["greedy_equal_hf"] for r in rows) else 1
 
 

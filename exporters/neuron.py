@@ -15,16 +15,32 @@ from pathlib import Path
 from rich.console import Console
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
-from optimum_neuron_chunked.backends import BACKENDS, default_backend, export_files, get_backend
+from optimum_neuron_chunked.backends import BACKENDS, Backend, default_backend, export_files, get_backend
+from optimum_neuron_chunked.backends.base import WEIGHTS_NAME
 from optimum_neuron_chunked.backends.neuron.target import resolve_instance_type
+from optimum_neuron_chunked.checkpoint_stream import (
+    StreamUnsupportedError,
+    checkpoint_folder,
+    empty_but_inlined,
+    stream_weights,
+    weight_files,
+)
 from optimum_neuron_chunked.config import NeuronConfig
 from optimum_neuron_chunked.graphs import graph_specs
 from optimum_neuron_chunked.integrity import record_files
-from optimum_neuron_chunked.modeling import build_model, family_spec, torch_dtype
+from optimum_neuron_chunked.modeling import (
+    DecoderModel,
+    build_model,
+    family_spec,
+    model_from_spec,
+    torch_dtype,
+)
 from optimum_neuron_chunked.modeling.kernels import host_cpu_capability
 from optimum_neuron_chunked.modeling.parallel import ShardLayout
 
 from .model_card import write_model_card
+
+WEIGHT_PATHS = ("stream", "transformers")
 
 
 class ExportError(ValueError):
@@ -51,10 +67,16 @@ def export(
     mixed_step: bool = False,
     overwrite: bool = False,
     console: Console | None = None,
+    weights: str = "stream",
 ) -> Path:
     """Export `model` (local folder or hub id) into `output`; returns the output path.
 
-    `backend` None: neuron where the Neuron SDK is importable, cpu elsewhere (said on the console)."""
+    `backend` None: neuron where the Neuron SDK is importable, cpu elsewhere (said on the console).
+    `weights` "stream": tensor by tensor from the checkpoint's safetensors (checkpoint_stream);
+    "transformers": through the whole transformers model (the path before issue 37, kept as the
+    reference the streamed exports are tested against, and for checkpoints without safetensors)."""
+    if weights not in WEIGHT_PATHS:
+        raise ExportError(f"weights={weights!r}: choose one of {', '.join(WEIGHT_PATHS)}.")
     console = console or Console(stderr=True)
     if backend is None:
         backend, why = default_backend()
@@ -89,10 +111,8 @@ def export(
     staging = Path(tempfile.mkdtemp(prefix=f".{output.name}.partial-", dir=output.parent))
     try:
         started = time.perf_counter()
-        decoder = build_model(hf_config, config)
         with console.status(f"loading weights of {model}"):
-            decoder.load_weights(decoder.weights_from_hf(_load_hf_model(model, hf_config, config)))
-        impl.save_weights(decoder, config, staging)
+            decoder = _export_weights(model, hf_config, config, impl, staging, weights, console)
         specs = graph_specs(config)
         with _progress(console, len(specs)) as on_graph:
             impl.compile(decoder, config, specs, staging, on_graph)
@@ -146,6 +166,35 @@ def _check_shapes(hf_config, config: NeuronConfig) -> None:
             f"--sequence_length {config.sequence_length} exceeds the model's max_position_embeddings "
             f"({max_positions}): pass --sequence_length <= {max_positions}."
         )
+
+
+def _export_weights(
+    model: str, hf_config, config: NeuronConfig, impl: Backend, out: Path, weights: str, console: Console
+) -> DecoderModel:
+    """Write the export's weight files; returns the decoder the backend compiles from. Streamed,
+    it holds real weights only where compiling needs them: eager and xla compile nothing; the
+    cpu backend's AOTInductor packages hold no constants (it binds them at load), except the
+    0-d/1-d tensors AOTInductor inlines, so its decoder holds those and uninitialised memory,
+    never written (not resident), for the rest; the neuron backend loads rank 0's shard from
+    the file written here before NxD traces."""
+    folder = checkpoint_folder(model) if weights == "stream" else None
+    if folder is not None:
+        decoder = model_from_spec(family_spec(hf_config), config, device="meta")
+        files, tied = weight_files(config.backend, config, WEIGHTS_NAME)
+        try:
+            stream_weights(folder, hf_config, config, decoder, files, tied, out)
+        except StreamUnsupportedError as e:
+            console.print(f"[yellow]warning[/]: {e}; loading the whole model with transformers instead.")
+        else:
+            return empty_but_inlined(decoder, out / WEIGHTS_NAME) if config.backend == "cpu" else decoder
+    elif weights == "stream":
+        console.print(
+            "[yellow]warning[/]: no safetensors checkpoint: loading the whole model with transformers."
+        )
+    decoder = build_model(hf_config, config)
+    decoder.load_weights(decoder.weights_from_hf(_load_hf_model(model, hf_config, config)))
+    impl.save_weights(decoder, config, out)
+    return decoder
 
 
 def _load_hf_model(model: str, hf_config, config: NeuronConfig):

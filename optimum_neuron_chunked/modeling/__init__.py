@@ -22,10 +22,12 @@ def model_from_spec(
     layers=None,
     functional_cache: bool = False,
     kernels: KernelChoices | None = None,
+    device: str = "cpu",
 ) -> DecoderModel:
     """The one place an export config shapes a decoder: cache rings, kernel choices (the
-    backend's unless given: benchmarks and tests compare them), dtype."""
-    with torch.device("cpu"):
+    backend's unless given: benchmarks and tests compare them), dtype. `device` "meta": the
+    names, shapes and dtypes alone (a streamed export holds no weights it does not need)."""
+    with torch.device(device):
         return DecoderModel(
             spec,
             config.batch_size,

@@ -271,7 +271,7 @@ class DecoderModel(nn.Module):
         state = {}
         for name in self.weight_names() + ["lm_head.weight"]:
             if name.startswith("model.rotary_emb"):
-                buffer = _rotary_buffer(hf_model, *name.split(".")[1:])
+                buffer = rotary_buffer(hf_model, *name.split(".")[1:])
                 state[name] = buffer if buffer is not None else self.state_dict()[name].clone()
             elif name == "lm_head.weight" and self.spec.tie_word_embeddings:
                 state[name] = hf_state["model.embed_tokens.weight"]
@@ -289,7 +289,7 @@ class DecoderModel(nn.Module):
         return {name: shard[name] for name in self.weight_names()}
 
 
-def _rotary_buffer(hf_model: nn.Module, module: str, which: str) -> torch.Tensor | None:
+def rotary_buffer(hf_model: nn.Module, module: str, which: str) -> torch.Tensor | None:
     """inv_freq or attention_scaling of our rotary `module` (rotary_emb, or gemma3's
     rotary_emb_local) from the HF model: gemma3 under transformers 5.x keeps one set per layer
     type in `rotary_emb`; 4.57 has a second module `rotary_emb_local`."""

@@ -176,19 +176,22 @@ def moe_state_from_hf(
     (GptOssExperts._apply_gate: gate = [..., ::2], up = [..., 1::2]) and [E, I, H] down."""
     state = dict(hf_state)
     for i, sparse in enumerate(spec.sparse_layers):
-        if not sparse:
-            continue
-        dst = f"model.layers.{i}.mlp"
-        src = (
-            f"model.layers.{i}.block_sparse_moe"
-            if f"model.layers.{i}.block_sparse_moe.gate.weight" in state
-            else dst
-        )
-        converted = (
-            _gpt_oss_experts(state, src) if model_type == "gpt_oss" else _swiglu_experts(state, src, spec)
-        )
-        state.update({f"{dst}.{name}": tensor.contiguous() for name, tensor in converted.items()})
+        if sparse:
+            state.update(moe_layer_from_hf(state, i, model_type, spec))
     return state
+
+
+def moe_layer_from_hf(state: dict[str, torch.Tensor], layer: int, model_type: str, spec: MoeSpec) -> dict:
+    """Sparse layer `layer`'s weights in this module's names and layout; the HF tensors it
+    consumed are popped from `state` (which may hold this layer's tensors only)."""
+    dst = f"model.layers.{layer}.mlp"
+    src = (
+        f"model.layers.{layer}.block_sparse_moe"
+        if f"model.layers.{layer}.block_sparse_moe.gate.weight" in state
+        else dst
+    )
+    converted = _gpt_oss_experts(state, src) if model_type == "gpt_oss" else _swiglu_experts(state, src, spec)
+    return {f"{dst}.{name}": tensor.contiguous() for name, tensor in converted.items()}
 
 
 def _gpt_oss_experts(state: dict, src: str) -> dict[str, torch.Tensor]:

@@ -105,15 +105,16 @@ def _check_divisible(what: str, value: int, tp: int) -> None:
 
 def tp_checkpoint(full: dict[str, torch.Tensor], layout: ShardLayout) -> dict[str, torch.Tensor]:
     """The tp-1 checkpoint with KV heads replicated and the vocabulary padded, so that every
-    partitioned weight splits into tp_degree equal contiguous slices."""
+    partitioned weight splits into tp_degree equal contiguous slices. Each tensor converts on
+    its own: `full` may hold any subset of the names (checkpoint_stream passes one at a time)."""
     out = dict(full)
     source = layout.kv_source()
     for name, tensor in full.items():
         if name.endswith(("k_proj.weight", "k_proj.bias", "v_proj.weight", "v_proj.bias")):
             per_head = tensor.view(layout.num_kv_heads, layout.head_dim, *tensor.shape[1:])
             out[name] = per_head[source].reshape(layout.kv_heads * layout.head_dim, *tensor.shape[1:])
-    lm_head = out["lm_head.weight"]
-    missing = layout.padded_vocab - lm_head.shape[0]
+    lm_head = out.get("lm_head.weight")  # absent when a streamed export converts other tensors
+    missing = 0 if lm_head is None else layout.padded_vocab - lm_head.shape[0]
     if missing:
         out["lm_head.weight"] = torch.cat([lm_head, lm_head.new_zeros(missing, lm_head.shape[1])])
     return out

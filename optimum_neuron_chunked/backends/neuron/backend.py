@@ -91,7 +91,11 @@ class NeuronBackend(Backend):
             world_size=tp, tensor_model_parallel_size=tp, lnc_size=target.logical_nc_config
         ):
             sharded = model_from_spec(model.spec, config, NxdLayers(tp), functional_cache=True)
-            sharded.load_weights(sharded.rank_weights(model.unsharded_weights(), 0))
+            # rank 0's shard as save_weights wrote it: `model` may hold no weights (a streamed
+            # export builds it on the meta device), and the shard is 1/tp of the model
+            sharded.load_weights(
+                written_shard(out_dir / self.weight_files(config)[0], sharded.weight_names())
+            )
             bundle = GraphBundle(sharded.eval(), config, specs)
             builder = ModelBuilder(bundle)
             for spec in specs:
@@ -122,6 +126,12 @@ class NeuronBackend(Backend):
         # decode graphs sampling on device: fetch the tokens, leave the logits unless wanted
         lazy = {spec.name for spec in specs if spec.kind in ("tg", "mx") and config.on_device_sampling}
         return {spec.name: NeuronGraph(nxd_model, spec.name, spec.name in lazy) for spec in specs}
+
+
+def written_shard(path: Path, names: list[str]) -> dict[str, torch.Tensor]:
+    """A rank's weights from its file in the export, without NxD's prefix, as `names` lists them."""
+    state = load_file(path)
+    return {name: state[PREFIX + name] for name in names}
 
 
 def unshared(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

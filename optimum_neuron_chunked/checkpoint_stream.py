@@ -1,0 +1,254 @@
+"""An export's weights streamed from the checkpoint's safetensors, one tensor at a time.
+
+transformers' from_pretrained holds the whole model, and converting it into the decoder's
+layout made a second copy: ~2.4x the checkpoint's bytes resident (issue 37). Here each
+weight of the export is read from the checkpoint files, converted by the same functions
+the in-memory path uses (`split_fused_projections`, `moe_layer_from_hf`, `tp_checkpoint`,
+`rank_shard`), cast, sliced per rank, written (safetensors_io.SafetensorsWriter) and
+released. Only one tensor (one MoE layer's experts) is in memory at a time.
+
+On-disk names are what the conversions read: the names transformers 4.x holds in memory.
+transformers 5 fuses qwen3_moe/mixtral experts in memory (conversion_mapping.py, 5.x) but
+save_pretrained writes them back per expert, and hub checkpoints hold them per expert;
+`moe_layer_from_hf` reads either layout. gpt-oss MXFP4 experts (`*_blocks`, `*_scales`) are
+dequantised per tensor by transformers' own `convert_moe_packed_tensors`
+(integrations/mxfp4.py, 4.57 and 5.x), to bfloat16 as its Mxfp4 dequantize path does, then
+cast to the export dtype, as loading that model into the decoder did.
+"""
+
+from __future__ import annotations
+
+import re
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from .config import NeuronConfig
+from .modeling.decoder import DecoderModel, rotary_buffer, split_fused_projections
+from .modeling.layers import Rotary
+from .modeling.moe import moe_layer_from_hf
+from .modeling.parallel import ShardLayout, rank_shard, tp_checkpoint
+from .safetensors_io import CheckpointFiles, SafetensorsWriter
+
+_FUSED = {
+    "q_proj.weight": "qkv_proj.weight",
+    "k_proj.weight": "qkv_proj.weight",
+    "v_proj.weight": "qkv_proj.weight",
+    "gate_proj.weight": "gate_up_proj.weight",
+    "up_proj.weight": "gate_up_proj.weight",
+}
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.mlp\.")
+
+
+class StreamUnsupportedError(ValueError):
+    """The checkpoint holds a tensor under a name the streamed path does not know."""
+
+
+@dataclass(frozen=True)
+class WeightFile:
+    """One safetensors file of an export: rank `rank`'s weights, names prefixed by `prefix`."""
+
+    path: str
+    rank: int
+    prefix: str = ""
+
+
+def checkpoint_folder(model: str) -> Path | None:
+    """The local folder holding `model`'s safetensors (a hub id: the cached snapshot, fetched
+    if missing); None where it has none (e.g. pytorch_model.bin). Only the files transformers
+    would load (model.safetensors or the index's model-*-of-*.safetensors): some repos also
+    hold the same weights in another layout (mistral's consolidated.safetensors)."""
+    local = Path(model)
+    if not local.exists():
+        from huggingface_hub import snapshot_download
+
+        local = Path(snapshot_download(model, allow_patterns=["model*.safetensors", "*.json"]))
+    return local if CheckpointFiles.present(local) else None
+
+
+class ConvertedCheckpoint:
+    """The decoder's unsharded weights (its names, lm_head included) converted from the
+    checkpoint's tensors on request, each cast to the decoder's dtype for it."""
+
+    def __init__(self, files: CheckpointFiles, hf_config, decoder: DecoderModel):
+        self.files, self.hf_config, self.spec = files, hf_config, decoder.spec
+        self.dtypes = {name: t.dtype for name, t in decoder.state_dict(keep_vars=True).items()}
+        # A checkpoint saved from the base model (LlamaModel) lacks the "model." prefix;
+        # from_pretrained adds it (base_model_prefix), and so does this map.
+        bare = "model.embed_tokens.weight" not in files and "embed_tokens.weight" in files
+        self.disk = {(f"model.{k}" if bare and k != "lm_head.weight" else k): k for k in files.keys()}
+        self._layer: tuple[int, dict[str, torch.Tensor]] | None = None
+        self._skeleton: nn.Module | None = None
+        self._fused: tuple[str, torch.Tensor] | None = None
+
+    def tensor(self, name: str) -> torch.Tensor:
+        return self._convert(name).to(self.dtypes[name])
+
+    def _convert(self, name: str) -> torch.Tensor:
+        if name.startswith("model.rotary_emb"):
+            return self._rotary(name)
+        if name == "lm_head.weight" and self.spec.tie_word_embeddings:
+            name = "model.embed_tokens.weight"  # tied: lm_head is the embedding
+        layer = _LAYER.match(name)
+        if layer and self.spec.moe is not None and self.spec.moe.sparse_layers[int(layer[1])]:
+            return self._moe_layer(int(layer[1])).pop(name)
+        if name in self.disk:
+            return self._read(name)
+        suffix = next((s for s in _FUSED if name.endswith(s)), None)
+        if self.spec.fused_projections and suffix:
+            fused = name.removesuffix(suffix) + _FUSED[suffix]
+            if self._fused is None or self._fused[0] != fused:
+                self._fused = (fused, self._read(fused))  # q, k, v: one read of qkv_proj
+            return split_fused_projections({fused: self._fused[1]}, self.spec)[name]
+        raise StreamUnsupportedError(f"the checkpoint has no tensor {name!r} (nor one it converts from)")
+
+    def _read(self, name: str) -> torch.Tensor:
+        if name not in self.disk:
+            raise StreamUnsupportedError(f"the checkpoint has no tensor {name!r}")
+        return self.files.read(self.disk[name])
+
+    def _moe_layer(self, i: int) -> dict[str, torch.Tensor]:
+        """Sparse layer i converted as a whole (experts are stacked from per-expert tensors),
+        kept until its tensors are taken; one layer at a time."""
+        if self._layer is None or self._layer[0] != i:
+            self._layer = None
+            prefixes = (f"model.layers.{i}.mlp.", f"model.layers.{i}.block_sparse_moe.")
+            state = {k: self._read(k) for k in self.disk if k.startswith(prefixes)}
+            _dequantize_mxfp4(state)
+            self._layer = (i, moe_layer_from_hf(state, i, self.spec.model_type, self.spec.moe))
+        return self._layer[1]
+
+    def _rotary(self, name: str) -> torch.Tensor:
+        if self._skeleton is None:
+            self._skeleton = hf_skeleton(self.hf_config, self.dtypes["model.embed_tokens.weight"])
+        module, which = name.split(".")[1:]
+        buffer = rotary_buffer(self._skeleton, module, which)
+        # no HF rotary for a layer type no layer has (gemma3, 5.x): the decoder's default
+        return buffer if buffer is not None else getattr(Rotary(self.spec.head_dim), which).clone()
+
+
+def _dequantize_mxfp4(state: dict[str, torch.Tensor]) -> None:
+    for blocks in [k for k in state if k.endswith("_blocks")]:
+        from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+        base = blocks.removesuffix("_blocks")
+        state[base] = convert_moe_packed_tensors(state.pop(blocks), state.pop(f"{base}_scales"))
+
+
+def hf_skeleton(hf_config, dtype: torch.dtype) -> nn.Module:
+    """The transformers model of `hf_config` with its parameters on the meta device and its
+    buffers real: the rotary inv_freq / attention_scaling as from_pretrained computes them
+    (every rope_type, gemma3's local rotary), without the weights."""
+    from transformers import AutoModelForCausalLM
+
+    with _parameters_on_meta():
+        return AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
+
+
+@contextmanager
+def _parameters_on_meta():
+    """Every parameter registered while open goes to the meta device (accelerate's
+    init_empty_weights(include_buffers=False), which transformers 5 no longer ships)."""
+    register = nn.Module.register_parameter
+
+    def on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        register(module, name, param)
+        if param is not None:
+            meta = module._parameters[name].to("meta")
+            module._parameters[name] = type(param)(meta, requires_grad=param.requires_grad)
+
+    nn.Module.register_parameter = on_meta
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register
+
+
+def weight_files(backend: str, config: NeuronConfig, single: str) -> tuple[list[WeightFile], bool]:
+    """The export's weight files and whether they hold a tied lm_head too: the neuron backend
+    stores rank r's shard in its own file with NxD's "model." prefix and an untied lm_head
+    (backends/neuron/backend.py save_weights); every other backend one unsharded file."""
+    if backend == "neuron":
+        return [
+            WeightFile(f"weights/tp{rank}_sharded_checkpoint.safetensors", rank, "model.")
+            for rank in range(config.tp_degree)
+        ], True
+    return [WeightFile(single, 0)], False
+
+
+def stream_weights(
+    folder: Path,
+    hf_config,
+    config: NeuronConfig,
+    decoder: DecoderModel,
+    files: list[WeightFile],
+    tied: bool,
+    out_dir: Path,
+) -> int:
+    """Write `files` (relative to `out_dir`) from the checkpoint in `folder`; `decoder` (meta
+    is enough) gives the names, shapes and dtypes. Returns the checkpoint's bytes."""
+    checkpoint = CheckpointFiles(folder)
+    source = ConvertedCheckpoint(checkpoint, hf_config, decoder)
+    layout = ShardLayout.of(decoder.spec, config.tp_degree)
+    names = decoder.weight_names() + (sorted(decoder._tied_names()) if tied else [])
+    shapes = _rank_shapes(decoder, names, layout)
+    writers = []
+    try:
+        for f in files:
+            (out_dir / f.path).parent.mkdir(parents=True, exist_ok=True)
+            writers.append(
+                SafetensorsWriter(out_dir / f.path, {f.prefix + n: shapes[f.rank][n] for n in names})
+            )
+        for name in [n.removeprefix(files[0].prefix) for n in writers[0].order]:
+            full = tp_checkpoint({name: source.tensor(name)}, layout)[name]
+            for f, writer in zip(files, writers, strict=True):
+                writer.write(f.prefix + name, rank_shard({name: full}, config.tp_degree, f.rank)[name])
+            del full
+    except BaseException:
+        for writer in writers:
+            writer.abort()
+        raise
+    for writer in writers:
+        writer.close()
+    return checkpoint.nbytes()
+
+
+def empty_but_inlined(decoder: DecoderModel, weights: Path) -> DecoderModel:
+    """`decoder` (meta) on the cpu with uninitialised tensors (never written, so not resident),
+    except its 0-d and 1-d tensors, read from `weights`: AOTInductor compiles those into the
+    graph as literals instead of binding them at load (GraphLowering.get_attr,
+    torch/_inductor/graph.py, torch 2.13: shape () -> value.item(), 1-d of <= 8 elements
+    inlined). Norms, biases and rotary buffers are all 0-d/1-d and small; matrices are not."""
+    decoder = decoder.to_empty(device="cpu")
+    files = CheckpointFiles.of_file(weights)
+    small = {name: files.read(name) for name, (_, info) in files.tensors.items() if len(info.shape) <= 1}
+    _, unexpected = decoder.load_state_dict(small, strict=False)
+    if unexpected:
+        raise ValueError(f"{weights} holds tensors the decoder does not: {unexpected}")
+    return decoder
+
+
+def _rank_shapes(decoder: DecoderModel, names: list[str], layout: ShardLayout) -> list[dict]:
+    """Per rank, (dtype, shape) of every name: the sharding functions run on meta tensors."""
+    state = decoder.state_dict()
+    meta = {n: state[n].to("meta") for n in names}
+    if "lm_head.weight" not in meta:  # tied and stored once: pad it as the sharded lm_head
+        meta["lm_head.weight"] = state["model.embed_tokens.weight"].to("meta")
+    full = tp_checkpoint(meta, layout)
+    shards = [rank_shard(full, layout.tp_degree, r) for r in range(layout.tp_degree)]
+    return [{n: (shard[n].dtype, tuple(shard[n].shape)) for n in names} for shard in shards]
+
+
+__all__ = [
+    "ConvertedCheckpoint",
+    "StreamUnsupportedError",
+    "WeightFile",
+    "checkpoint_folder",
+    "empty_but_inlined",
+    "hf_skeleton",
+    "stream_weights",
+    "weight_files",
+]
