@@ -55,10 +55,8 @@ class RecordingGraphs(dict):
         return super().__getitem__(name)
 
 
-def every_graph_kind(tp: int = 1) -> dict[str, NeuronConfig]:
-    """Configs whose graph sets hold every kind of graph and every input count: CP (narrow
-    and full), CE, TG (narrow and full, with and without sampling), MX (with and without
-    sampling), copy, prompt logits. tests/nxd_source_check.py traces them with NxD."""
+def small_neuron_config(tp: int = 1, **fields) -> NeuronConfig:
+    """A chunked neuron export of the tiny shapes the NxD checks trace (trn1, C=16, S=64)."""
     shapes = dict(
         batch_size=2,
         sequence_length=64,
@@ -68,10 +66,17 @@ def every_graph_kind(tp: int = 1) -> dict[str, NeuronConfig]:
         instance_type="trn1",
         tp_degree=tp,
     )
+    return NeuronConfig(**(shapes | fields))
+
+
+def every_graph_kind(tp: int = 1) -> dict[str, NeuronConfig]:
+    """Configs whose graph sets hold every kind of graph and every input count: CP (narrow
+    and full), CE, TG (narrow and full, with and without sampling), MX (with and without
+    sampling), copy, prompt logits. tests/nxd_source_check.py traces them with NxD."""
     return {
-        "chunked": NeuronConfig(
-            **shapes, prefill_widths=(4, 16), decode_widths=(1, 2), mixed_step=True, prompt_logits=True
+        "chunked": small_neuron_config(
+            tp, prefill_widths=(4, 16), decode_widths=(1, 2), mixed_step=True, prompt_logits=True
         ),
-        "chunked-host-sampling": NeuronConfig(**shapes, mixed_step=True, on_device_sampling=False),
-        "standard": NeuronConfig(**(shapes | dict(prefill_chunk_size=0, decode_widths=(1, 2)))),
+        "chunked-host-sampling": small_neuron_config(tp, mixed_step=True, on_device_sampling=False),
+        "standard": small_neuron_config(tp, prefill_chunk_size=0, decode_widths=(1, 2)),
     }

@@ -155,6 +155,7 @@ def _generate_hlo(model, example_inputs, **flags):
 
 def check_family(family: str, tp: int) -> list[str]:
     from fixtures.export_models import checkpoint_path
+    from helpers import small_neuron_config
     from neuronx_distributed import NxDParallelState
     from safetensors.torch import load_file
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -167,15 +168,7 @@ def check_family(family: str, tp: int) -> list[str]:
 
     path = checkpoint_path(family)
     hf_config = AutoConfig.from_pretrained(path)
-    config = NeuronConfig(
-        batch_size=2,
-        sequence_length=64,
-        prefill_chunk_size=16,
-        context_buckets=(32, 64),
-        backend="neuron",
-        instance_type="trn1",
-        tp_degree=tp,
-    )
+    config = small_neuron_config(tp)
     full = build_model(hf_config, NeuronConfig(batch_size=2, sequence_length=64))
     full.load_weights(full.weights_from_hf(AutoModelForCausalLM.from_pretrained(path)))
     problems = []

@@ -11,7 +11,7 @@ import json
 import pytest
 import torch
 from fixtures.export_models import checkpoint_path
-from helpers import every_graph_kind
+from helpers import every_graph_kind, small_neuron_config
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from optimum_neuron_chunked.backends import BackendUnavailableError
@@ -106,15 +106,7 @@ def test_config_rules(fields, message):
 
 
 def neuron_config(tp: int = 2) -> NeuronConfig:
-    return NeuronConfig(
-        batch_size=2,
-        sequence_length=64,
-        prefill_chunk_size=16,
-        context_buckets=(32, 64),
-        backend="neuron",
-        instance_type="trn1",
-        tp_degree=tp,
-    )
+    return small_neuron_config(tp)
 
 
 @pytest.mark.parametrize("tp", [1, 2])

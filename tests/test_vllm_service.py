@@ -11,7 +11,7 @@ import torch
 from conftest import export_params
 from fixtures.export_models import CHUNK, checkpoint_path
 from helpers import hf_greedy, prompt
-from vllm_server import Server, concurrent_greedy_tokens
+from vllm_server import Server, concurrent_greedy_tokens, disconnect_mid_prefill
 
 EXPORT = "llama-2x4x32-eager"  # 2 slots, S=128, C=32
 SEQUENCE_LENGTH = 128
@@ -122,18 +122,8 @@ def test_max_tokens_beyond_the_context_follows_vllm(client):
 
 
 def test_clients_that_disconnect_mid_prefill_free_their_slots(server, client, hf_reference):
-    import httpx
-
     model = served_model(client)
-    body = {"model": model, "prompt": prompt(120, seed=40).tolist(), "max_tokens": 8, "stream": True}
-
-    async def disconnect_early(n: int):
-        async with httpx.AsyncClient(base_url=server.url) as http:
-            for _ in range(n):
-                async with http.stream("POST", "/v1/completions", json=body) as r:
-                    assert r.status_code == 200  # headers only: the prefill is still running
-
-    asyncio.run(disconnect_early(6))
+    disconnect_mid_prefill(server.url, model, prompt(120, seed=40).tolist(), 6)
     hf = hf_reference("llama")
     prompts = [prompt(n, seed=41 + n) for n in (90, 10)]
     outs = [complete(client, model, p.tolist(), 6, ignore_eos=True).token_ids for p in prompts]

@@ -19,7 +19,7 @@ import pytest
 import torch
 from fixtures.export_models import BUCKETS, checkpoint_path
 from helpers import hf_greedy, prompt
-from vllm_server import Server, concurrent_greedy_tokens
+from vllm_server import Server, concurrent_greedy_tokens, disconnect_mid_prefill
 
 pytestmark = pytest.mark.xla
 CHUNK = 32
@@ -109,17 +109,7 @@ def test_prompt_logprobs_equal_transformers(server, model, hf_reference):
 
 
 def test_clients_that_disconnect_mid_prefill_leak_no_slot(server, model, hf_reference):
-    import httpx
-
-    body = {"model": model, "prompt": prompt(120, seed=101).tolist(), "max_tokens": 8, "stream": True}
-
-    async def disconnect_early(n: int):
-        async with httpx.AsyncClient(base_url=server.url) as http:
-            for _ in range(n):
-                async with http.stream("POST", "/v1/completions", json=body) as r:
-                    assert r.status_code == 200  # headers only: the prefill is still running
-
-    asyncio.run(disconnect_early(4))
+    disconnect_mid_prefill(server.url, model, prompt(120, seed=101).tolist(), 4)
     after = prompt(90, seed=102)
     assert concurrent_greedy_tokens(server.url, model, [after.tolist()], 6) == [
         hf_greedy(hf_reference("llama"), after, 6)

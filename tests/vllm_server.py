@@ -110,3 +110,21 @@ def concurrent_greedy_tokens(
         return [list(r.choices[0].token_ids) for r in await asyncio.gather(*calls)]
 
     return asyncio.run(all_at_once())
+
+
+def disconnect_mid_prefill(url: str, model: str, prompt_ids: list[int], times: int) -> None:
+    """Stream a completion of `prompt_ids` and hang up as soon as the headers arrive (the prefill
+    still running), `times` times in a row."""
+    import asyncio
+
+    import httpx
+
+    body = {"model": model, "prompt": prompt_ids, "max_tokens": 8, "stream": True}
+
+    async def disconnect_early():
+        async with httpx.AsyncClient(base_url=url) as http:
+            for _ in range(times):
+                async with http.stream("POST", "/v1/completions", json=body) as r:
+                    assert r.status_code == 200  # headers only: the prefill is still running
+
+    asyncio.run(disconnect_early())
