@@ -54,7 +54,7 @@ def child_peak(cmd: list[str]) -> tuple[float, float]:
 
 def export_cmd(ckpt: Path, out: Path, seq: int, chunk: int, backend: str) -> list[str]:
     return [
-        sys.executable, "-m", "exporters", "--model", str(ckpt), "--batch_size", str(BATCH),
+        sys.executable, "-m", "optimum_neuron_chunked.export", "--model", str(ckpt), "--batch_size", str(BATCH),
         "--sequence_length", str(seq), "--prefill-chunk-size", str(chunk), "--context-buckets", str(seq),
         "--backend", backend, "--overwrite", str(out),
     ]  # fmt: skip

@@ -140,7 +140,7 @@ def describe(setup: Setup) -> str:
 
 def exports(setup: Setup, work: Path, kinds=("std", "chunked")) -> tuple[Path, dict[str, Path], dict]:
     """The bench checkpoint and its exports (cached under `work`, keyed by shapes and graph code)."""
-    from exporters.neuron import export
+    from optimum_neuron_chunked.export.pipeline import export
 
     ckpt = build_checkpoint("bench", work / "checkpoint", config={**COMMON, **setup.model})
     folders, info = {}, {}

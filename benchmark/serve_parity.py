@@ -29,7 +29,7 @@ sys.path.insert(0, str(REPO / "tests"))
 from helpers import hf_greedy  # noqa: E402
 from vllm_server import Server  # noqa: E402
 
-from exporters.neuron import export  # noqa: E402
+from optimum_neuron_chunked.export.pipeline import export  # noqa: E402
 from optimum_neuron_chunked.checkpoints import build_checkpoint  # noqa: E402
 
 B, S, C = 4, 1024, 128

@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def export_once(checkpoint: Path, work: Path, kind: str, backend: str, console: Console) -> Path:
-    from exporters.neuron import export
+    from optimum_neuron_chunked.export.pipeline import export
 
     chunk = CHUNK if kind == "chunked" else 0
     out = work / f"export-{backend}-{kind}-{BATCH}x{SEQUENCE}x{chunk}-b{BUCKETS[0]}"

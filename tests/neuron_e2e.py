@@ -48,7 +48,7 @@ def main() -> int:
         help="eager/cpu/xla (tp 1) to check this script off device; xla in the SDK-mirror environment runs the neuron graphs on torch-xla",
     )
     args = parser.parse_args()
-    from exporters.neuron import export
+    from optimum_neuron_chunked.export.pipeline import export
 
     new = 8
     with tempfile.TemporaryDirectory() as tmp:

@@ -264,7 +264,7 @@ def check_compile(name: str, tp: int) -> list[str]:
     # the eager reference graphs below: unsharded, plain layers, HF weights
     decoder = build_model(hf_config, config)
     decoder.load_weights(decoder.weights_from_hf(AutoModelForCausalLM.from_pretrained(path)))
-    # as exporters/neuron.py hands it to the backend: the shard files streamed from the
+    # as export/pipeline.py hands it to the backend: the shard files streamed from the
     # checkpoint, a decoder on the meta device (compile loads rank 0's shard from its file)
     meta = model_from_spec(decoder.spec, config, device="meta")
     specs = graph_specs(config)

@@ -12,7 +12,7 @@ import torch
 from fixtures.export_models import checkpoint_path
 from safetensors.torch import load_file, save_file
 
-from exporters.neuron import export
+from optimum_neuron_chunked.export.pipeline import export
 from optimum_neuron_chunked import NeuronModelForCausalLM
 from optimum_neuron_chunked.checkpoint_stream import checkpoint_folder, stream_weights, weight_files
 from optimum_neuron_chunked.checkpoints import COMMON, FAMILIES, build_checkpoint
@@ -51,7 +51,7 @@ def test_streamed_neuron_shards_equal_save_weights_at_tp2(family, tmp_path):
     lm_head stored) as NeuronBackend.save_weights writes them from the loaded decoder."""
     from transformers import AutoModelForCausalLM
 
-    from exporters.neuron import _load_hf_config
+    from optimum_neuron_chunked.export.pipeline import _load_hf_config
     from optimum_neuron_chunked.backends.neuron import NeuronBackend
 
     checkpoint = checkpoint_path(family)
@@ -196,7 +196,7 @@ def test_the_cpu_decoder_holds_the_tensors_aotinductor_inlines(tmp_path):
 
 
 def build_model_meta(checkpoint: Path, config: NeuronConfig):
-    from exporters.neuron import _load_hf_config
+    from optimum_neuron_chunked.export.pipeline import _load_hf_config
     from optimum_neuron_chunked.modeling import family_spec
 
     return model_from_spec(family_spec(_load_hf_config(str(checkpoint))), config, device="meta")

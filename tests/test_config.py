@@ -185,7 +185,7 @@ def test_moe_layouts_read_off_the_config():
 def test_quantized_checkpoints_are_dequantized_or_refused():
     from transformers import LlamaConfig
 
-    from exporters.neuron import ExportError, quantization_kwargs
+    from optimum_neuron_chunked.export.pipeline import ExportError, quantization_kwargs
 
     assert quantization_kwargs(LlamaConfig()) == {}
     mxfp4 = quantization_kwargs(LlamaConfig(quantization_config={"quant_method": "mxfp4"}))

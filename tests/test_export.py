@@ -104,9 +104,9 @@ def test_optimum_cli_exports_eager(tmp_path):
     assert model.neuron_config.prefill_chunk_size == 16 and model.neuron_config.batch_size == 2
 
 
-def test_python_m_exporters_is_the_same_command(tmp_path):
+def test_python_m_export_is_the_same_command(tmp_path):
     done = subprocess.run(
-        [sys.executable, "-m", "exporters", "--help"], capture_output=True, text=True, cwd=REPO
+        [sys.executable, "-m", "optimum_neuron_chunked.export", "--help"], capture_output=True, text=True, cwd=REPO
     )
     assert done.returncode == 0 and "--prefill-chunk-size" in done.stdout
 
@@ -212,7 +212,7 @@ def test_unwritable_and_non_empty_outputs_are_refused(tmp_path):
 
 
 def test_failed_compile_leaves_no_folder(tmp_path, monkeypatch):
-    from exporters import neuron as exporter
+    from optimum_neuron_chunked.export import pipeline as exporter
     from optimum_neuron_chunked.backends.eager import EagerBackend
 
     def broken(self, *args, **kwargs):
@@ -263,7 +263,7 @@ def test_cpu_graphs_run_on_hosts_with_their_isa_or_a_wider_one(built, host, runs
 
 @pytest.fixture
 def eager_export(tmp_path):
-    from exporters.neuron import export
+    from optimum_neuron_chunked.export.pipeline import export
 
     return export(
         str(checkpoint_path("llama")),
@@ -342,7 +342,7 @@ def test_neuron_backend_without_sdk_says_so(tmp_path, extra):
 def test_export_without_on_device_sampling_samples_on_the_host(tmp_path, hf_reference):
     import torch
 
-    from exporters.neuron import export
+    from optimum_neuron_chunked.export.pipeline import export
 
     out = export(
         str(checkpoint_path("llama")),

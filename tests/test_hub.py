@@ -13,7 +13,7 @@ from fixtures.export_models import checkpoint_path
 from fixtures.hub_cache import add_to_hub_cache
 from vllm_server import Server
 
-from exporters.neuron import export
+from optimum_neuron_chunked.export.pipeline import export
 from optimum_neuron_chunked.hub import is_repo_id
 
 REPO = "org/llama-chunked"

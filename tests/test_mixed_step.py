@@ -10,7 +10,7 @@ from fixtures.export_models import BUCKETS, CHUNK, SEQUENCE_LENGTH, checkpoint_p
 from helpers import RecordingGraphs, hf_greedy, prompt
 from transformers import AutoModelForCausalLM
 
-from exporters.neuron import export
+from optimum_neuron_chunked.export.pipeline import export
 from optimum_neuron_chunked import NeuronModelForCausalLM
 from optimum_neuron_chunked.config import NeuronConfig, NeuronConfigError
 from optimum_neuron_chunked.graph_runner import GraphRunner

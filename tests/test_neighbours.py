@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from fixtures.export_models import checkpoint_path
 
-from exporters.cli import add_export_arguments
+from optimum_neuron_chunked.export.cli import add_export_arguments
 
 FIXTURES = Path(__file__).parent / "fixtures" / "neighbours"
 BIN = Path(sys.executable).parent

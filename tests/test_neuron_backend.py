@@ -221,7 +221,7 @@ def test_loading_a_neuron_export_without_the_sdk_says_so(tmp_path):
 @needs_vllm
 def test_sdk_imports_stay_lazy():
     code = (
-        "import sys, optimum_neuron_chunked.backends.neuron, exporters.neuron, optimum_neuron_chunked.vllm.platform; "
+        "import sys, optimum_neuron_chunked.backends.neuron, optimum_neuron_chunked.export.pipeline, optimum_neuron_chunked.vllm.platform; "
         "print(sorted(m for m in sys.modules if m.startswith(('neuronx_distributed', 'torch_neuronx'))))"
     )
     import subprocess
@@ -317,6 +317,6 @@ def test_tg_outputs_stay_on_the_device_until_fetched():
 
 
 def test_the_cli_offers_every_compile_target():
-    from exporters.cli import INSTANCE_TYPES
+    from optimum_neuron_chunked.export.cli import INSTANCE_TYPES
 
     assert INSTANCE_TYPES == tuple(TARGETS)

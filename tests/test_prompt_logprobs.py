@@ -9,7 +9,7 @@ import torch
 from fixtures.export_models import checkpoint_path
 from helpers import prompt
 
-from exporters.neuron import export
+from optimum_neuron_chunked.export.pipeline import export
 from optimum_neuron_chunked import NeuronModelForCausalLM
 
 CHUNK = 16

@@ -27,7 +27,7 @@ CHUNK = 32
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    from exporters.neuron import export
+    from optimum_neuron_chunked.export.pipeline import export
 
     out = tmp_path_factory.mktemp("xla-export") / "llama"
     export(str(checkpoint_path("llama")), out, batch_size=2, sequence_length=128, prefill_chunk_size=CHUNK,

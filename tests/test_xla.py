@@ -302,7 +302,7 @@ def test_cli_xla_export_generates_like_transformers(tmp_path):
     eager backend's), loaded by the loader onto the XLA device; greedy tokens equal
     transformers', no aten op falls back to the host and every graph that ran lowered to static
     HLO."""
-    from exporters.cli import main
+    from optimum_neuron_chunked.export.cli import main
     from optimum_neuron_chunked import NeuronModelForCausalLM
     from optimum_neuron_chunked.integrity import recorded_files
 

@@ -31,7 +31,7 @@ from typing import Any
 from optimum.commands.base import CommandInfo
 from optimum.commands.export.base import ExportCommand
 
-from exporters.cli import NeuronExportCommand
+from optimum_neuron_chunked.export.cli import NeuronExportCommand
 
 NAMESPACE = "optimum.commands.register"
 NAME = NeuronExportCommand.COMMAND.name
@@ -112,7 +112,7 @@ class NeuronExportDispatch(argparse.ArgumentParser):
         return (
             f"Two packages register `{self.prog}`. A command line holding an option only\n"
             "optimum-neuron-chunked has (--prefill-chunk-size, --backend, ...) runs its export:\n"
-            "for its standard export pass --prefill-chunk-size 0 or --backend; `python -m exporters`\n"
+            "for its standard export pass --prefill-chunk-size 0 or --backend; `python -m optimum_neuron_chunked.export`\n"
             "always runs it. Any other command line runs the other package's export (e.g.\n"
             "optimum-neuron's), as it does without optimum-neuron-chunked.\n\n"
             f"{rule}\noptimum-neuron-chunked:\n{rule}\n{self.ours.format_help()}\n"

@@ -1,4 +1,4 @@
-"""`optimum-cli export neuron` and `python -m exporters`: one parser, one entry point."""
+"""`optimum-cli export neuron` and `python -m optimum_neuron_chunked.export`: one parser, one entry point."""
 
 from __future__ import annotations
 
@@ -142,7 +142,7 @@ def run_export(args: argparse.Namespace) -> int:
     from optimum_neuron_chunked.config import NeuronConfigError
     from optimum_neuron_chunked.modeling import UnsupportedArchitectureError
 
-    from .neuron import ExportError, export
+    from .pipeline import ExportError, export
 
     console = Console(stderr=True)
     try:
@@ -188,7 +188,7 @@ class NeuronExportCommand(BaseOptimumCLICommand):
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m exporters",
+        prog="python -m optimum_neuron_chunked.export",
         description=NeuronExportCommand.COMMAND.help,
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
