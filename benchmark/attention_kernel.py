@@ -1,6 +1,6 @@
 """CP, CE and TG graph time on the cpu backend (AOTInductor) with each attention core: the
 masked softmax (what eager/XLA/Neuron run), SDPA, and for prefill graphs the oneDNN custom op
-(chunk_attention); sets modeling/kernels.py's sdpa_prefill_from_window (CP, CE),
+(chunk_attention); sets backends/cpu/kernels.py's sdpa_prefill_from_window (CP, CE),
 sdpa_decode_from_window (TG) and onednn_chunk_attention_from_window.
 Serving benchmark's model (serve_bench.FULL), fp32, this machine's CPU. Every other kernel
 choice is the cpu backend's (live window, slot views, per-row decode, rowwise linears).
@@ -39,21 +39,21 @@ from metrics import interleaved_ms, spread_cell  # noqa: E402
 from serve_bench import FULL  # noqa: E402
 
 from optimum_neuron_chunked.backends.cpu import keep_freed_heap  # noqa: E402
-from optimum_neuron_chunked.checkpoints import COMMON, build_checkpoint  # noqa: E402
+from optimum_neuron_chunked.backends.cpu.kernels import CpuKernels, kernel_choices  # noqa: E402
 from optimum_neuron_chunked.config import NeuronConfig  # noqa: E402
 from optimum_neuron_chunked.graphs import GraphSpec, example_inputs, graph_module  # noqa: E402
 from optimum_neuron_chunked.modeling import family_spec, model_from_spec  # noqa: E402
-from optimum_neuron_chunked.modeling.kernels import kernel_choices  # noqa: E402
+from optimum_neuron_chunked.testing.checkpoints import COMMON, build_checkpoint  # noqa: E402
 
 NO_OP = dict(onednn_chunk_attention_from_window=None)
 KERNELS = {
     "masked_softmax": replace(
-        kernel_choices("cpu"), sdpa_prefill_from_window=None, sdpa_decode_from_window=None, **NO_OP
+        kernel_choices(), sdpa_prefill_from_window=None, sdpa_decode_from_window=None, **NO_OP
     ),
-    "sdpa": replace(kernel_choices("cpu"), sdpa_prefill_from_window=1, sdpa_decode_from_window=1, **NO_OP),
+    "sdpa": replace(kernel_choices(), sdpa_prefill_from_window=1, sdpa_decode_from_window=1, **NO_OP),
     # decode graphs never call the op: their TG time is SDPA's
     "onednn_op": replace(
-        kernel_choices("cpu"),
+        kernel_choices(),
         sdpa_prefill_from_window=1,
         sdpa_decode_from_window=1,
         onednn_chunk_attention_from_window=1,
@@ -75,7 +75,7 @@ def compiled_call(
         backend="cpu",
     )
     family = family_spec(AutoConfig.from_pretrained(ckpt))
-    model = model_from_spec(family, config, kernels=KERNELS[kernel])
+    model = model_from_spec(family, config, kernels=CpuKernels(KERNELS[kernel]))
     model.load_weights(model.weights_from_hf(AutoModelForCausalLM.from_pretrained(ckpt)))
     spec = {
         "cp": GraphSpec("cp", 1, FULL.chunk, window),

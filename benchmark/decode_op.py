@@ -1,4 +1,4 @@
-"""The decode attention op (modeling/decode_attention.cpp) against the same op built from the
+"""The decode attention op (backends/cpu/decode_attention.cpp) against the same op built from the
 source of another git revision. An export's TG graphs call the op by name, so its source can
 change under an export: this compares the two sources on the same shapes.
 
@@ -32,10 +32,10 @@ sys.path[:0] = [str(HERE.parent), str(HERE)]
 from metrics import interleaved_ms, save_results, spread_cell  # noqa: E402
 
 from optimum_neuron_chunked.backends.cpu import keep_freed_heap  # noqa: E402
-from optimum_neuron_chunked.modeling import decode_attention  # noqa: E402
-from optimum_neuron_chunked.modeling.kernels import host_cpu_capability  # noqa: E402
+from optimum_neuron_chunked.backends.cpu.host import host_cpu_capability  # noqa: E402
+from optimum_neuron_chunked.backends.cpu import decode_attention  # noqa: E402
 
-SOURCE = "optimum_neuron_chunked/modeling/decode_attention.cpp"
+SOURCE = "optimum_neuron_chunked/backends/cpu/decode_attention.cpp"
 NAMESPACE = "optimum_neuron_chunked"
 DEFAULT_CONTEXTS = ["500,510,505,512", "4094,4094,4094,4094", "2100,1500,900,400,200,1200,700,300"]
 # the bench model (serve_bench.FULL): 8 layers, 8 query heads over 4 KV heads of 64, 8 slots of 4096

@@ -35,7 +35,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
-sys.path[:0] = [str(REPO), str(REPO / "tests"), str(HERE)]
+sys.path[:0] = [str(REPO), str(HERE)]
 
 from client import prompt_ids  # noqa: E402
 from engine_loop import NATIVE_ENV, EngineLoop  # noqa: E402

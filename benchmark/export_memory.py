@@ -17,7 +17,7 @@ import torch
 from rich.console import Console
 
 from optimum_neuron_chunked.export.pipeline import export
-from optimum_neuron_chunked.checkpoints import build_tokenizer
+from optimum_neuron_chunked.testing.checkpoints import build_tokenizer
 
 REPORT = Path(__file__).with_name("export_report.py")
 
@@ -78,9 +78,9 @@ def peak_rss() -> int:
 def neuron_weights(args, tp: int) -> None:
     """The neuron backend's export up to its compile, which needs the Neuron SDK: the per-rank
     weight files, written as the exporter writes them (its own function)."""
-    from optimum_neuron_chunked.export.pipeline import _export_weights, _load_hf_config
     from optimum_neuron_chunked.backends.neuron import NeuronBackend
     from optimum_neuron_chunked.config import NeuronConfig
+    from optimum_neuron_chunked.export.pipeline import _export_weights, _load_hf_config
 
     hf_config = _load_hf_config(args.checkpoint)
     config = NeuronConfig(

@@ -34,9 +34,9 @@ sys.path.insert(0, str(REPO))
 
 from export_memory import child_export, memory_report  # noqa: E402  (beside this file)
 
-from optimum_neuron_chunked.export.pipeline import export  # noqa: E402
 from optimum_neuron_chunked import NeuronModelForCausalLM  # noqa: E402
-from optimum_neuron_chunked.checkpoints import COMMON, build_checkpoint  # noqa: E402
+from optimum_neuron_chunked.export.pipeline import export  # noqa: E402
+from optimum_neuron_chunked.testing.checkpoints import COMMON, build_checkpoint  # noqa: E402
 
 UNSEEN = {
     "llama": dict(

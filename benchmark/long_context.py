@@ -31,7 +31,7 @@ sys.path[:0] = [str(REPO), str(HERE)]
 
 from serve_bench import FULL  # noqa: E402
 
-from optimum_neuron_chunked.checkpoints import COMMON, build_checkpoint  # noqa: E402
+from optimum_neuron_chunked.testing.checkpoints import COMMON, build_checkpoint  # noqa: E402
 
 CHUNK, BATCH = 256, 4
 DECODE_CALLS = 30  # a decode step's time: the median of this many calls

@@ -3,7 +3,7 @@
 One sparse MLP layer (modeling/moe.py) at two scaled shapes, eager torch on this machine's
 CPU, for the token counts a decode step (M = batch rows) and a prefill chunk (M = C) give.
 Prints the median ms (and min-max over repeats) of each strategy and which one the graphs'
-static rule picks (`MoeSpec.selects_experts` with modeling/kernels.py's fraction: 1.0 is
+static rule picks (`MoeSpec.selects_experts` with Backend.kernels(config).expert_selection: 1.0 is
 neuronx-distributed's selective-loading threshold, used by eager/neuron; the cpu backend's
 fraction is set from this benchmark). Writes benchmark/results/moe-<date>-<host>.{json,md}.
 
@@ -28,7 +28,8 @@ sys.path[:0] = [str(REPO), str(Path(__file__).resolve().parent)]
 
 from metrics import call_ms  # noqa: E402
 
-from optimum_neuron_chunked.modeling.kernels import kernel_choices  # noqa: E402
+from optimum_neuron_chunked.backends import get_backend  # noqa: E402
+from optimum_neuron_chunked.config import NeuronConfig  # noqa: E402
 from optimum_neuron_chunked.modeling.moe import MoeSpec, SparseMoE  # noqa: E402
 from optimum_neuron_chunked.modeling.parallel import TorchLayers  # noqa: E402
 
@@ -64,7 +65,7 @@ def measure(hidden: int, inter: int, experts: int, top_k: int, tokens: int, repe
 
 def picks(row: dict, backend: str) -> str:
     spec = MoeSpec(row["experts"], row["top_k"], row["intermediate"], (True,), normalize_top_k=True)
-    fraction = kernel_choices(backend).expert_selection
+    fraction = get_backend(backend).kernels(NeuronConfig(batch_size=1, sequence_length=64)).expert_selection
     return "selected" if spec.selects_experts(row["tokens"], fraction) else "every"
 
 

@@ -29,7 +29,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
-sys.path[:0] = [str(REPO), str(REPO / "tests"), str(HERE)]
+sys.path[:0] = [str(REPO), str(HERE)]
 
 from engine_loop import NATIVE_ENV, EngineLoop  # noqa: E402
 from host import describe_host  # noqa: E402

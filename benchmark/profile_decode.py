@@ -23,10 +23,10 @@ sys.path[:0] = [str(REPO), str(HERE)]
 
 from serve_bench import FULL  # noqa: E402
 
-from optimum_neuron_chunked.checkpoints import COMMON, build_checkpoint  # noqa: E402
 from optimum_neuron_chunked.config import NeuronConfig  # noqa: E402
 from optimum_neuron_chunked.graphs import GraphSpec, example_inputs, graph_module  # noqa: E402
 from optimum_neuron_chunked.modeling import build_model  # noqa: E402
+from optimum_neuron_chunked.testing.checkpoints import COMMON, build_checkpoint  # noqa: E402
 
 TOP = 12
 

@@ -33,15 +33,15 @@ import psutil
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
-sys.path[:0] = [str(REPO), str(REPO / "tests"), str(HERE)]
+sys.path[:0] = [str(REPO), str(HERE)]
 
 from client import mixed_load_stall, throughput  # noqa: E402
 from engine_loop import NATIVE_ENV  # noqa: E402
-from fixtures.export_models import code_key  # noqa: E402
 from metrics import summarize_load, summarize_stall  # noqa: E402
-from vllm_server import Server  # noqa: E402
 
-from optimum_neuron_chunked.checkpoints import COMMON, build_checkpoint  # noqa: E402
+from optimum_neuron_chunked.testing.checkpoints import COMMON, build_checkpoint  # noqa: E402
+from optimum_neuron_chunked.testing.export_cache import code_key  # noqa: E402
+from optimum_neuron_chunked.testing.server import Server  # noqa: E402
 
 
 @dataclass(frozen=True)

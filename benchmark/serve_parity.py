@@ -24,13 +24,11 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "tests"))
-
-from helpers import hf_greedy  # noqa: E402
-from vllm_server import Server  # noqa: E402
 
 from optimum_neuron_chunked.export.pipeline import export  # noqa: E402
-from optimum_neuron_chunked.checkpoints import build_checkpoint  # noqa: E402
+from optimum_neuron_chunked.testing.checkpoints import build_checkpoint  # noqa: E402
+from optimum_neuron_chunked.testing.reference import hf_greedy  # noqa: E402
+from optimum_neuron_chunked.testing.server import Server  # noqa: E402
 
 B, S, C = 4, 1024, 128
 LENGTHS = (1, 127, 128, 129, 300, 640, 1000)

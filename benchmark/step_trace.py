@@ -18,7 +18,7 @@ from collections import defaultdict
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-sys.path[:0] = [str(HERE.parent), str(HERE.parent / "tests"), str(HERE)]
+sys.path[:0] = [str(HERE.parent), str(HERE)]
 
 from engine_bench import FULL_LOADS, QUICK_LOADS, engine_args, w2  # noqa: E402
 from engine_loop import EngineLoop  # noqa: E402

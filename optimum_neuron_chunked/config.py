@@ -6,6 +6,7 @@ import dataclasses
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from .version import __version__
 
@@ -13,8 +14,28 @@ CONFIG_NAME = "neuron_config.json"
 # xla: the neuron backend's graphs on torch-xla's device (no neuronx-cc, no Neuron runtime)
 BACKENDS = ("cpu", "eager", "neuron", "xla")
 DTYPES = ("float32", "bfloat16", "float16")
+INSTANCE_TYPES = ("trn1", "inf2", "trn2")  # backends/neuron/target.py TARGETS (a test checks)
 # Smallest context bucket chosen by default: below this a smaller graph saves little.
 MIN_DEFAULT_BUCKET = 512
+# Keys of neuron_config.json renamed since: exports written before keep the old ones.
+RENAMED_KEYS = {"prompt_logits": "prompt_logprobs"}
+
+
+def option(
+    *flags: str,
+    default: Any = dataclasses.MISSING,
+    help: str | None = None,
+    choices: tuple[str, ...] | None = None,
+    resolved: bool = False,
+) -> Any:
+    """A NeuronConfig field that is an export option: a keyword of export() and a flag of
+    `optimum-cli export neuron` (export/cli.py builds the parser from it).
+
+    `flags`: the spellings users type, the first shown by --help; a bool defaulting to True
+    has one flag that turns it off. `resolved`: export() and the CLI default to None, which
+    the export resolves on its host; the field's own default is for configs built by hand."""
+    metadata = {"flags": flags, "help": help, "choices": choices, "resolved": resolved}
+    return field(default=default, metadata=metadata)
 
 
 class NeuronConfigError(ValueError):
@@ -42,21 +63,81 @@ class NeuronConfig:
     call, reading every weight once for both (Sarathi-Serve's piggybacked decodes).
     """
 
-    batch_size: int
-    sequence_length: int
-    prefill_chunk_size: int = 0
-    tp_degree: int = 1
-    dtype: str = "float32"
-    on_device_sampling: bool = True
-    max_topk: int = 256
-    prompt_logits: bool = False  # prefill graphs return every position's logits (prompt logprobs)
-    backend: str = "cpu"
-    instance_type: str = ""  # neuron backend: trn1 | inf2 | trn2 (the compile target)
+    # Export options, in --help order.
+    batch_size: int = option(
+        "--batch_size", "--batch-size", help="KV-cache slots (max concurrent sequences)."
+    )
+    sequence_length: int = option("--sequence_length", "--sequence-length", help="Max tokens per sequence.")
+    prefill_chunk_size: int = option(
+        "--prefill-chunk-size",
+        "--prefill_chunk_size",
+        default=0,
+        help="Width C of the chunked-prefill graph; 0 (default) compiles the standard context-encoding graph.",
+    )
+    backend: str = option(
+        "--backend",
+        default="cpu",
+        choices=BACKENDS,
+        resolved=True,
+        help="What the graphs compile for (default: neuron where the Neuron SDK is importable, else cpu).",
+    )
+    dtype: str = option("--dtype", "--torch_dtype", default="float32", choices=DTYPES)
+    on_device_sampling: bool = option(
+        "--no-on-device-sampling",
+        default=True,
+        help="TG graphs return logits only; sampling happens on the host.",
+    )
+    prompt_logprobs: bool = option(
+        "--prompt-logprobs",
+        "--prompt_logprobs",
+        default=False,
+        help="Prefill graphs return every position's logits, so vLLM can serve prompt_logprobs "
+        "(evaluation harnesses); costs a [C, V] (chunked) or [P, V] (standard) output per call.",
+    )
+    tp_degree: int = option("--tensor_parallel_size", "--tensor-parallel-size", default=1)
+    instance_type: str = option(
+        "--instance_type",
+        "--instance-type",
+        default="",  # set with the neuron backend only
+        choices=INSTANCE_TYPES,
+        resolved=True,
+        help="Neuron backend: the instance the graphs are compiled for (default: this host's).",
+    )
+    max_topk: int = option(
+        "--max-topk", "--max_topk", default=256, help="Candidates considered by on-device sampling."
+    )
+    context_buckets: tuple[int, ...] = option(
+        "--context-buckets",
+        "--context_buckets",
+        default=(),
+        help="Comma-separated context buckets (default: sequence_length halved down to 512).",
+    )
+    prefill_widths: tuple[int, ...] = option(
+        "--prefill-widths",
+        "--prefill_widths",
+        default=(),
+        help="Comma-separated CP graph widths, the chunk size the largest (default: the chunk size "
+        "alone). A chunk runs in the narrowest that holds it: short chunks (a prompt's last, a "
+        "prefix-cache hit's suffix) cost less, each width adds one graph per context bucket.",
+    )
+    decode_widths: tuple[int, ...] = option(
+        "--decode-widths",
+        "--decode_widths",
+        default=(),
+        help="Comma-separated TG graph widths in rows, the batch size the largest (default: the batch "
+        "size alone). A decode step runs in the narrowest that holds its rows: steps with few running "
+        "requests cost less, each width adds one graph per context bucket.",
+    )
+    mixed_step: bool = option(
+        "--mixed-step",
+        "--mixed_step",
+        default=False,
+        help="With --prefill-chunk-size: add an MX graph per context bucket that runs a step's decodes "
+        "and a full prefill chunk in one call, reading every weight once for both (default: off; "
+        "decodes and chunks run in their own TG and CP calls).",
+    )
+    # Recorded by the export.
     cpu_isa: str = ""  # cpu backend: the vector ISA of the host that compiled (AVX2, AVX512, ...)
-    context_buckets: tuple[int, ...] = ()
-    prefill_widths: tuple[int, ...] = ()
-    decode_widths: tuple[int, ...] = ()
-    mixed_step: bool = False  # chunked exports: MX graphs run a step's decodes and a full chunk in one call
     model_type: str = ""
     package_version: str = __version__
     extra: dict = field(default_factory=dict, compare=False, hash=False)
@@ -183,6 +264,7 @@ class NeuronConfig:
 
     @classmethod
     def from_dict(cls, d: dict) -> NeuronConfig:
+        d = {RENAMED_KEYS.get(k, k): v for k, v in d.items()}
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(d) - known - {"files"})  # file records: integrity.py
         if unknown:
@@ -215,6 +297,10 @@ class NeuronConfig:
                 f"{path} is damaged (not JSON: {e}). Copy it again from the original export, or export again."
             ) from e
         return cls.from_dict(d)
+
+
+# NeuronConfig's fields that export() and the CLI take, in --help order.
+EXPORT_OPTIONS = tuple(f for f in dataclasses.fields(NeuronConfig) if "flags" in f.metadata)
 
 
 def default_buckets(config: NeuronConfig) -> tuple[int, ...]:

@@ -41,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from .checkpoints import build_checkpoint
+    from .testing.checkpoints import build_checkpoint
 
     console = Console(width=120)
     console.print(

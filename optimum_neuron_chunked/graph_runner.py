@@ -53,12 +53,12 @@ class GraphRunner:
         Chunked exports take T <= prefill_chunk_size; standard ones take a whole prompt.
         """
         logits = self._prefill(token_ids, start, seq_id)
-        last = logits[0, token_ids.shape[0] - 1] if self.config.prompt_logits else logits[0]
+        last = logits[0, token_ids.shape[0] - 1] if self.config.prompt_logprobs else logits[0]
         return last.clone()
 
     def prefill_positions(self, token_ids: torch.Tensor, start: int, seq_id: int) -> torch.Tensor:
-        """Like `prefill`, but the logits after every token: [T, V] (exports with prompt_logits)."""
-        if not self.config.prompt_logits:
+        """Like `prefill`, but the logits after every token: [T, V] (exports with prompt_logprobs)."""
+        if not self.config.prompt_logprobs:
             raise ValueError(
                 "this export returns the last position's logits only: re-export with --prompt-logprobs"
             )
@@ -165,7 +165,7 @@ class GraphRunner:
         """Decode rows as a graph of `rows` rows takes them -> (token inputs, sampling inputs,
         order). Rows go longest context first, so the padding (the one rule: repeat the last
         row) repeats the shortest: where each row reads only its live context
-        (kernels.per_row_live), a padded row costs the least it can. Integers are INDEX_DTYPE;
+        (the cpu backend's per_row_live), a padded row costs the least it can. Integers are INDEX_DTYPE;
         the sampling inputs are there where the graph samples on device."""
         order = torch.argsort(positions, descending=True, stable=True)
         tokens = [

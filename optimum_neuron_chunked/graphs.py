@@ -12,7 +12,7 @@
                    exports: prefix caching puts a cached prefix into a new request's slot)
 
 Prefill graphs return the logits of the last real token (host sampling), or of every
-position when the export serves prompt logprobs (`prompt_logits`); TG graphs sample
+position when the export serves prompt logprobs (`prompt_logprobs`); TG graphs sample
 on device and also return their logits, so a batch with a request that needs more than
 on-device sampling offers can be sampled on the host instead. Graph outputs may stay on the
 device until `.cpu()` (the neuron backend runs TG asynchronously): a step sampled on device
@@ -194,7 +194,7 @@ def graph_module(model: DecoderModel, spec: GraphSpec, config: NeuronConfig) -> 
         return DecodeGraph(model, spec.window, config.on_device_sampling, config.max_topk)
     if spec.kind == GraphKind.MX:
         return MixedGraph(model, spec.window, config.on_device_sampling, config.max_topk)
-    return PrefillGraph(model, spec.window, config.prompt_logits)
+    return PrefillGraph(model, spec.window, config.prompt_logprobs)
 
 
 def example_inputs(spec: GraphSpec, config: NeuronConfig) -> tuple[torch.Tensor, ...]:

@@ -46,7 +46,7 @@ class ExportCapabilities:
 
     sequence_length: int
     kv: KVLayout
-    prompt_logits: bool  # prefill graphs return every position's logits (prompt logprobs)
+    prompt_logprobs: bool  # prefill graphs return every position's logits (prompt logprobs)
     on_device_sampling: bool  # TG graphs sample: greedy, temperature, top-k <= max_topk, top-p
     max_topk: int
 
@@ -57,7 +57,7 @@ class ExportCapabilities:
         lengths = cache_lengths(spec.sliding_windows, config.sequence_length, config.prefill_width)
         kv = KVLayout(spec.num_kv_heads, spec.head_dim, torch_dtype(config), lengths)
         return cls(
-            config.sequence_length, kv, config.prompt_logits, config.on_device_sampling, config.max_topk
+            config.sequence_length, kv, config.prompt_logprobs, config.on_device_sampling, config.max_topk
         )
 
     @property

@@ -2,11 +2,11 @@ from __future__ import annotations
 
 import glob
 import importlib.util
-import sys
 
 import pytest
 import torch
 from fixtures.export_models import EXPORTS, checkpoint_path, export_model
+from helpers import HLO_CENSUS
 
 
 def pytest_collection_modifyitems(config, items):
@@ -19,15 +19,6 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(
                 pytest.mark.skip(reason="needs torch-xla: the SDK-mirror environment (make test-sdk)")
             )
-
-
-EXPORT_MARKS = {"cpu": [pytest.mark.slow], "xla": [pytest.mark.xla]}
-
-
-def export_params(ids: list[str]) -> list:
-    """Indirect parameters for `neuron_model`: cpu exports are marked slow (they compile), xla
-    exports xla (they need torch-xla)."""
-    return [pytest.param(i, id=i, marks=EXPORT_MARKS.get(EXPORTS[i].backend, [])) for i in ids]
 
 
 @pytest.fixture(scope="session")
@@ -63,13 +54,12 @@ def neuron_model(export_dir):
 
 def pytest_terminal_summary(terminalreporter):
     """The HLO census of every graph the XLA tests lowered, so that changes show in CI logs."""
-    census = getattr(sys.modules.get("test_xla"), "CENSUS", None)
-    if not census:
+    if not HLO_CENSUS:
         return
     ops = ["instructions", "sort", "scatter", "gather", "dot", "reduce", "s64 values"]
     terminalreporter.section("HLO census (graphs as the neuron backend traces them)")
     terminalreporter.write_line(f"{'graph':<30}" + "".join(f"{op:>13}" for op in [*ops, "widest sort"]))
-    for name, report in sorted(census.items()):
+    for name, report in sorted(HLO_CENSUS.items()):
         counts = [report.census[op] for op in ops] + [report.widest_sort]
         terminalreporter.write_line(f"{name:<30}" + "".join(f"{c:>13}" for c in counts))
 

@@ -1,12 +1,27 @@
-"""Helpers shared by the tests: prompts, transformers references, vLLM request shorthands."""
+"""Helpers shared by the tests: prompts, export parameters, vLLM request shorthands, tiny
+neuron configs. Reference generations, checkpoints and the `vllm serve` harness are in
+optimum_neuron_chunked.testing (benchmarks use them too)."""
 
 from __future__ import annotations
 
+import pytest
 import torch
+from fixtures.export_models import EXPORTS
 
 from optimum_neuron_chunked.config import NeuronConfig
 
 NEW_TOKENS = 10
+
+EXPORT_MARKS = {"cpu": [pytest.mark.slow], "xla": [pytest.mark.xla]}
+
+# graph name -> HloReport of the graphs test_xla lowered, printed at the end of the session (conftest)
+HLO_CENSUS: dict = {}
+
+
+def export_params(ids: list[str]) -> list:
+    """Indirect parameters for `neuron_model`: cpu exports are marked slow (they compile), xla
+    exports xla (they need torch-xla)."""
+    return [pytest.param(i, id=i, marks=EXPORT_MARKS.get(EXPORTS[i].backend, [])) for i in ids]
 
 
 def prompt(n: int, seed: int = 0) -> torch.Tensor:
@@ -18,25 +33,6 @@ def greedy(n: int = NEW_TOKENS, **kwargs):
     from vllm import SamplingParams
 
     return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, **kwargs)
-
-
-def hf_greedy(
-    hf, ids: torch.Tensor, n: int = NEW_TOKENS, repetition_penalty: float | None = None
-) -> list[int]:
-    """HF's greedy continuation that, like vLLM's ignore_eos, neither stops at nor avoids eos."""
-    from transformers import RepetitionPenaltyLogitsProcessor
-
-    penalty = RepetitionPenaltyLogitsProcessor(repetition_penalty) if repetition_penalty else None
-    seq, past, step_ids = ids[None], None, ids[None]
-    with torch.no_grad():
-        for _ in range(n):
-            out = hf(step_ids, past_key_values=past, use_cache=True)
-            logits, past = out.logits[:, -1].float(), out.past_key_values
-            if penalty is not None:
-                logits = penalty(seq, logits)
-            step_ids = logits.argmax(-1, keepdim=True)
-            seq = torch.cat([seq, step_ids], dim=1)
-    return seq[0, ids.shape[0] :].tolist()
 
 
 def generate(llm, prompts: list[torch.Tensor], params) -> list:
@@ -75,7 +71,7 @@ def every_graph_kind(tp: int = 1) -> dict[str, NeuronConfig]:
     sampling), copy, prompt logits. tests/nxd_source_check.py traces them with NxD."""
     return {
         "chunked": small_neuron_config(
-            tp, prefill_widths=(4, 16), decode_widths=(1, 2), mixed_step=True, prompt_logits=True
+            tp, prefill_widths=(4, 16), decode_widths=(1, 2), mixed_step=True, prompt_logprobs=True
         ),
         "chunked-host-sampling": small_neuron_config(tp, mixed_step=True, on_device_sampling=False),
         "standard": small_neuron_config(tp, prefill_chunk_size=0, decode_widths=(1, 2)),

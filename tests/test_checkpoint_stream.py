@@ -12,13 +12,13 @@ import torch
 from fixtures.export_models import checkpoint_path
 from safetensors.torch import load_file, save_file
 
-from optimum_neuron_chunked.export.pipeline import export
 from optimum_neuron_chunked import NeuronModelForCausalLM
 from optimum_neuron_chunked.checkpoint_stream import checkpoint_folder, stream_weights, weight_files
-from optimum_neuron_chunked.checkpoints import COMMON, FAMILIES, build_checkpoint
 from optimum_neuron_chunked.config import NeuronConfig, NeuronConfigError
+from optimum_neuron_chunked.export.pipeline import export
 from optimum_neuron_chunked.modeling import build_model, model_from_spec
 from optimum_neuron_chunked.safetensors_io import SafetensorsWriter
+from optimum_neuron_chunked.testing.checkpoints import COMMON, FAMILIES, build_checkpoint
 
 SHAPE = dict(batch_size=2, sequence_length=128, prefill_chunk_size=32, context_buckets=(64, 128))
 
@@ -51,8 +51,8 @@ def test_streamed_neuron_shards_equal_save_weights_at_tp2(family, tmp_path):
     lm_head stored) as NeuronBackend.save_weights writes them from the loaded decoder."""
     from transformers import AutoModelForCausalLM
 
-    from optimum_neuron_chunked.export.pipeline import _load_hf_config
     from optimum_neuron_chunked.backends.neuron import NeuronBackend
+    from optimum_neuron_chunked.export.pipeline import _load_hf_config
 
     checkpoint = checkpoint_path(family)
     hf_config = _load_hf_config(str(checkpoint))

@@ -10,13 +10,14 @@ import torch
 from fixtures.export_models import checkpoint_path
 from transformers import AutoConfig
 
+from optimum_neuron_chunked.backends.cpu import attention
+from optimum_neuron_chunked.backends.cpu.chunk_attention import chunk_attention
+from optimum_neuron_chunked.backends.cpu.kernels import CpuKernels, KernelChoices
 from optimum_neuron_chunked.config import NeuronConfig
 from optimum_neuron_chunked.graph_runner import pad_repeat_last
 from optimum_neuron_chunked.graphs import PrefillGraph
-from optimum_neuron_chunked.modeling import attention, build_model, model_from_spec
-from optimum_neuron_chunked.modeling import chunk_attention as chunk_attention_module
-from optimum_neuron_chunked.modeling.chunk_attention import chunk_attention
-from optimum_neuron_chunked.modeling.kernels import KernelChoices
+from optimum_neuron_chunked.modeling import build_model, model_from_spec
+from optimum_neuron_chunked.backends.cpu import chunk_attention as chunk_attention_module
 
 
 def masked_softmax_attention(query, keys, values, positions, scale):
@@ -64,7 +65,7 @@ def test_chunk_attention_compiled_by_aotinductor_with_an_unbacked_width(tmp_path
 
         def forward(self, query, positions, slot):
             live, slot = positions.max().item() + 1, slot.item()
-            torch._check(live >= 1)  # the bounds attention.cache_read gives the graph
+            torch._check(live >= 1)  # the bounds CpuKernels.cache_read gives the graph
             torch._check(live <= 64)
             torch._check(slot >= 0)
             torch._check(slot < 2)
@@ -90,7 +91,7 @@ def test_the_op_runs_in_prefill_graphs_from_its_bucket_only(monkeypatch, from_wi
     config = NeuronConfig(batch_size=2, sequence_length=128, prefill_chunk_size=16, backend="eager")
     spec = build_model(AutoConfig.from_pretrained(checkpoint_path("llama")), config).spec
     model = model_from_spec(
-        spec, config, kernels=KernelChoices(onednn_chunk_attention_from_window=from_window)
+        spec, config, kernels=CpuKernels(KernelChoices(onednn_chunk_attention_from_window=from_window))
     )
     calls = []
     monkeypatch.setattr(attention, "chunk_attention", lambda *a: calls.append(1) or chunk_attention(*a))
@@ -117,8 +118,7 @@ def test_glibc_accepts_the_heap_thresholds():
 def test_the_cpu_backend_chooses_the_op_only_on_hosts_with_avx512():
     """oneDNN's products lose to SDPA's flash kernel without AVX-512 (2-4x a layer on an AVX2
     EPYC): the choice follows the vector ISA of the host that compiles."""
-    from optimum_neuron_chunked.modeling.kernels import kernel_choices
+    from optimum_neuron_chunked.backends.cpu.kernels import kernel_choices
 
-    assert kernel_choices("cpu", "AVX512").onednn_chunk_attention_from_window == 2048
-    assert kernel_choices("cpu", "AVX2").onednn_chunk_attention_from_window is None
-    assert kernel_choices("neuron", "AVX512").onednn_chunk_attention_from_window is None
+    assert kernel_choices("AVX512").onednn_chunk_attention_from_window == 2048
+    assert kernel_choices("AVX2").onednn_chunk_attention_from_window is None

@@ -1,16 +1,28 @@
 from __future__ import annotations
 
+import json
 import re
 
 import pytest
 
-from optimum_neuron_chunked.config import NeuronConfig, NeuronConfigError
+from optimum_neuron_chunked.config import CONFIG_NAME, NeuronConfig, NeuronConfigError
 from optimum_neuron_chunked.graphs import graph_specs
 
 
 def test_round_trip(tmp_path):
     config = NeuronConfig(batch_size=4, sequence_length=1024, prefill_chunk_size=128)
     config.save(tmp_path)
+    assert NeuronConfig.load(tmp_path) == config
+
+
+def test_exports_written_with_prompt_logits_still_load(tmp_path):
+    config = NeuronConfig(batch_size=4, sequence_length=1024, prompt_logprobs=True)
+    config.save(tmp_path)
+    path = tmp_path / CONFIG_NAME
+    old = {
+        ("prompt_logits" if k == "prompt_logprobs" else k): v for k, v in json.loads(path.read_text()).items()
+    }
+    path.write_text(json.dumps(old))
     assert NeuronConfig.load(tmp_path) == config
 
 
@@ -163,8 +175,8 @@ def test_gemma3_variants_we_do_not_compute_are_refused_by_name():
 def test_moe_layouts_read_off_the_config():
     from transformers import GptOssConfig, MixtralConfig, Qwen3MoeConfig
 
+    from optimum_neuron_chunked.backends.cpu.kernels import kernel_choices
     from optimum_neuron_chunked.modeling import family_spec
-    from optimum_neuron_chunked.modeling.kernels import kernel_choices
 
     qwen = family_spec(
         Qwen3MoeConfig(num_hidden_layers=4, decoder_sparse_step=2, mlp_only_layers=[3], norm_topk_prob=False)
@@ -178,7 +190,7 @@ def test_moe_layouts_read_off_the_config():
     # a decode of 2 rows x top-4 reads 8 of 32 experts; 8 rows (32 selections) run them all
     assert oss.moe.selects_experts(2) and not oss.moe.selects_experts(8)
     # the cpu backend gathers only small selections (a copy per call): 1 row (4/32) yes, 2 rows no
-    cpu = kernel_choices("cpu").expert_selection
+    cpu = kernel_choices().expert_selection
     assert oss.moe.selects_experts(1, cpu) and not oss.moe.selects_experts(2, cpu)
 
 

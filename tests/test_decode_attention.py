@@ -8,10 +8,11 @@ import torch
 from fixtures.export_models import checkpoint_path
 from transformers import AutoConfig
 
+from optimum_neuron_chunked.backends.cpu import attention
+from optimum_neuron_chunked.backends.cpu.decode_attention import decode_attention
+from optimum_neuron_chunked.backends.cpu.kernels import CpuKernels, KernelChoices, kernel_choices
 from optimum_neuron_chunked.config import NeuronConfig
-from optimum_neuron_chunked.modeling import attention, build_model, model_from_spec
-from optimum_neuron_chunked.modeling.decode_attention import decode_attention
-from optimum_neuron_chunked.modeling.kernels import KernelChoices, kernel_choices
+from optimum_neuron_chunked.modeling import build_model, model_from_spec
 
 
 def reference(query, k_cache, v_cache, slots, lengths, scale):
@@ -59,8 +60,8 @@ def test_the_op_replaces_the_decode_attention_of_plain_layers_only(monkeypatch):
     spec = build_model(AutoConfig.from_pretrained(checkpoint_path("llama")), config).spec
     torch.manual_seed(0)
     models = {
-        op: model_from_spec(spec, config, kernels=KernelChoices(live_window=True, per_row_live=True,
-                                                                decode_attention_op=op)).eval()
+        op: model_from_spec(spec, config, kernels=CpuKernels(KernelChoices(live_window=True, per_row_live=True,
+                                                                           decode_attention_op=op))).eval()
         for op in (False, True)
     }  # fmt: skip
     models[True].load_state_dict(models[False].state_dict())
@@ -114,6 +115,5 @@ def test_decode_attention_compiled_by_aotinductor(tmp_path):
 
 
 def test_the_cpu_backend_chooses_the_decode_op_on_the_hosts_it_was_measured_on():
-    assert kernel_choices("cpu", "AVX2").decode_attention_op
-    assert not kernel_choices("cpu", "AVX512").decode_attention_op
-    assert not kernel_choices("neuron", "AVX2").decode_attention_op
+    assert kernel_choices("AVX2").decode_attention_op
+    assert not kernel_choices("AVX512").decode_attention_op

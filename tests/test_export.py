@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from conftest import export_params
 from fixtures.export_models import CHUNKED_SHAPE, REPO, STD_SHAPE, checkpoint_path
+from helpers import export_params
 
 from optimum_neuron_chunked import InvalidExportError, NeuronModelForCausalLM
 from optimum_neuron_chunked.config import CONFIG_NAME
@@ -106,9 +109,37 @@ def test_optimum_cli_exports_eager(tmp_path):
 
 def test_python_m_export_is_the_same_command(tmp_path):
     done = subprocess.run(
-        [sys.executable, "-m", "optimum_neuron_chunked.export", "--help"], capture_output=True, text=True, cwd=REPO
+        [sys.executable, "-m", "optimum_neuron_chunked.export", "--help"],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
     )
     assert done.returncode == 0 and "--prefill-chunk-size" in done.stdout
+
+
+def test_cli_and_export_take_the_config_options_with_the_config_defaults(tmp_path):
+    import argparse
+
+    from optimum_neuron_chunked.config import EXPORT_OPTIONS
+    from optimum_neuron_chunked.export.cli import add_export_arguments
+    from optimum_neuron_chunked.export.pipeline import export
+
+    parser = argparse.ArgumentParser()
+    add_export_arguments(parser)
+    args = vars(parser.parse_args(["--model", "m", "--batch_size", "2", "--sequence_length", "64", "out"]))
+    options = {o.name: o for o in EXPORT_OPTIONS}
+    assert set(args) == {"model", "output", "overwrite"} | set(options)
+    for name, option in options.items():
+        if option.default is not dataclasses.MISSING:
+            assert args[name] == (None if option.metadata["resolved"] else option.default), name
+    # export(): its own arguments, then the same options, checked before any work
+    own = {"model", "output", "overwrite", "console", "weights"}
+    assert set(inspect.signature(export).parameters) == own | {"options"}
+    with pytest.raises(TypeError, match=re.escape("'prompt_logits' (did you mean 'prompt_logprobs'?)")):
+        export("m", tmp_path / "out", batch_size=2, sequence_length=64, prompt_logits=True)
+    with pytest.raises(TypeError, match="missing the required options sequence_length"):
+        export("m", tmp_path / "out", batch_size=2)
+    assert list(tmp_path.iterdir()) == []
 
 
 @pytest.mark.parametrize(
@@ -212,8 +243,8 @@ def test_unwritable_and_non_empty_outputs_are_refused(tmp_path):
 
 
 def test_failed_compile_leaves_no_folder(tmp_path, monkeypatch):
-    from optimum_neuron_chunked.export import pipeline as exporter
     from optimum_neuron_chunked.backends.eager import EagerBackend
+    from optimum_neuron_chunked.export import pipeline as exporter
 
     def broken(self, *args, **kwargs):
         raise RuntimeError("compiler crashed")
@@ -231,7 +262,7 @@ def test_cpu_graphs_compiled_for_another_isa_are_refused_with_the_fix(export_dir
     """The export records the vector ISA its graphs were built for; a host without it gets an
     error naming the fix, not an illegal instruction in the middle of a graph call."""
     from optimum_neuron_chunked.backends.base import BackendUnavailableError
-    from optimum_neuron_chunked.modeling.kernels import host_cpu_capability
+    from optimum_neuron_chunked.backends.cpu.host import host_cpu_capability
 
     copy = tmp_path / "copy"
     shutil.copytree(export_dir, copy)

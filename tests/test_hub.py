@@ -11,10 +11,10 @@ import sys
 import pytest
 from fixtures.export_models import checkpoint_path
 from fixtures.hub_cache import add_to_hub_cache
-from vllm_server import Server
 
 from optimum_neuron_chunked.export.pipeline import export
 from optimum_neuron_chunked.hub import is_repo_id
+from optimum_neuron_chunked.testing.server import Server
 
 REPO = "org/llama-chunked"
 PROMPT = list(range(4, 4 + 40))  # crosses two chunks of 16

@@ -9,8 +9,8 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import export_params
 from fixtures.export_models import CHUNKED_SHAPE
+from helpers import export_params
 
 from optimum_neuron_chunked import InvalidExportError, NeuronModelForCausalLM
 from optimum_neuron_chunked.config import CONFIG_NAME

@@ -7,11 +7,11 @@ import torch
 from fixtures.export_models import checkpoint_path
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from optimum_neuron_chunked.backends.cpu.kernels import CpuKernels, KernelChoices
 from optimum_neuron_chunked.config import NeuronConfig
 from optimum_neuron_chunked.graph_runner import pad_repeat_last
 from optimum_neuron_chunked.graphs import PrefillGraph
 from optimum_neuron_chunked.modeling import build_model
-from optimum_neuron_chunked.modeling.kernels import KernelChoices
 
 CHUNK, SEQ = 16, 64
 
@@ -179,8 +179,8 @@ def test_fused_attention_kernel_equals_the_masked_softmax(family):
     masked softmax over gathered bucket windows, eager here (the cpu parity tests run it
     compiled): chunks, then decodes with an idle slot, over stale slots; gemma3's ring layers
     included."""
+    from optimum_neuron_chunked.backends.cpu.kernels import kernel_choices
     from optimum_neuron_chunked.modeling import model_from_spec
-    from optimum_neuron_chunked.modeling.kernels import kernel_choices
 
     path = checkpoint_path(family)
     hf = AutoModelForCausalLM.from_pretrained(path)
@@ -194,15 +194,12 @@ def test_fused_attention_kernel_equals_the_masked_softmax(family):
         KernelChoices(),  # the reference: masked softmax over gathered bucket windows
     ]
     for kernels in choices:
-        model = model_from_spec(spec, config, kernels=kernels).eval()
+        model = model_from_spec(spec, config, kernels=CpuKernels(kernels)).eval()
         model.load_weights(model.weights_from_hf(hf))
         for cache in model.cache_names():
             getattr(model, cache).normal_(0, 100, generator=torch.Generator().manual_seed(5))
         models.append(model)
-    assert (
-        kernel_choices("neuron").sdpa_prefill_from_window is None
-        and kernel_choices("cpu").sdpa_prefill_from_window
-    )
+    assert kernel_choices().sdpa_prefill_from_window
     tokens, start = torch.randint(4, 380, (80,), generator=torch.Generator().manual_seed(4)), 0
     for width in [16, 5, 16, 16]:
         piece = tokens[start : start + width]
@@ -235,7 +232,7 @@ def test_sdpa_is_chosen_per_graph_kind_and_bucket(monkeypatch, prefill_from, dec
     config = NeuronConfig(batch_size=2, sequence_length=SEQ, prefill_chunk_size=CHUNK, backend="eager")
     spec = build_model(AutoConfig.from_pretrained(path), config).spec
     kernels = KernelChoices(sdpa_prefill_from_window=prefill_from, sdpa_decode_from_window=decode_from)
-    model = model_from_spec(spec, config, kernels=kernels).eval()
+    model = model_from_spec(spec, config, kernels=CpuKernels(kernels)).eval()
     calls = []
     sdpa = torch.nn.functional.scaled_dot_product_attention
     monkeypatch.setattr(
@@ -269,7 +266,7 @@ def test_cpu_kernels_compiled_by_aotinductor_equal_the_masked_softmax(tmp_path, 
     hf = AutoModelForCausalLM.from_pretrained(path)
     config = NeuronConfig(batch_size=2, sequence_length=SEQ, prefill_chunk_size=CHUNK, backend="cpu")
     spec = build_model(AutoConfig.from_pretrained(path), config).spec
-    models = [model_from_spec(spec, config, kernels=EVERY_KERNEL), model_from_spec(spec, config)]
+    models = [model_from_spec(spec, config, kernels=CpuKernels(EVERY_KERNEL)), model_from_spec(spec, config)]
     graph = GraphSpec("cp", 1, CHUNK, SEQ) if kind == "cp" else GraphSpec("tg", 2, 1, SEQ)
     for model in models:
         model.load_weights(model.weights_from_hf(hf))
@@ -303,7 +300,7 @@ def test_cpu_kernels_compiled_by_aotinductor_equal_the_masked_softmax(tmp_path, 
 def test_cpu_linear_equals_linear(shape, bias, onednn):
     """kernels.rowwise_linear_rows / onednn_linear: up to rowwise_rows rows as dot products,
     more through oneDNN or ATen; the same parameters either way."""
-    from optimum_neuron_chunked.modeling.layers import CpuLinear
+    from optimum_neuron_chunked.backends.cpu.linear import CpuLinear
 
     torch.manual_seed(0)
     cpu = CpuLinear(24, 40, bias=bias, rowwise_rows=3, onednn=onednn)

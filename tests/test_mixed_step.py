@@ -7,14 +7,15 @@ from __future__ import annotations
 import pytest
 import torch
 from fixtures.export_models import BUCKETS, CHUNK, SEQUENCE_LENGTH, checkpoint_path
-from helpers import RecordingGraphs, hf_greedy, prompt
+from helpers import RecordingGraphs, prompt
 from transformers import AutoModelForCausalLM
 
-from optimum_neuron_chunked.export.pipeline import export
 from optimum_neuron_chunked import NeuronModelForCausalLM
 from optimum_neuron_chunked.config import NeuronConfig, NeuronConfigError
+from optimum_neuron_chunked.export.pipeline import export
 from optimum_neuron_chunked.graph_runner import GraphRunner
 from optimum_neuron_chunked.graphs import graph_specs
+from optimum_neuron_chunked.testing.reference import hf_greedy
 from optimum_neuron_chunked.vllm.plan import DecodeRow, PrefillChunk, StepPlan, describe, fuse_chunk
 
 LOGITS_TOLERANCE = 1e-4

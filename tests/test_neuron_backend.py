@@ -12,6 +12,7 @@ import pytest
 import torch
 from fixtures.export_models import checkpoint_path
 from helpers import every_graph_kind, small_neuron_config
+from tp_gloo import DistLayers
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from optimum_neuron_chunked.backends import BackendUnavailableError
@@ -29,7 +30,7 @@ from optimum_neuron_chunked.backends.neuron.target import (
 from optimum_neuron_chunked.config import NeuronConfig, NeuronConfigError
 from optimum_neuron_chunked.graphs import example_inputs, graph_module, graph_specs
 from optimum_neuron_chunked.modeling import build_model
-from optimum_neuron_chunked.modeling.parallel import DistLayers, TorchLayers
+from optimum_neuron_chunked.modeling.parallel import TorchLayers
 
 needs_no_sdk = pytest.mark.skipif(has_neuron_device(), reason="checks the refusal on a host without Neuron")
 # The SDK-mirror environment (make test-sdk) runs this file too, under transformers 4.57.

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import export_params
 from fixtures.export_models import CHUNK, EXPORTS
-from helpers import prompt
+from helpers import export_params, prompt
 
 # 1, C-1, C, C+1 and 3C+5 tokens: single token, partial, exact and overflowing chunks.
 PROMPT_LENGTHS = (1, CHUNK - 1, CHUNK, CHUNK + 1, 3 * CHUNK + 5)

@@ -5,9 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import export_params
 from fixtures.export_models import CHUNK
-from helpers import prompt
+from helpers import export_params, prompt
 
 EXPORTS = ["llama-2x4x32-eager", "llama-2x4x32-cpu", "qwen3_moe-2x4x32-cpu"]
 

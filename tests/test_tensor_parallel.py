@@ -14,10 +14,10 @@ import torch.multiprocessing as mp
 from fixtures.export_models import cache_root, checkpoint_path
 from tp_gloo import configs, graph_outputs, rank_main
 
-from optimum_neuron_chunked.checkpoints import FAMILIES, build_checkpoint, family_config
 from optimum_neuron_chunked.config import NeuronConfigError
 from optimum_neuron_chunked.modeling import family_spec
 from optimum_neuron_chunked.modeling.parallel import ShardLayout, rank_shard, tp_checkpoint
+from optimum_neuron_chunked.testing.checkpoints import FAMILIES, build_checkpoint, family_config
 
 TP = 2
 # Layouts the family checkpoints do not cover: KV heads neither divisible by nor dividing

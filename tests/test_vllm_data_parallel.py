@@ -9,9 +9,10 @@ import re
 import urllib.request
 
 import pytest
-from conftest import export_params
-from helpers import hf_greedy, prompt
-from vllm_server import Server
+from helpers import export_params, prompt
+
+from optimum_neuron_chunked.testing.reference import hf_greedy
+from optimum_neuron_chunked.testing.server import Server
 
 
 def finished_per_engine(server: Server) -> dict[str, float]:

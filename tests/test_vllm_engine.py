@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import export_params
 from fixtures.export_models import CHUNK, EXPORTS
-from helpers import NEW_TOKENS, generate, greedy, hf_greedy, prompt
+from helpers import NEW_TOKENS, export_params, generate, greedy, prompt
+
+from optimum_neuron_chunked.testing.reference import hf_greedy
 
 PROMPT_LENGTHS = (1, CHUNK - 1, CHUNK, CHUNK + 1, 3 * CHUNK + 5)
 ENGINE_EXPORTS = ["llama-2x4x32-eager", "llama-2x1x128-eager", "qwen3-2x4x32-cpu", "qwen3-2x1x128-cpu"]
@@ -16,7 +17,7 @@ ENGINE_EXPORTS = ["llama-2x4x32-eager", "llama-2x1x128-eager", "qwen3-2x4x32-cpu
 def test_greedy_tokens_match_transformers_alone_and_batched(export_dir, llm, hf_reference):
     hf = hf_reference(EXPORTS[export_dir.name.rsplit("-", 1)[0]].family)
     prompts = [prompt(n, seed=1) for n in PROMPT_LENGTHS]
-    expected = [hf_greedy(hf, p) for p in prompts]
+    expected = [hf_greedy(hf, p, NEW_TOKENS) for p in prompts]
     alone = [generate(llm, [p], greedy())[0].token_ids for p in prompts]
     batched = [o.token_ids for o in generate(llm, prompts, greedy())]
     assert [list(t) for t in alone] == expected
@@ -74,4 +75,4 @@ def test_on_device_sampling_respects_top_k_one_and_temperature(export_dir, llm, 
     prompts = [prompt(n, seed=6) for n in (5, CHUNK + 1)]
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=1.0, top_k=1, ignore_eos=True)
     outs = generate(llm, prompts, params)
-    assert [list(o.token_ids) for o in outs] == [hf_greedy(hf, p) for p in prompts]
+    assert [list(o.token_ids) for o in outs] == [hf_greedy(hf, p, NEW_TOKENS) for p in prompts]

@@ -4,7 +4,7 @@ nothing is loaded and no engine is left behind."""
 from __future__ import annotations
 
 import pytest
-from conftest import export_params
+from helpers import export_params
 
 EXPORT = "llama-2x4x32-eager"
 

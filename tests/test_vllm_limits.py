@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from conftest import export_params
+from helpers import export_params
 
 from optimum_neuron_chunked.config import NeuronConfig
 from optimum_neuron_chunked.vllm.limits import EngineRequest, ServingConfigError, serving_limits

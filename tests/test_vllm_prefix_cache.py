@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import export_params
-from helpers import hf_greedy, prompt
+from helpers import export_params, prompt
 from vllm_stepper import EXPORT, XLA_EXPORT, Engine
 
+from optimum_neuron_chunked.testing.reference import hf_greedy
 from optimum_neuron_chunked.vllm.compat import LONE_PREFILL_TAKES_BUDGET
 
 

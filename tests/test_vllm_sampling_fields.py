@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import msgspec
 import pytest
-from conftest import export_params
-from helpers import generate, prompt
+from helpers import export_params, generate, prompt
 
 from optimum_neuron_chunked.vllm.sampling import DEVICE_FIELDS, OUTPUT_FIELDS, host_fields, on_device_eligible
 

@@ -4,10 +4,11 @@ layers, MoE experts): concurrent requests answer with transformers' greedy token
 from __future__ import annotations
 
 import pytest
-from conftest import export_params
 from fixtures.export_models import CHUNK, EXPORTS
-from helpers import hf_greedy, prompt
-from vllm_server import Server, concurrent_greedy_tokens
+from helpers import export_params, prompt
+
+from optimum_neuron_chunked.testing.reference import hf_greedy
+from optimum_neuron_chunked.testing.server import Server, concurrent_greedy_tokens
 
 # eager, and the sliding-window family on xla (the SDK-mirror environment; llama: test_vllm_xla)
 SERVED = ["gemma3_text-2x4x32-eager", "qwen3_moe-2x4x32-eager", "gemma3_text-2x4x32-xla"]

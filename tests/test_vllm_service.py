@@ -8,10 +8,11 @@ import shutil
 
 import pytest
 import torch
-from conftest import export_params
 from fixtures.export_models import CHUNK, checkpoint_path
-from helpers import hf_greedy, prompt
-from vllm_server import Server, concurrent_greedy_tokens, disconnect_mid_prefill
+from helpers import export_params, prompt
+
+from optimum_neuron_chunked.testing.reference import hf_greedy
+from optimum_neuron_chunked.testing.server import Server, concurrent_greedy_tokens, disconnect_mid_prefill
 
 EXPORT = "llama-2x4x32-eager"  # 2 slots, S=128, C=32
 SEQUENCE_LENGTH = 128

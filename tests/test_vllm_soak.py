@@ -11,10 +11,11 @@ import asyncio
 import random
 
 import pytest
-from conftest import export_params
 from fixtures.export_models import CHUNK
-from helpers import hf_greedy, prompt
-from vllm_server import Server
+from helpers import export_params, prompt
+
+from optimum_neuron_chunked.testing.reference import hf_greedy
+from optimum_neuron_chunked.testing.server import Server
 
 EXPORT = "llama-2x4x32-eager"  # 2 slots, S=128, C=32
 SEQUENCE_LENGTH, SLOTS = 128, 2

@@ -18,8 +18,10 @@ import re
 import pytest
 import torch
 from fixtures.export_models import BUCKETS, checkpoint_path
-from helpers import hf_greedy, prompt
-from vllm_server import Server, concurrent_greedy_tokens, disconnect_mid_prefill
+from helpers import prompt
+
+from optimum_neuron_chunked.testing.reference import hf_greedy
+from optimum_neuron_chunked.testing.server import Server, concurrent_greedy_tokens, disconnect_mid_prefill
 
 pytestmark = pytest.mark.xla
 CHUNK = 32

@@ -13,7 +13,6 @@ import pytest
 pytest.importorskip("torch_xla", reason="XLA checks run in .venv-sdk: make test-sdk")
 
 import torch  # noqa: E402
-from conftest import export_params  # noqa: E402
 from fixtures.export_models import (  # noqa: E402
     BUCKETS,
     CHUNK,
@@ -21,28 +20,28 @@ from fixtures.export_models import (  # noqa: E402
     SEQUENCE_LENGTH,
     checkpoint_path,
 )
+from helpers import HLO_CENSUS, export_params  # noqa: E402
 from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
 
-from optimum_neuron_chunked.backends.xla import HloReport, XlaRuntime, fallback_ops, reset_counters  # noqa: E402
-from optimum_neuron_chunked.checkpoints import FAMILIES  # noqa: E402
+from optimum_neuron_chunked.backends.xla import XlaRuntime, fallback_ops, reset_counters  # noqa: E402
 from optimum_neuron_chunked.config import NeuronConfig  # noqa: E402
 from optimum_neuron_chunked.graph_runner import GraphRunner  # noqa: E402
 from optimum_neuron_chunked.graphs import example_inputs, graph_module, graph_specs, tg_spec  # noqa: E402
 from optimum_neuron_chunked.modeling import build_model  # noqa: E402
 from optimum_neuron_chunked.modeling.sampler import sampling_params  # noqa: E402
+from optimum_neuron_chunked.testing.checkpoints import FAMILIES  # noqa: E402
 
 pytestmark = pytest.mark.xla
 
 TOLERANCE = 1e-4  # fp32 logits and KV cache, XLA vs eager
 NEW_TOKENS = 8
 MAX_TOPK = 16  # well below the 512-token vocabulary, as 256 is below a real one: top-k is staged
-CENSUS: dict[str, HloReport] = {}  # printed at the end of the session (conftest)
 
 
 def export_config(
     chunked: bool,
     dtype: str = "float32",
-    prompt_logits: bool = False,
+    prompt_logprobs: bool = False,
     prefill_widths: tuple[int, ...] = (),
     decode_widths: tuple[int, ...] = (),
     mixed_step: bool = False,
@@ -57,7 +56,7 @@ def export_config(
         context_buckets=BUCKETS,
         dtype=dtype,
         max_topk=MAX_TOPK,
-        prompt_logits=prompt_logits,
+        prompt_logprobs=prompt_logprobs,
         backend="neuron",  # what neuronx-cc receives: the neuron backend's choices (attention kernel)
         instance_type="trn1",
     )
@@ -88,7 +87,7 @@ class Pair:
         self.device = GraphRunner(config, self.xla.graphs())
 
     def prefill(self, ids: torch.Tensor, start: int, slot: int) -> None:
-        call = "prefill_positions" if self.eager.config.prompt_logits else "prefill"
+        call = "prefill_positions" if self.eager.config.prompt_logprobs else "prefill"
         with torch.no_grad():
             want = getattr(self.eager, call)(ids, start, slot)
         got = getattr(self.device, call)(ids, start, slot)
@@ -185,7 +184,7 @@ def test_narrow_decode_graphs_on_xla_equal_eager():
     for name in ran:
         report = pair.xla.hlo[name]
         assert report.forbidden == [] and report.dynamic_shapes == [], name
-        CENSUS[f"llama narrow-decode {name}"] = report
+        HLO_CENSUS[f"llama narrow-decode {name}"] = report
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
@@ -207,13 +206,13 @@ def test_mixed_graphs_on_xla_equal_eager(family):
     for name in ("mx_w64", "mx_w128"):
         report = pair.xla.hlo[name]
         assert report.forbidden == [] and report.dynamic_shapes == [], name
-        CENSUS[f"{family} mixed {name}"] = report
+        HLO_CENSUS[f"{family} mixed {name}"] = report
 
 
 @pytest.mark.parametrize("chunked", [True, False], ids=["chunked", "standard"])
 def test_prompt_logits_graphs_on_xla_equal_eager(chunked):
     """Exports with --prompt-logprobs: prefill graphs return every position's logits."""
-    pair = Pair("llama", export_config(chunked=chunked, prompt_logits=True))
+    pair = Pair("llama", export_config(chunked=chunked, prompt_logprobs=True))
     reset_counters()
     a = tokens(CHUNK + 20, seed=5)
     if chunked:
@@ -228,7 +227,7 @@ def test_prompt_logits_graphs_on_xla_equal_eager(chunked):
     for name in ran:
         report = pair.xla.hlo[name]
         assert report.forbidden == [] and report.dynamic_shapes == [], name
-        CENSUS[f"llama {'chunked' if chunked else 'standard'} prompt-logits {name}"] = report
+        HLO_CENSUS[f"llama {'chunked' if chunked else 'standard'} prompt-logits {name}"] = report
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
@@ -254,7 +253,7 @@ def check_hlo(pair: Pair, family: str, kind: str) -> None:
         assert report.census["instructions"] > 0
         # on-device top-k never sorts the whole vocabulary (sampler.staged_topk)
         assert report.widest_sort < pair.hf_config.vocab_size // 2, f"{name}: sort of {report.widest_sort}"
-        CENSUS[f"{family} {kind} {name}"] = report
+        HLO_CENSUS[f"{family} {kind} {name}"] = report
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
@@ -302,8 +301,8 @@ def test_cli_xla_export_generates_like_transformers(tmp_path):
     eager backend's), loaded by the loader onto the XLA device; greedy tokens equal
     transformers', no aten op falls back to the host and every graph that ran lowered to static
     HLO."""
-    from optimum_neuron_chunked.export.cli import main
     from optimum_neuron_chunked import NeuronModelForCausalLM
+    from optimum_neuron_chunked.export.cli import main
     from optimum_neuron_chunked.integrity import recorded_files
 
     path, out = checkpoint_path("llama"), tmp_path / "export"

@@ -6,14 +6,69 @@ from __future__ import annotations
 import os
 
 import torch
+import torch.distributed as dist
+from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from optimum_neuron_chunked.config import NeuronConfig
 from optimum_neuron_chunked.graph_runner import GraphRunner
 from optimum_neuron_chunked.graphs import graph_module, graph_specs
 from optimum_neuron_chunked.modeling import build_model
-from optimum_neuron_chunked.modeling.parallel import DistLayers
 from optimum_neuron_chunked.modeling.sampler import sampling_params
+
+
+class DistLayers:
+    """Sharded layers over torch.distributed (e.g. gloo on CPU): the sharding arithmetic of
+    the neuron backend, runnable without a device. Sizes given are global, as in NxD."""
+
+    def __init__(self, tp_degree: int):
+        self.tp_degree = tp_degree
+
+    def column(self, in_features: int, out_features: int, bias: bool, gather_output: bool = False):
+        return _ColumnParallel(in_features, out_features // self.tp_degree, bias, gather_output)
+
+    def row(self, in_features: int, out_features: int, bias: bool):
+        return _RowParallel(in_features // self.tp_degree, out_features, bias)
+
+    def embedding(self, vocab_size: int, hidden_size: int):
+        return _EmbeddingParallel(vocab_size, hidden_size // self.tp_degree)
+
+    @staticmethod
+    def reduce(x: torch.Tensor) -> torch.Tensor:
+
+        dist.all_reduce(x)
+        return x
+
+
+def _all_gather_last(x: torch.Tensor) -> torch.Tensor:
+
+    parts = [torch.empty_like(x) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, x.contiguous())
+    return torch.cat(parts, dim=-1)
+
+
+class _ColumnParallel(nn.Linear):
+    def __init__(self, in_features: int, local_out: int, bias: bool, gather_output: bool):
+        super().__init__(in_features, local_out, bias=bias)
+        self.gather_output = gather_output
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = super().forward(x)
+        return _all_gather_last(y) if self.gather_output else y
+
+
+class _RowParallel(nn.Linear):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+
+        y = nn.functional.linear(x, self.weight)
+        dist.all_reduce(y)
+        return y if self.bias is None else y + self.bias
+
+
+class _EmbeddingParallel(nn.Embedding):
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return _all_gather_last(super().forward(ids))
+
 
 SEQ, CHUNK, BUCKETS = 64, 16, (32, 64)
 PROMPTS = {0: 40, 1: 13}  # slot -> prompt length: spans both buckets and a partial chunk
@@ -71,7 +126,6 @@ def graph_outputs(
 def rank_main(rank: int, world: int, init_file: str, cases: dict, out_file: str) -> None:
     """One gloo rank: every case (checkpoint, config) through the sharded model, writing its
     KV cache as the neuron backend traces it (functional updates)."""
-    import torch.distributed as dist
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)

@@ -13,6 +13,7 @@ from ..config import NeuronConfig
 from ..graphs import GraphSpec
 from ..modeling import build_model
 from ..modeling.decoder import DecoderModel
+from ..modeling.kernels import Kernels
 
 GRAPHS_DIR = "graphs"
 WEIGHTS_NAME = "model.safetensors"
@@ -45,6 +46,11 @@ class Backend(ABC):
     ) -> dict[str, Callable]:
         """Graph callables by name, all bound to the same weights and KV cache."""
 
+    def kernels(self, config: NeuronConfig) -> Kernels:
+        """How the model computes on this backend: the reference (what XLA lowers), unless the
+        backend's compiler does better with its own strategy. The one per-backend choice."""
+        return Kernels()
+
     def check_available(self) -> None:
         """Raise BackendUnavailableError, saying what is missing, if this host cannot compile."""
         return None
@@ -70,11 +76,12 @@ class Backend(ABC):
         """Files (relative to the export folder) that a complete export of `specs` holds."""
         return []
 
-
-def load_torch_model(
-    hf_config, config: NeuronConfig, export_dir: Path, functional_cache: bool = False
-) -> DecoderModel:
-    """The decoder with the export's weights and a zero KV cache, in eval mode (cpu, eager, xla)."""
-    model = build_model(hf_config, config, functional_cache=functional_cache)
-    model.load_weights(load_file(export_dir / WEIGHTS_NAME))
-    return model.eval()
+    def torch_model(
+        self, hf_config, config: NeuronConfig, export_dir: Path, functional_cache: bool = False
+    ) -> DecoderModel:
+        """The decoder with the export's weights and a zero KV cache, in eval mode (cpu, eager, xla)."""
+        model = build_model(
+            hf_config, config, functional_cache=functional_cache, kernels=self.kernels(config)
+        )
+        model.load_weights(load_file(export_dir / WEIGHTS_NAME))
+        return model.eval()

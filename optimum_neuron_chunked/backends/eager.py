@@ -9,7 +9,7 @@ import torch
 
 from ..config import NeuronConfig
 from ..graphs import GraphSpec, graph_module
-from .base import Backend, OnGraph, load_torch_model
+from .base import Backend, OnGraph
 
 
 class EagerBackend(Backend):
@@ -21,5 +21,5 @@ class EagerBackend(Backend):
     def load(
         self, hf_config, config: NeuronConfig, specs: list[GraphSpec], export_dir: Path
     ) -> dict[str, Callable]:
-        model = load_torch_model(hf_config, config, export_dir)
+        model = self.torch_model(hf_config, config, export_dir)
         return {spec.name: torch.inference_mode()(graph_module(model, spec, config)) for spec in specs}

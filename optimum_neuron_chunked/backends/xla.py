@@ -28,7 +28,7 @@ import torch
 from ..config import NeuronConfig
 from ..graphs import GraphSpec, example_inputs
 from ..modeling.decoder import DecoderModel
-from .base import Backend, BackendUnavailableError, OnGraph, load_torch_model
+from .base import Backend, BackendUnavailableError, OnGraph
 
 # HLO that neuronx-cc cannot take as a static graph, or that would leave the device per call.
 FORBIDDEN_HLO = ("custom-call", "while(", "infeed(", "outfeed(", "send(", "recv(", "host", "callback")
@@ -70,7 +70,7 @@ class XlaBackend(Backend):
         self, hf_config, config: NeuronConfig, specs: list[GraphSpec], export_dir: Path
     ) -> dict[str, Callable]:
         require_torch_xla()
-        model = load_torch_model(hf_config, config, export_dir, functional_cache=True)
+        model = self.torch_model(hf_config, config, export_dir, functional_cache=True)
         return XlaRuntime(model, config, specs).graphs()
 
 

@@ -10,13 +10,16 @@ import shutil
 import tempfile
 import time
 from contextlib import contextmanager
+from dataclasses import MISSING
+from difflib import get_close_matches
 from pathlib import Path
 
 from rich.console import Console
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
-from optimum_neuron_chunked.backends import BACKENDS, Backend, default_backend, export_files, get_backend
+from optimum_neuron_chunked.backends import Backend, default_backend, export_files, get_backend
 from optimum_neuron_chunked.backends.base import WEIGHTS_NAME
+from optimum_neuron_chunked.backends.cpu.host import host_cpu_capability
 from optimum_neuron_chunked.backends.neuron.target import resolve_instance_type
 from optimum_neuron_chunked.checkpoint_stream import (
     StreamUnsupportedError,
@@ -25,7 +28,7 @@ from optimum_neuron_chunked.checkpoint_stream import (
     stream_weights,
     weight_files,
 )
-from optimum_neuron_chunked.config import NeuronConfig
+from optimum_neuron_chunked.config import BACKENDS, EXPORT_OPTIONS, NeuronConfig
 from optimum_neuron_chunked.graphs import graph_specs
 from optimum_neuron_chunked.integrity import record_files
 from optimum_neuron_chunked.modeling import (
@@ -35,7 +38,6 @@ from optimum_neuron_chunked.modeling import (
     model_from_spec,
     torch_dtype,
 )
-from optimum_neuron_chunked.modeling.kernels import host_cpu_capability
 from optimum_neuron_chunked.modeling.parallel import ShardLayout
 
 from .model_card import write_model_card
@@ -51,33 +53,25 @@ def export(
     model: str,
     output: str | Path,
     *,
-    batch_size: int,
-    sequence_length: int,
-    prefill_chunk_size: int = 0,
-    backend: str | None = None,
-    dtype: str = "float32",
-    on_device_sampling: bool = True,
-    prompt_logprobs: bool = False,
-    tp_degree: int = 1,
-    instance_type: str | None = None,
-    max_topk: int = 256,
-    context_buckets: tuple[int, ...] = (),
-    prefill_widths: tuple[int, ...] = (),
-    decode_widths: tuple[int, ...] = (),
-    mixed_step: bool = False,
     overwrite: bool = False,
     console: Console | None = None,
     weights: str = "stream",
+    **options,
 ) -> Path:
     """Export `model` (local folder or hub id) into `output`; returns the output path.
 
-    `backend` None: neuron where the Neuron SDK is importable, cpu elsewhere (said on the console).
+    `options`: NeuronConfig's export options (config.EXPORT_OPTIONS, the flags of `optimum-cli
+    export neuron`), batch_size and sequence_length required. `backend` None (the default):
+    neuron where the Neuron SDK is importable, cpu elsewhere (said on the console);
+    `instance_type` None: this host's.
     `weights` "stream": tensor by tensor from the checkpoint's safetensors (checkpoint_stream);
     "transformers": through the whole transformers model (the path before issue 37, kept as the
     reference the streamed exports are tested against, and for checkpoints without safetensors)."""
+    check_options(options)
     if weights not in WEIGHT_PATHS:
         raise ExportError(f"weights={weights!r}: choose one of {', '.join(WEIGHT_PATHS)}.")
     console = console or Console(stderr=True)
+    backend, instance_type = options.pop("backend", None), options.pop("instance_type", None)
     if backend is None:
         backend, why = default_backend()
         console.print(f"backend: {backend} ({why}); choose with --backend {'|'.join(BACKENDS)}")
@@ -88,21 +82,10 @@ def export(
     hf_config = _load_hf_config(model)
     spec = family_spec(hf_config)
     config = NeuronConfig(
-        batch_size=batch_size,
-        sequence_length=sequence_length,
-        prefill_chunk_size=prefill_chunk_size,
-        tp_degree=tp_degree,
-        dtype=dtype,
-        on_device_sampling=on_device_sampling,
-        prompt_logits=prompt_logprobs,
-        max_topk=max_topk,
+        **options,
         backend=backend,
         instance_type=resolve_instance_type(instance_type) if backend == "neuron" else "",
         cpu_isa=host_cpu_capability() if backend == "cpu" else "",
-        context_buckets=tuple(context_buckets),
-        prefill_widths=tuple(prefill_widths),
-        decode_widths=tuple(decode_widths),
-        mixed_step=mixed_step,
         model_type=spec.model_type,
     )
     _check_shapes(hf_config, config)
@@ -130,6 +113,23 @@ def export(
         f"in {time.perf_counter() - started:.1f}s"
     )
     return output
+
+
+def check_options(options: dict) -> None:
+    """export()'s keywords beyond its own are the declared options, the required ones given."""
+    names = [option.name for option in EXPORT_OPTIONS]
+    unknown = sorted(set(options) - set(names))
+    if unknown:
+        said = ", ".join(f"{name!r}{_guess(name, names)}" for name in unknown)
+        raise TypeError(f"export() got unknown options {said}; its options: {', '.join(names)}.")
+    missing = [o.name for o in EXPORT_OPTIONS if o.default is MISSING and o.name not in options]
+    if missing:
+        raise TypeError(f"export() is missing the required options {', '.join(missing)}.")
+
+
+def _guess(name: str, names: list[str]) -> str:
+    close = get_close_matches(name, names, n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
 
 
 def _check_output(output: Path, overwrite: bool) -> None:
@@ -179,7 +179,7 @@ def _export_weights(
     the file written here before NxD traces."""
     folder = checkpoint_folder(model) if weights == "stream" else None
     if folder is not None:
-        decoder = model_from_spec(family_spec(hf_config), config, device="meta")
+        decoder = model_from_spec(family_spec(hf_config), config, kernels=impl.kernels(config), device="meta")
         files, tied = weight_files(config.backend, config, WEIGHTS_NAME)
         try:
             stream_weights(folder, hf_config, config, decoder, files, tied, out)
@@ -191,7 +191,7 @@ def _export_weights(
         console.print(
             "[yellow]warning[/]: no safetensors checkpoint: loading the whole model with transformers."
         )
-    decoder = build_model(hf_config, config)
+    decoder = build_model(hf_config, config, kernels=impl.kernels(config))
     decoder.load_weights(decoder.weights_from_hf(_load_hf_model(model, hf_config, config)))
     impl.save_weights(decoder, config, out)
     return decoder

@@ -5,15 +5,21 @@ import torch
 from ..config import NeuronConfig
 from .decoder import DecoderModel
 from .family import SUPPORTED_ARCHITECTURES, FamilySpec, UnsupportedArchitectureError, family_spec
-from .kernels import KernelChoices, kernel_choices
+from .kernels import Kernels
 
 
-def build_model(hf_config, config: NeuronConfig, layers=None, functional_cache: bool = False) -> DecoderModel:
+def build_model(
+    hf_config,
+    config: NeuronConfig,
+    layers=None,
+    functional_cache: bool = False,
+    kernels: Kernels | None = None,
+) -> DecoderModel:
     """An empty decoder (zero KV cache, uninitialised weights) shaped by the export config.
 
     `layers` is the layer factory (parallel.py); plain torch layers by default.
     """
-    return model_from_spec(family_spec(hf_config), config, layers, functional_cache)
+    return model_from_spec(family_spec(hf_config), config, layers, functional_cache, kernels)
 
 
 def model_from_spec(
@@ -21,12 +27,13 @@ def model_from_spec(
     config: NeuronConfig,
     layers=None,
     functional_cache: bool = False,
-    kernels: KernelChoices | None = None,
+    kernels: Kernels | None = None,
     device: str = "cpu",
 ) -> DecoderModel:
-    """The one place an export config shapes a decoder: cache rings, kernel choices (the
-    backend's unless given: benchmarks and tests compare them), dtype. `device` "meta": the
-    names, shapes and dtypes alone (a streamed export holds no weights it does not need)."""
+    """The one place an export config shapes a decoder: cache rings, dtype, and how it computes
+    (`kernels`: the backend's strategy, Backend.kernels; the reference unless given). `device`
+    "meta": the names, shapes and dtypes alone (a streamed export holds no weights it does not
+    need)."""
     with torch.device(device):
         return DecoderModel(
             spec,
@@ -36,7 +43,7 @@ def model_from_spec(
             layers,
             functional_cache,
             prefill_width=config.prefill_chunk_size or None,
-            kernels=kernels or kernel_choices(config.backend, config.cpu_isa or None),
+            kernels=kernels,
         )
 
 
@@ -48,6 +55,7 @@ __all__ = [
     "SUPPORTED_ARCHITECTURES",
     "DecoderModel",
     "FamilySpec",
+    "Kernels",
     "UnsupportedArchitectureError",
     "build_model",
     "model_from_spec",

@@ -18,10 +18,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .chunk_attention import chunk_attention
-from .decode_attention import decode_attention
 from .family import FamilySpec
-from .kernels import KernelChoices
+from .kernels import Kernels
 from .layers import MASK_VALUE, apply_rotary, rms_norm
 from .parallel import ShardLayout
 
@@ -68,54 +66,16 @@ def ring_positions(last_positions: torch.Tensor, length: int) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class CacheRead:
-    """What every layer's attention reads of its cache in one graph call, decided once per call.
+    """What every layer's attention reads of its cache in one graph call, decided once per call
+    (Kernels.cache_read).
 
-    window: the graph's context bucket (static: it picks the attention kernel).
-    live: positions read from each slot - the window, or where the backend keeps scalar reads
-      in the graph (kernels.live_window) the call's last position + 1, so attention costs what
-      the live context costs rather than the bucket.
-    slot: a one-row graph's slot as a scalar (kernels.slot_view: attend over a view of it),
-      else None (gather the rows' windows).
-    rows: a one-row-per-slot graph's (slot, live) per row as scalars (kernels.per_row_live:
-      each row attends over its own live context in a view of its slot), else None.
+    window: the graph's context bucket (static: a backend may pick its kernel by it).
+    live: positions read from each slot: the window, or fewer where a backend reads the live
+      context only (backends/cpu/kernels.py).
     """
 
     window: int
     live: int | torch.SymInt
-    slot: int | torch.SymInt | None = None
-    rows: tuple[tuple[int | torch.SymInt, int | torch.SymInt], ...] | None = None
-
-
-def cache_read(
-    kernels: KernelChoices,
-    position_ids: torch.Tensor,  # [N, T]
-    seq_ids: torch.Tensor,  # [N]
-    window: int,
-    one_row_per_slot: bool,
-) -> CacheRead:
-    """The call's CacheRead. The scalar reads become unbacked symbols with bound checks under
-    torch.export; padded rows/tokens repeat real ones, so the maximum is a real position."""
-    live, slot = window, None
-    if kernels.live_window:
-        live = position_ids.max().item() + 1
-        torch._check(live >= 1)
-        torch._check(live <= window)
-    if kernels.slot_view and not one_row_per_slot and seq_ids.shape[0] == 1:
-        slot = seq_ids[0].item()
-        torch._check(slot >= 0)
-    rows = None
-    if kernels.per_row_live and one_row_per_slot:
-        rows = tuple(_row_read(seq_ids[i], position_ids[i], window) for i in range(seq_ids.shape[0]))
-    return CacheRead(window, live, slot, rows)
-
-
-def _row_read(slot_id: torch.Tensor, positions: torch.Tensor, window: int) -> tuple:
-    """(slot, live) of one row as scalars, with the bounds torch.export needs."""
-    slot, live = slot_id.item(), positions.max().item() + 1
-    torch._check(slot >= 0)
-    torch._check(live >= 1)
-    torch._check(live <= window)
-    return slot, live
 
 
 def write_cache(
@@ -162,25 +122,18 @@ class Attention(nn.Module):
     def __init__(
         self,
         spec: FamilySpec,
+        *,
         sliding_window: int | None,
         layout: ShardLayout,
         layers,
         functional_cache: bool,
+        kernels: Kernels,
         use_rope: bool = True,
         local_rope: bool = False,
         ring: int | None = None,
-        kernels: KernelChoices | None = None,
     ):
         super().__init__()
-        kernels = kernels or KernelChoices()
-        # SDPA from these buckets on, prefill (CP/CE) and decode (TG) graphs apart (kernels.py);
-        # none for gpt-oss: its sinks join the softmax, where SDPA has no place for them
-        sinks = spec.attention_sinks
-        self.sdpa_prefill_from = None if sinks else kernels.sdpa_prefill_from_window
-        self.sdpa_decode_from = None if sinks else kernels.sdpa_decode_from_window
-        plain_causal = not sinks and sliding_window is None and ring is None
-        self.onednn_chunk_from = kernels.onednn_chunk_attention_from_window if plain_causal else None
-        self.decode_op = kernels.decode_attention_op and plain_causal
+        self.kernels = kernels
         self.functional_cache, self.use_rope = functional_cache, use_rope
         self.local_rope = local_rope  # gemma3's sliding layers: the local rotary (GraphPart.rotaries)
         self.ring = ring  # cache length of a ring layer (see ring_length); None: position-indexed
@@ -199,6 +152,11 @@ class Attention(nn.Module):
             self.q_norm = self.k_norm = None
         # gpt-oss: per query head, a logit that joins the softmax and takes probability mass
         self.sinks = nn.Parameter(torch.zeros(self.num_heads)) if spec.attention_sinks else None
+
+    @property
+    def plain_causal(self) -> bool:
+        """Causal over the whole context: no sliding window, ring or sinks."""
+        return self.sinks is None and self.sliding_window is None and self.ring is None
 
     def forward(
         self,
@@ -219,7 +177,11 @@ class Attention(nn.Module):
             part_q, k_cache, v_cache = self._write(part, q[rows], k[rows], v[rows], k_cache, v_cache)
             queries.append(part_q)
             offset += part.tokens
-        outs = [self._read(part, q, k_cache, v_cache) for part, q in zip(parts, queries, strict=True)]
+        outs = []
+        for part, part_q in zip(parts, queries, strict=True):
+            n, t = part.position_ids.shape
+            out = self.kernels.attend(self, part, part_q, k_cache, v_cache)  # [N, Hq, T, D]
+            outs.append(out.transpose(1, 2).reshape(n * t, -1))
         out = outs[0] if len(outs) == 1 else torch.cat(outs)
         return self.o_proj(out[None]), k_cache, v_cache
 
@@ -242,95 +204,55 @@ class Attention(nn.Module):
         v_cache = write_cache(v_cache, seq_ids, cache_index, v, self.functional_cache)
         return q, k_cache, v_cache
 
-    def _read(self, part: GraphPart, q, k_cache, v_cache) -> torch.Tensor:
-        """One part's attention over its slots -> [n * t, Hq * D].
+    def read_extent(self, read: CacheRead) -> tuple[int, int | torch.SymInt]:
+        """(window, live) this layer reads of each slot: a ring layer reads its whole ring."""
+        return (read.window, read.live) if self.ring is None else (self.ring, self.ring)
+
+    def reference_attend(self, part: GraphPart, q, k_cache, v_cache) -> torch.Tensor:
+        """The reference read (Kernels.attend): decode rows over views of the cache in slot
+        order, a chunk over its row's gathered window; the masked softmax.
 
         `part.one_row_per_slot` is the graph kind's choice (TG: N = batch_size rows), never
         inferred from a shape, so a new graph cannot silently take the other path."""
-        position_ids, seq_ids, read = part.position_ids, part.seq_ids, part.read
-        n, t = position_ids.shape
-        # a ring layer reads its whole ring
-        window, live = (read.window, read.live) if self.ring is None else (self.ring, self.ring)
-        one_row_per_slot = part.one_row_per_slot
-        sdpa_from = self.sdpa_decode_from if one_row_per_slot else self.sdpa_prefill_from
-        sdpa = sdpa_from is not None and window >= sdpa_from
-        if one_row_per_slot and t == 1 and self.decode_op and q.dtype == torch.float32:
-            lengths = position_ids[:, 0] + 1
-            out = decode_attention(q[:, :, 0], k_cache, v_cache, seq_ids, lengths, self.scale)[:, :, None]
-        elif one_row_per_slot and read.rows is not None and self.ring is None:
-            out = self._attend_per_row(q, k_cache, v_cache, position_ids, read.rows, sdpa)
-        elif one_row_per_slot:
-            out = self._attend_in_slot_order(q, k_cache, v_cache, seq_ids, position_ids, live, sdpa)
-        else:
-            keys, values = self._row_windows(k_cache, v_cache, seq_ids, read.slot, live)
-            onednn = self.onednn_chunk_from is not None and window >= self.onednn_chunk_from
-            if onednn and n == 1:  # keys from position 0: a non-ring layer's window
-                out = chunk_attention(q[0], keys[0], values[0], position_ids[0], self.scale)[None]
-            else:
-                key_positions = self._key_positions(position_ids, live)
-                out = self._attend(q, keys, values, position_ids, key_positions, sdpa)
-        return out.transpose(1, 2).reshape(n * t, -1)
+        _, live = self.read_extent(part.read)
+        if part.one_row_per_slot:
+            return self.attend_in_slot_order(q, k_cache, v_cache, part, live, self.masked_softmax)
+        keys, values = k_cache[part.seq_ids, :, :live], v_cache[part.seq_ids, :, :live]
+        key_positions = self.key_positions(part.position_ids, live)
+        return self.masked_softmax(q, keys, values, part.position_ids, key_positions)
 
-    def _row_windows(self, k_cache, v_cache, seq_ids, slot, live) -> tuple[torch.Tensor, torch.Tensor]:
-        """The first `live` cache positions of each row's slot: keys, values [N, Hkv, W, D].
-        A graph of one row reads its slot (a scalar, CacheRead.slot) as a view where the backend
-        allows; otherwise the windows are gathered (copied)."""
-        if slot is not None:
-            torch._check(slot < k_cache.shape[0])
-            return k_cache[slot, :, :live][None], v_cache[slot, :, :live][None]
-        return k_cache[seq_ids, :, :live], v_cache[seq_ids, :, :live]
-
-    def _key_positions(self, position_ids: torch.Tensor, window: int) -> torch.Tensor:
+    def key_positions(self, position_ids: torch.Tensor, window: int) -> torch.Tensor:
         """[N or 1, window] absolute position of each cache entry read. A padded row repeats
         its last real position, so the last column is the last position written."""
         if self.ring is None:
             return torch.arange(window, device=position_ids.device)[None]
         return ring_positions(position_ids[:, -1], self.ring)
 
-    def _attend_in_slot_order(self, q, k_cache, v_cache, seq_ids, position_ids, live, sdpa) -> torch.Tensor:
+    def attend_in_slot_order(self, q, k_cache, v_cache, part: GraphPart, live, core) -> torch.Tensor:
         """A step with one row per slot (TG) attends over views of the cache: gathering every
         row's window would copy the whole live cache each step. Rows are moved to their slots
         and back; a slot with no row attends to whatever it holds, and the result is dropped.
-        Padded rows repeat a real row, so duplicate seq_ids copy identical values."""
-        slots = k_cache.shape[0]
+        Padded rows repeat a real row, so duplicate seq_ids copy identical values. `core`:
+        (q, keys, values, position_ids, key_positions) -> output, as masked_softmax."""
+        seq_ids, position_ids, slots = part.seq_ids, part.position_ids, k_cache.shape[0]
         q_slots = q.new_zeros(slots, *q.shape[1:]).index_copy(0, seq_ids, q)
         pos_slots = position_ids.new_zeros(slots, position_ids.shape[1]).index_copy(0, seq_ids, position_ids)
         keys, values = k_cache[:, :, :live], v_cache[:, :, :live]
-        key_positions = self._key_positions(pos_slots, live)
-        return self._attend(q_slots, keys, values, pos_slots, key_positions, sdpa).index_select(0, seq_ids)
+        key_positions = self.key_positions(pos_slots, live)
+        return core(q_slots, keys, values, pos_slots, key_positions).index_select(0, seq_ids)
 
-    def _attend_per_row(self, q, k_cache, v_cache, position_ids, rows, sdpa) -> torch.Tensor:
-        """A step with one row per slot (TG) where each row reads its own slot and live length
-        (CacheRead.rows): the step reads the sum of the rows' contexts, not rows x the longest.
-        Padded rows repeat a real row: the same result, computed twice."""
-        outs = []
-        for i, (slot, live) in enumerate(rows):
-            torch._check(slot < k_cache.shape[0])
-            keys, values = k_cache[slot, :, :live][None], v_cache[slot, :, :live][None]
-            key_positions = self._key_positions(position_ids[i : i + 1], live)
-            outs.append(
-                self._attend(q[i : i + 1], keys, values, position_ids[i : i + 1], key_positions, sdpa)
-            )
-        return torch.cat(outs)
-
-    def _attend(self, q, keys, values, position_ids, key_positions, sdpa: bool) -> torch.Tensor:
+    def masked_softmax(self, q, keys, values, position_ids, key_positions) -> torch.Tensor:
         """q [N, Hq, T, D] over keys/values [N, Hkv, W, D] -> [N, Hq, T, D], W the positions
-        read (the bucket or the live length); `sdpa`: the fused core, else the masked softmax.
+        read: masked scores (MASK_VALUE), softmax, values - what every backend can lower.
 
         Grouped-query attention without expanding K/V: query heads k*G..k*G+G-1 share KV
         head k (transformers' repeat_kv order), so they are stacked along the query axis.
+        Batched 3-D products over (row, KV head) and a mask made at the scores' shape: no view
+        of a scores buffer feeds a matmul (AOTInductor cannot lay one out when its live width
+        is unbacked and a dim is 1). Query positions are tiled group-major, as q.
         """
         n, _, t, _ = q.shape
-        if sdpa:
-            # GQA order as ours: query head h uses KV head h // groups
-            mask = attention_mask(position_ids, key_positions, self.sliding_window)  # [N, 1, T, W]
-            return nn.functional.scaled_dot_product_attention(
-                q, keys, values, attn_mask=mask, scale=self.scale, enable_gqa=True
-            )
         groups, kv_heads, read = self.num_heads // self.num_kv_heads, self.num_kv_heads, keys.shape[2]
-        # Batched 3-D products over (row, KV head) and a mask made at the scores' shape: no
-        # view of a scores buffer feeds a matmul (AOTInductor cannot lay one out when its live
-        # width is unbacked and a dim is 1). Query positions are tiled group-major, as q.
         q = q.reshape(n * kv_heads, groups * t, self.head_dim)
         keys, values = keys.reshape(n * kv_heads, read, -1), values.reshape(n * kv_heads, read, -1)
         mask = attention_mask(position_ids.repeat(1, groups), key_positions, self.sliding_window)

@@ -7,9 +7,9 @@ import functools
 import torch
 from torch import nn
 
-from .attention import Attention, GraphPart, cache_lengths, cache_read, write_cache
+from .attention import Attention, GraphPart, cache_lengths, write_cache
 from .family import FamilySpec
-from .kernels import KernelChoices
+from .kernels import Kernels
 from .layers import MLP, Rotary, rms_norm
 from .moe import SparseMoE, moe_state_from_hf
 from .parallel import ShardLayout, TorchLayers, rank_shard, tp_checkpoint
@@ -24,20 +24,20 @@ class DecoderLayer(nn.Module):
         layers,
         functional_cache: bool,
         ring,
-        kernels: KernelChoices,
+        kernels: Kernels,
     ):
         super().__init__()
         window = spec.sliding_windows[layer_idx]
         self.self_attn = Attention(
             spec,
-            window,
-            layout,
-            layers,
-            functional_cache,
-            spec.uses_rope(layer_idx),
-            spec.local_rope and window is not None,
-            ring,
-            kernels,
+            sliding_window=window,
+            layout=layout,
+            layers=layers,
+            functional_cache=functional_cache,
+            kernels=kernels,
+            use_rope=spec.uses_rope(layer_idx),
+            local_rope=spec.local_rope and window is not None,
+            ring=ring,
         )
         if spec.moe is not None and spec.moe.sparse_layers[layer_idx]:
             self.mlp = SparseMoE(spec.hidden_size, spec.moe, layers, kernels.expert_selection)
@@ -104,7 +104,8 @@ class DecoderModel(nn.Module):
     export). Sliding-window layers then keep a ring of window + prefill_width positions where
     that is shorter than sequence_length (attention.ring_length); None: no rings.
 
-    `kernels`: how attention and experts compute (kernels.kernel_choices picks per backend).
+    `kernels`: how linear layers, attention and experts compute (modeling/kernels.py: the
+    reference unless a backend supplies its own, Backend.kernels).
     """
 
     def __init__(
@@ -116,11 +117,11 @@ class DecoderModel(nn.Module):
         layers=None,
         functional_cache: bool = False,
         prefill_width: int | None = None,
-        kernels: KernelChoices | None = None,
+        kernels: Kernels | None = None,
     ):
         super().__init__()
-        self.kernels = kernels or KernelChoices()
-        layers = layers or TorchLayers(self.kernels.rowwise_linear_rows, self.kernels.onednn_linear)
+        self.kernels = kernels or Kernels()
+        layers = layers or TorchLayers(self.kernels.linear)
         self.spec = spec
         self.layout = ShardLayout.of(spec, layers.tp_degree)
         self.functional_cache = functional_cache
@@ -216,7 +217,7 @@ class DecoderModel(nn.Module):
             GraphPart(
                 pos,
                 seq,
-                cache_read(self.kernels, pos, seq, window, one_row),
+                self.kernels.cache_read(pos, seq, window, one_row),
                 one_row,
                 self.model.rotaries(pos, x.dtype),
             )

@@ -5,7 +5,7 @@ graph can either gather the k selected experts of each token or run every expert
 Which one is a static choice by the graph's token count M, as neuronx-distributed makes it
 (ExpertMLPsV2.forward, modules/moe/expert_mlps_v2.py, Release 2.29 / 0.18.0: selective
 loading while M * top_k / E < 1): a decode step of B rows reads B * k experts' weights, not
-E. The threshold is a per-backend choice (kernels.py).
+E. The threshold is a per-backend choice (Kernels.expert_selection).
 
 Tensor parallelism as NxD's default (Experts in modules/moe/experts.py): every expert's
 intermediate dimension is split across ranks (gate/up column-parallel, down row-parallel),
@@ -35,7 +35,7 @@ class MoeSpec:
 
     def selects_experts(self, tokens: int, fraction: float = 1.0) -> bool:
         """Gather the selected experts' weights rather than run all E: while the selections
-        are under `fraction` of the experts (kernels.KernelChoices.expert_selection)."""
+        are under `fraction` of the experts (Kernels.expert_selection)."""
         return tokens * self.top_k < self.num_experts * fraction
 
 

@@ -17,6 +17,7 @@ copy of its KV head). A rank's query heads always use KV heads held by that rank
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -24,7 +25,6 @@ from torch import nn
 
 from ..config import NeuronConfigError
 from .family import FamilySpec
-from .layers import CpuLinear
 
 # Weight name suffix -> dimension split across ranks (absent: replicated on every rank).
 PARTITION_DIMS = {
@@ -137,25 +137,19 @@ def rank_shard(tp_state: dict[str, torch.Tensor], tp_degree: int, rank: int) -> 
 
 
 class TorchLayers:
-    """tp 1: plain torch layers (cpu and eager backends). `rowwise_rows`: linear layers take
-    inputs of up to that many rows as dot products (kernels.rowwise_linear_rows; 0: never);
-    `onednn`: more rows through oneDNN's matmul (kernels.onednn_linear). See CpuLinear."""
+    """tp 1: plain torch layers (cpu, eager and xla backends); `linear` builds each projection
+    (Kernels.linear: nn.Linear, or the backend's own)."""
 
     tp_degree = 1
 
-    def __init__(self, rowwise_rows: int = 0, onednn: bool = False):
-        self.rowwise_rows, self.onednn = rowwise_rows, onednn
+    def __init__(self, linear: Callable[[int, int, bool], nn.Module] | None = None):
+        self.linear = linear or nn.Linear
 
     def column(self, in_features: int, out_features: int, bias: bool, gather_output: bool = False):
-        return self._linear(in_features, out_features, bias)
+        return self.linear(in_features, out_features, bias)
 
     def row(self, in_features: int, out_features: int, bias: bool):
-        return self._linear(in_features, out_features, bias)
-
-    def _linear(self, in_features: int, out_features: int, bias: bool) -> nn.Linear:
-        if self.rowwise_rows or self.onednn:
-            return CpuLinear(in_features, out_features, bias, self.rowwise_rows, self.onednn)
-        return nn.Linear(in_features, out_features, bias=bias)
+        return self.linear(in_features, out_features, bias)
 
     def embedding(self, vocab_size: int, hidden_size: int):
         return nn.Embedding(vocab_size, hidden_size)
@@ -164,59 +158,3 @@ class TorchLayers:
     def reduce(x: torch.Tensor) -> torch.Tensor:
         """Sum of the ranks' partial outputs: one rank holds them all."""
         return x
-
-
-class DistLayers:
-    """Sharded layers over torch.distributed (e.g. gloo on CPU): the sharding arithmetic of
-    the neuron backend, runnable without a device. Sizes given are global, as in NxD."""
-
-    def __init__(self, tp_degree: int):
-        self.tp_degree = tp_degree
-
-    def column(self, in_features: int, out_features: int, bias: bool, gather_output: bool = False):
-        return _ColumnParallel(in_features, out_features // self.tp_degree, bias, gather_output)
-
-    def row(self, in_features: int, out_features: int, bias: bool):
-        return _RowParallel(in_features // self.tp_degree, out_features, bias)
-
-    def embedding(self, vocab_size: int, hidden_size: int):
-        return _EmbeddingParallel(vocab_size, hidden_size // self.tp_degree)
-
-    @staticmethod
-    def reduce(x: torch.Tensor) -> torch.Tensor:
-        import torch.distributed as dist
-
-        dist.all_reduce(x)
-        return x
-
-
-def _all_gather_last(x: torch.Tensor) -> torch.Tensor:
-    import torch.distributed as dist
-
-    parts = [torch.empty_like(x) for _ in range(dist.get_world_size())]
-    dist.all_gather(parts, x.contiguous())
-    return torch.cat(parts, dim=-1)
-
-
-class _ColumnParallel(nn.Linear):
-    def __init__(self, in_features: int, local_out: int, bias: bool, gather_output: bool):
-        super().__init__(in_features, local_out, bias=bias)
-        self.gather_output = gather_output
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = super().forward(x)
-        return _all_gather_last(y) if self.gather_output else y
-
-
-class _RowParallel(nn.Linear):
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        import torch.distributed as dist
-
-        y = nn.functional.linear(x, self.weight)
-        dist.all_reduce(y)
-        return y if self.bias is None else y + self.bias
-
-
-class _EmbeddingParallel(nn.Embedding):
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return _all_gather_last(super().forward(ids))

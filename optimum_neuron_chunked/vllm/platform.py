@@ -95,7 +95,7 @@ class NeuronChunkedPlatform(Platform):
             ) from None
         refuse_unsupported(vllm_config)
         # validate_request has no config: what the export serves is kept for this process.
-        cls.serves_prompt_logprobs = export.prompt_logits
+        cls.serves_prompt_logprobs = export.prompt_logprobs
         check_serving_host(export, vllm_config.parallel_config)  # each worker takes its devices
         sched, cache = vllm_config.scheduler_config, vllm_config.cache_config
         request = _engine_request(vllm_config, export)

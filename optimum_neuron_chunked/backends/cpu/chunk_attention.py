@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from .layers import MASK_VALUE
+from ...modeling.layers import MASK_VALUE
 
 
 def _linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""`vllm serve` in its own process group on a free local port, for service tests."""
+"""`vllm serve` in its own process group on a free local port, for service tests and benchmarks."""
 
 from __future__ import annotations
 

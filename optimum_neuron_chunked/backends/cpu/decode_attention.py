@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from .kernels import host_cpu_capability
+from .host import host_cpu_capability
 
 SOURCE = Path(__file__).with_suffix(".cpp")
 # The same flags AOTInductor compiles its kernels with for each ISA (torch/_inductor/cpu_vec_isa.py)

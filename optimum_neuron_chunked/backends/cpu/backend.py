@@ -14,19 +14,20 @@ from pathlib import Path
 
 import torch
 
-from ..config import NeuronConfig
-from ..graphs import GraphSpec, example_inputs, graph_module
-from ..modeling.decode_attention import load_op
-from ..modeling.decoder import DecoderModel
-from ..modeling.kernels import host_cpu_capability, kernel_choices
-from .base import GRAPHS_DIR, Backend, BackendUnavailableError, OnGraph, load_torch_model
+from ...config import NeuronConfig
+from ...graphs import GraphSpec, example_inputs, graph_module
+from ...modeling.decoder import DecoderModel
+from ..base import GRAPHS_DIR, Backend, BackendUnavailableError, OnGraph
+from .decode_attention import load_op
+from .host import host_cpu_capability
+from .kernels import CpuKernels, kernel_choices
 
 INDUCTOR_CONFIGS = {"aot_inductor.package_constants_in_so": False}
 
 
 def inductor_configs(config: NeuronConfig) -> dict:
     """AOTInductor's options for this export's graphs (kernels.realize_reused_values)."""
-    choices = kernel_choices(config.backend, config.cpu_isa or None)
+    choices = kernel_choices(config.cpu_isa or None)
     return {**INDUCTOR_CONFIGS, **({"realize_reads_threshold": 0} if choices.realize_reused_values else {})}
 
 
@@ -76,6 +77,9 @@ def check_runs_here(config: NeuronConfig, host_isa: str | None = None) -> None:
 class CpuBackend(Backend):
     name = "cpu"
 
+    def kernels(self, config: NeuronConfig) -> CpuKernels:
+        return CpuKernels(kernel_choices(config.cpu_isa or None))
+
     def graph_files(self, specs: list[GraphSpec]) -> list[str]:
         return [f"{GRAPHS_DIR}/{spec.name}.pt2" for spec in specs]
 
@@ -101,9 +105,10 @@ class CpuBackend(Backend):
     ) -> dict[str, Callable]:
         check_runs_here(config)
         keep_freed_heap()
-        if kernel_choices(config.backend, config.cpu_isa or None).decode_attention_op:
+        kernels = self.kernels(config)
+        if kernels.choices.decode_attention_op:
             load_op()  # its graphs call the op through AOTInductor's proxy executor
-        constants = load_torch_model(hf_config, config, export_dir).constants()
+        constants = self.torch_model(hf_config, config, export_dir).constants()
         graphs = {}
         for spec, path in zip(specs, self.graph_files(specs), strict=True):
             compiled = torch._inductor.aoti_load_package(str(export_dir / path))
