@@ -61,6 +61,10 @@ class NeuronConfig:
     the whole batch.
     mixed_step: MX graphs (one per bucket) run a step's decode rows and a full chunk in one
     call, reading every weight once for both (Sarathi-Serve's piggybacked decodes).
+    kv_cache_blocks / kv_block_size (paged exports): the KV cache is one pool of blocks of P
+    positions that every request draws from; graphs take block tables where slot exports take
+    slots, batch_size keeps counting the decode rows of TG graphs, and there is no copy graph
+    (prefix caching shares blocks instead).
     """
 
     # Export options, in --help order.
@@ -135,6 +139,20 @@ class NeuronConfig:
         help="With --prefill-chunk-size: add an MX graph per context bucket that runs a step's decodes "
         "and a full prefill chunk in one call, reading every weight once for both (default: off; "
         "decodes and chunks run in their own TG and CP calls).",
+    )
+    kv_cache_blocks: int = option(
+        "--kv-cache-blocks",
+        "--kv_cache_blocks",
+        default=0,
+        help="With --prefill-chunk-size and --kv-block-size: a pool of N KV blocks shared by all "
+        "requests (paged KV; vLLM allocates them); 0 (default): one slot of sequence_length per "
+        "batch row.",
+    )
+    kv_block_size: int = option(
+        "--kv-block-size",
+        "--kv_block_size",
+        default=0,
+        help="Positions per KV block of --kv-cache-blocks; divides every context bucket.",
     )
     # Recorded by the export.
     cpu_isa: str = ""  # cpu backend: the vector ISA of the host that compiled (AVX2, AVX512, ...)
@@ -221,10 +239,38 @@ class NeuronConfig:
                 f"context bucket {self.context_buckets[0]} is smaller than the chunk size "
                 f"{self.prefill_chunk_size}: every bucket must hold at least one chunk."
             )
+        self._validate_paged()
+
+    def _validate_paged(self) -> None:
+        blocks, size = self.kv_cache_blocks, self.kv_block_size
+        if blocks < 0 or size < 0 or (blocks > 0) != (size > 0):
+            raise NeuronConfigError(
+                f"--kv-cache-blocks ({blocks}) and --kv-block-size ({size}) go together: pass both "
+                "(a pool of N blocks of P positions), or neither (one slot per batch row)."
+            )
+        if self.paged and not self.chunked:
+            raise NeuronConfigError(
+                "--kv-cache-blocks pages the KV cache of chunked exports only: pass --prefill-chunk-size too."
+            )
+        if self.paged and any(bucket % size for bucket in self.context_buckets):
+            raise NeuronConfigError(
+                f"--kv-block-size {size} must divide every context bucket {list(self.context_buckets)} "
+                f"and --sequence_length {self.sequence_length}: pick a divisor of them."
+            )
 
     @property
     def chunked(self) -> bool:
         return self.prefill_chunk_size > 0
+
+    @property
+    def paged(self) -> bool:
+        """The KV cache is a pool of blocks shared by all requests (graphs take block tables)."""
+        return self.kv_cache_blocks > 0
+
+    @property
+    def blocks_per_sequence(self) -> int:
+        """Blocks that hold a whole sequence (paged exports)."""
+        return self.sequence_length // self.kv_block_size if self.paged else 0
 
     @property
     def prefill_width(self) -> int | None:

@@ -68,8 +68,10 @@ def _generate_tokens(model, prompts, max_new_tokens, row_params, eos_ids, genera
         return tokens
     params = torch.tensor([row_params] * n)
     max_topk = model.neuron_config.max_topk
-    seq_ids = [model.slots.acquire() for _ in range(n)]
+    seq_ids = []  # slots, or block ids of paged exports
     try:
+        for prompt in prompts:
+            seq_ids.append(model.acquire_kv(len(prompt) + max_new_tokens))
         for i, prompt in enumerate(prompts):
             logits = model.prefill(prompt, seq_ids[i])
             tokens[i].append(int(sample(logits[None], params[i : i + 1], _rand(1, generator), max_topk)[0]))
@@ -77,7 +79,7 @@ def _generate_tokens(model, prompts, max_new_tokens, row_params, eos_ids, genera
         while live:
             ids = torch.tensor([tokens[i][-1] for i in live])
             positions = torch.tensor([len(prompts[i]) + len(tokens[i]) - 1 for i in live])
-            slots = torch.tensor([seq_ids[i] for i in live])
+            slots = model.kv_rows([seq_ids[i] for i in live])
             sampled, _ = model.decode(
                 ids, positions, slots, params[live], _rand(len(live), generator), need_logits=False
             )
@@ -86,7 +88,7 @@ def _generate_tokens(model, prompts, max_new_tokens, row_params, eos_ids, genera
             live = [i for i in live if not _finished(tokens[i], eos_ids, max_new_tokens)]
     finally:
         for seq_id in seq_ids:
-            model.slots.release(seq_id)
+            model.release_kv(seq_id)
     return tokens
 
 

@@ -1,15 +1,22 @@
 """The runtime side of the graph set: real inputs padded to the graphs' static shapes by the
-one padding rule, in the bucket and width that hold them (graphs.py describes the set)."""
+one padding rule, in the bucket and width that hold them (graphs.py describes the set).
+
+A request's KV is its slot (an int) or, in a paged export, its block ids (a list, tuple or 1-D
+tensor, at least one block per P positions it writes; longer is fine); several requests' KV
+is a tensor of slots [N] or of block tables [N, M] right-padded with the null block 0. Each
+graph gets the tables cut or padded (with 0) to its bucket's W // P columns."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
 from .config import NeuronConfig
 from .graphs import COPY, INDEX_DTYPE, ce_spec, cp_spec, mx_spec, tg_spec
 from .modeling.sampler import sample
+
+SlotOrBlocks = int | Sequence[int] | torch.Tensor
 
 
 def pad_repeat_last(x: torch.Tensor, length: int, dim: int) -> torch.Tensor:
@@ -28,12 +35,12 @@ def pad_repeat_last(x: torch.Tensor, length: int, dim: int) -> torch.Tensor:
     return torch.cat([x, last.expand(*[missing if d == dim else -1 for d in range(x.dim())])], dim=dim)
 
 
-def _chunk_inputs(token_ids: torch.Tensor, start: int, seq_id: int, width: int) -> list[torch.Tensor]:
+def _chunk_inputs(token_ids: torch.Tensor, start: int, kv: torch.Tensor, width: int) -> list[torch.Tensor]:
     """A prefill chunk's graph inputs: tokens [1, width] at positions start.. [1, width] of
-    slot [1], padded by the one rule, integers INDEX_DTYPE."""
+    `kv` (slot [1] or block table [1, W // P]), padded by the one rule, integers INDEX_DTYPE."""
     positions = torch.arange(start, start + token_ids.shape[0], dtype=INDEX_DTYPE)
     ids = pad_repeat_last(token_ids.to(INDEX_DTYPE)[None], width, dim=1)
-    return [ids, pad_repeat_last(positions[None], width, dim=1), torch.tensor([seq_id], dtype=INDEX_DTYPE)]
+    return [ids, pad_repeat_last(positions[None], width, dim=1), kv]
 
 
 class GraphRunner:
@@ -47,8 +54,9 @@ class GraphRunner:
         self.config = config
         self.graphs = graphs
 
-    def prefill(self, token_ids: torch.Tensor, start: int, seq_id: int) -> torch.Tensor:
-        """Tokens [T] at positions start.. of slot seq_id -> logits [V] after the last one.
+    def prefill(self, token_ids: torch.Tensor, start: int, seq_id: SlotOrBlocks) -> torch.Tensor:
+        """Tokens [T] at positions start.. of slot seq_id (or block ids for paged exports) ->
+        logits [V] after the last one.
 
         Chunked exports take T <= prefill_chunk_size; standard ones take a whole prompt.
         """
@@ -56,7 +64,7 @@ class GraphRunner:
         last = logits[0, token_ids.shape[0] - 1] if self.config.prompt_logprobs else logits[0]
         return last.clone()
 
-    def prefill_positions(self, token_ids: torch.Tensor, start: int, seq_id: int) -> torch.Tensor:
+    def prefill_positions(self, token_ids: torch.Tensor, start: int, seq_id: SlotOrBlocks) -> torch.Tensor:
         """Like `prefill`, but the logits after every token: [T, V] (exports with prompt_logprobs)."""
         if not self.config.prompt_logprobs:
             raise ValueError(
@@ -64,7 +72,7 @@ class GraphRunner:
             )
         return self._prefill(token_ids, start, seq_id)[0, : token_ids.shape[0]].clone()
 
-    def _prefill(self, token_ids: torch.Tensor, start: int, seq_id: int) -> torch.Tensor:
+    def _prefill(self, token_ids: torch.Tensor, start: int, seq_id: SlotOrBlocks) -> torch.Tensor:
         t = token_ids.shape[0]
         end = start + t
         window = self.config.bucket_for(end)
@@ -77,14 +85,17 @@ class GraphRunner:
             spec = cp_spec(self.config, self.config.width_for(t), window)
         else:
             spec = ce_spec(window)
+        kv = self._request_kv(seq_id, window, end)
         # callers clone what they keep
-        return self.graphs[spec.name](*_chunk_inputs(token_ids, start, seq_id, spec.width))
+        return self.graphs[spec.name](*_chunk_inputs(token_ids, start, kv, spec.width))
 
     def copy_prefix(self, src_slot: int, dst_slot: int, length: int) -> int:
         """Copy positions [0, length) of every layer's K/V from one slot to another, in calls of
         the copy graph's width (the last padded by the one rule). Returns the calls made."""
-        if not self.config.chunked:
-            raise ValueError("only chunked exports have the copy graph")
+        if not self.config.chunked or self.config.paged:
+            raise ValueError(
+                "only chunked slot exports have the copy graph (paged exports share blocks instead)"
+            )
         if src_slot == dst_slot or length <= 0:
             return 0
         if length > self.config.sequence_length:
@@ -102,21 +113,22 @@ class GraphRunner:
         self,
         token_ids: torch.Tensor,  # [N]
         positions: torch.Tensor,  # [N]
-        seq_ids: torch.Tensor,  # [N]
+        seq_ids: torch.Tensor,  # [N] slots, or block tables [N, M] for paged exports
         params: torch.Tensor,  # [N, 3]
         rand: torch.Tensor,  # [N]
         need_logits: bool = True,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """One TG step for N <= batch_size slots -> (tokens [N], logits [N, V] or None), in the
-        narrowest TG graph that holds N rows.
+        """One TG step for N <= batch_size slots (paged: requests) -> (tokens [N], logits [N, V]
+        or None), in the narrowest TG graph that holds N rows.
 
         Logits are fetched from the graph's outputs only if `need_logits` (or if the export
         samples on the host, where the tokens come from them)."""
-        n = self._check_decode_rows(seq_ids)
+        n = len(self._decode_writes(seq_ids, positions))
         spec = tg_spec(
             self.config, self.config.decode_width_for(n), self.config.bucket_for(int(positions.max()) + 1)
         )
-        rows, sampling, order = self._decode_inputs(spec.batch, token_ids, positions, seq_ids, params, rand)
+        kv = self._fit_tables(seq_ids, spec.window) if self.config.paged else seq_ids
+        rows, sampling, order = self._decode_inputs(spec.batch, token_ids, positions, kv, params, rand)
         outputs = self.graphs[spec.name](*rows, *sampling)
         if not self.config.on_device_sampling:
             outputs = (outputs,)
@@ -126,40 +138,99 @@ class GraphRunner:
         self,
         token_ids: torch.Tensor,  # [N]
         positions: torch.Tensor,  # [N]
-        seq_ids: torch.Tensor,  # [N]
+        seq_ids: torch.Tensor,  # [N] slots, or block tables [N, M] for paged exports
         params: torch.Tensor,  # [N, 3]
         rand: torch.Tensor,  # [N]
         chunk_ids: torch.Tensor,  # [C]: a full chunk
         chunk_start: int,
-        chunk_seq_id: int,
+        chunk_seq_id: SlotOrBlocks,  # slot, or block ids for paged exports
         need_logits: bool = True,
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
         """A decode step and a full prefill chunk of another slot in one MX call (mixed_step
         exports) -> (tokens [N], decode logits [N, V] or None, the chunk's last logits [V])."""
-        self._check_decode_rows(seq_ids)
+        decode_writes = self._decode_writes(seq_ids, positions)
         c = self.config.prefill_chunk_size
-        if not self.config.mixed_step or chunk_ids.shape[0] != c or chunk_seq_id in seq_ids.tolist():
+        end = chunk_start + c
+        chunk_writes = self._chunk_writes(chunk_seq_id, chunk_start, end) if self.config.mixed_step else []
+        if not self.config.mixed_step or chunk_ids.shape[0] != c or set(chunk_writes) & set(decode_writes):
             raise ValueError(
                 f"a mixed step takes decode rows and a full chunk of {c} tokens of another slot "
                 f"(mixed_step exports): got {chunk_ids.shape[0]} tokens in slot {chunk_seq_id}, "
                 f"decoding slots {seq_ids.tolist()}, mixed_step={self.config.mixed_step}"
             )
-        spec = mx_spec(self.config, self.config.bucket_for(max(int(positions.max()) + 1, chunk_start + c)))
-        rows, sampling, order = self._decode_inputs(spec.batch, token_ids, positions, seq_ids, params, rand)
-        chunk = _chunk_inputs(chunk_ids, chunk_start, chunk_seq_id, c)
+        spec = mx_spec(self.config, self.config.bucket_for(max(int(positions.max()) + 1, end)))
+        kv = self._fit_tables(seq_ids, spec.window) if self.config.paged else seq_ids
+        rows, sampling, order = self._decode_inputs(spec.batch, token_ids, positions, kv, params, rand)
+        chunk = _chunk_inputs(chunk_ids, chunk_start, self._request_kv(chunk_seq_id, spec.window, end), c)
         outputs = self.graphs[spec.name](*rows, *chunk, *sampling)
         tokens, logits = self._decode_outputs(outputs[:-1], order, params, rand, need_logits)
         return tokens, logits, outputs[-1].cpu()[0].clone()
 
-    def _check_decode_rows(self, seq_ids: torch.Tensor) -> int:
-        """-> the number of rows, 1 to batch_size, each of its own slot."""
+    def _decode_writes(self, seq_ids: torch.Tensor, positions: torch.Tensor) -> list[int]:
+        """Checked decode rows (1 to batch_size, each writing its own slot or block) -> what each
+        row writes: its slot, or (paged) the block of its position."""
         n, batch = seq_ids.shape[0], self.config.batch_size
         if not 0 < n <= batch:
             raise ValueError(f"a decode step takes 1 to {batch} rows, got {n}")
-        if len(set(seq_ids.tolist())) != n:
+        if seq_ids.dim() != (2 if self.config.paged else 1):
+            raise ValueError(
+                f"decode rows take slots [N] (paged exports: block tables [N, M]), got {tuple(seq_ids.shape)}"
+            )
+        writes = seq_ids.tolist()
+        if self.config.paged:
+            self._check_tables(seq_ids, positions)
+            column = torch.div(positions.long(), self.config.kv_block_size, rounding_mode="floor")
+            writes = seq_ids.long().gather(1, column[:, None])[:, 0].tolist()
+        if len(set(writes)) != n:
             # two rows of one slot would write the same cache row; one would get the other's result
-            raise ValueError(f"a decode step takes distinct slots, got {seq_ids.tolist()}")
-        return n
+            raise ValueError(
+                f"a decode step takes distinct slots (paged: rows writing distinct blocks), got {seq_ids.tolist()}"
+            )
+        return writes
+
+    def _request_kv(self, seq_id: SlotOrBlocks, window: int, end: int) -> torch.Tensor:
+        """One request's KV input to a graph of bucket `window` writing positions below `end`:
+        its slot [1], or (paged) its block table [1, window // P]."""
+        if not self.config.paged:
+            if isinstance(seq_id, list | tuple):
+                raise ValueError(f"a slot export takes a request's slot, not block ids ({seq_id})")
+            return torch.tensor([seq_id], dtype=INDEX_DTYPE)
+        table = self._block_ids(seq_id)[None]
+        self._check_tables(table, torch.tensor([end - 1]))
+        return self._fit_tables(table, window)
+
+    def _chunk_writes(self, seq_id: SlotOrBlocks, start: int, end: int) -> list[int]:
+        """What a chunk at positions start..end-1 writes: its slot, or (paged) its blocks."""
+        if not self.config.paged:
+            return [seq_id]
+        size = self.config.kv_block_size
+        return self._block_ids(seq_id)[start // size : (end - 1) // size + 1].tolist()
+
+    def _block_ids(self, seq_id: SlotOrBlocks) -> torch.Tensor:
+        if isinstance(seq_id, int):
+            raise ValueError(f"a paged export takes a request's block ids, not a slot ({seq_id})")
+        return torch.as_tensor(seq_id).long().reshape(-1)
+
+    def _check_tables(self, tables: torch.Tensor, last_positions: torch.Tensor) -> None:
+        """Each row [N, M] holds pool blocks (1..kv_cache_blocks, then 0 padding) for every
+        position up to its last: block 0 is never written (modeling/attention.py)."""
+        size, pool = self.config.kv_block_size, self.config.kv_cache_blocks
+        if tables.dim() != 2 or tables.shape[0] != last_positions.shape[0]:
+            raise ValueError(f"block tables are [rows, blocks], got {tuple(tables.shape)}")
+        needed = torch.div(last_positions.long(), size, rounding_mode="floor") + 1
+        in_use = torch.arange(tables.shape[1]) < needed[:, None]
+        out_of_pool = bool(((tables < 0) | (tables > pool)).any())
+        if int(needed.max()) > tables.shape[1] or out_of_pool or bool(((tables == 0) & in_use).any()):
+            raise ValueError(
+                f"block tables {tables.tolist()} must hold pool blocks 1..{pool} for positions up to "
+                f"{last_positions.tolist()} ({size} positions a block), padded with 0"
+            )
+
+    def _fit_tables(self, tables: torch.Tensor, window: int) -> torch.Tensor:
+        """Block tables [N, M] cut or right-padded with block 0 to window // P columns."""
+        columns = window // self.config.kv_block_size
+        tables = tables.to(INDEX_DTYPE)[:, :columns]
+        return torch.nn.functional.pad(tables, (0, columns - tables.shape[1])).contiguous()
 
     def _decode_inputs(self, rows: int, token_ids, positions, seq_ids, params, rand) -> tuple:
         """Decode rows as a graph of `rows` rows takes them -> (token inputs, sampling inputs,

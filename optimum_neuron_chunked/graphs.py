@@ -11,6 +11,9 @@
   copy     [1, C]  copies C positions' K/V from one slot to another, every layer (chunked
                    exports: prefix caching puts a cached prefix into a new request's slot)
 
+Paged exports (`kv_cache_blocks`) have the same graphs but copy: where a graph takes slots
+[N], it takes block tables [N, W // P] (row r's position p in block table[r, p // P]).
+
 Prefill graphs return the logits of the last real token (host sampling), or of every
 position when the export serves prompt logprobs (`prompt_logprobs`); TG graphs sample
 on device and also return their logits, so a batch with a request that needs more than
@@ -99,7 +102,7 @@ def graph_specs(config: NeuronConfig) -> list[GraphSpec]:
         specs += [tg_spec(config, rows, window) for rows in config.decode_widths]
         if config.mixed_step:
             specs.append(mx_spec(config, window))
-    if config.chunked:
+    if config.chunked and not config.paged:  # paged: prefix caching shares blocks, copies nothing
         specs.append(GraphSpec(GraphKind.COPY, 1, config.prefill_chunk_size, 0))
     return specs
 
@@ -201,16 +204,29 @@ def example_inputs(spec: GraphSpec, config: NeuronConfig) -> tuple[torch.Tensor,
     """Inputs of the static shapes a graph is traced and compiled with."""
     if spec.kind == GraphKind.COPY:
         return torch.arange(spec.width, dtype=INDEX_DTYPE)[None], torch.arange(2, dtype=INDEX_DTYPE)
+
+    def rows(n: int, width: int) -> tuple[torch.Tensor, ...]:
+        if config.paged:
+            return _token_inputs(n, width, example_block_tables(config, n, spec.window))
+        return _token_inputs(n, width, torch.arange(n, dtype=INDEX_DTYPE))
+
     if spec.kind == GraphKind.MX:  # decode rows in slots 0..B-1, the chunk in slot 0 (shapes only)
-        inputs = _token_inputs(spec.batch, 1) + _token_inputs(1, spec.width)
+        inputs = rows(spec.batch, 1) + rows(1, spec.width)
     else:
-        inputs = _token_inputs(spec.batch, spec.width)
+        inputs = rows(spec.batch, spec.width)
     if spec.kind in (GraphKind.TG, GraphKind.MX) and config.on_device_sampling:
         inputs += (torch.zeros(spec.batch, 3), torch.zeros(spec.batch))
     return inputs
 
 
-def _token_inputs(rows: int, width: int) -> tuple[torch.Tensor, ...]:
-    """(token ids, positions [rows, width], slots [rows])"""
+def example_block_tables(config: NeuronConfig, rows: int, window: int) -> torch.Tensor:
+    """[rows, window // P] block tables of distinct pool blocks (shapes only), never block 0."""
+    columns = window // config.kv_block_size
+    blocks = torch.arange(rows * columns, dtype=INDEX_DTYPE) % config.kv_cache_blocks + 1
+    return blocks.view(rows, columns)
+
+
+def _token_inputs(rows: int, width: int, kv: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """(token ids, positions [rows, width], kv: slots [rows] or block tables [rows, W // P])"""
     positions = torch.arange(width, dtype=INDEX_DTYPE)[None].expand(rows, -1).contiguous()
-    return torch.zeros(rows, width, dtype=INDEX_DTYPE), positions, torch.arange(rows, dtype=INDEX_DTYPE)
+    return torch.zeros(rows, width, dtype=INDEX_DTYPE), positions, kv

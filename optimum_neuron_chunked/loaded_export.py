@@ -23,12 +23,27 @@ from .version import __version__
 @dataclass(frozen=True)
 class KVLayout:
     """One slot of the static KV cache (`[kv_heads, length, head_dim]` per layer, K and V), with
-    the checkpoint's KV heads: tensor parallelism may replicate them on the device."""
+    the checkpoint's KV heads: tensor parallelism may replicate them on the device.
+
+    Paged exports: a pool of `num_blocks` blocks of `block_size` positions (vLLM's
+    num_gpu_blocks: block 0 is its null block, so kv_cache_blocks + 1); block ids index the
+    pool directly. Slot exports: block_size and num_blocks 0."""
 
     num_kv_heads: int  # per layer
     head_dim: int
     dtype: torch.dtype
     cache_lengths: tuple[int, ...]  # per layer: the positions a slot keeps (modeling/attention.py)
+    block_size: int = 0
+    num_blocks: int = 0
+
+    @property
+    def paged(self) -> bool:
+        return self.num_blocks > 0
+
+    @property
+    def bytes_per_block(self) -> int:
+        """K and V of one block, every layer (0 for slot exports)."""
+        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * self.dtype.itemsize
 
     @property
     def num_layers(self) -> int:
@@ -54,8 +69,13 @@ class ExportCapabilities:
     def of(cls, config: NeuronConfig, hf_config: PretrainedConfig) -> ExportCapabilities:
         spec = family_spec(hf_config)
         # the decoder's own rule (DecoderModel.cache_lengths), so the two cannot disagree
-        lengths = cache_lengths(spec.sliding_windows, config.sequence_length, config.prefill_width)
-        kv = KVLayout(spec.num_kv_heads, spec.head_dim, torch_dtype(config), lengths)
+        lengths = cache_lengths(
+            spec.sliding_windows, config.sequence_length, config.prefill_width, config.paged
+        )
+        blocks = config.kv_cache_blocks + 1 if config.paged else 0
+        kv = KVLayout(
+            spec.num_kv_heads, spec.head_dim, torch_dtype(config), lengths, config.kv_block_size, blocks
+        )
         return cls(
             config.sequence_length, kv, config.prompt_logprobs, config.on_device_sampling, config.max_topk
         )
@@ -63,8 +83,25 @@ class ExportCapabilities:
     @property
     def ring_layers(self) -> tuple[int, ...]:
         """Layers whose cache is a ring of the last positions (sliding-window layers of chunked
-        exports): there, a finished request's slot no longer holds its whole prompt."""
+        slot exports): there, a finished request's slot no longer holds its whole prompt."""
         return tuple(i for i, n in enumerate(self.kv.cache_lengths) if n < self.sequence_length)
+
+    # Paged exports (KVLayout): what vLLM's KV spec and block pool are built from.
+    @property
+    def paged(self) -> bool:
+        return self.kv.paged
+
+    @property
+    def block_size(self) -> int:
+        return self.kv.block_size
+
+    @property
+    def num_blocks(self) -> int:
+        return self.kv.num_blocks
+
+    @property
+    def bytes_per_block(self) -> int:
+        return self.kv.bytes_per_block
 
 
 @dataclass(frozen=True)

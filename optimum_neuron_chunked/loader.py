@@ -8,11 +8,11 @@ import torch
 from transformers import GenerationConfig, PretrainedConfig
 
 from .config import InvalidExportError, NeuronConfig, NeuronConfigError
-from .graph_runner import GraphRunner
+from .graph_runner import GraphRunner, SlotOrBlocks
 from .hub import resolve_export
 from .loaded_export import ExportCapabilities, LoadedExport, check_export
 from .modeling.sampler import sampling_params
-from .slots import SlotPool
+from .slots import BlockPool, SlotPool
 
 __all__ = [
     "ExportCapabilities",
@@ -27,14 +27,18 @@ __all__ = [
 class NeuronModelForCausalLM:
     """Compiled graphs + weights + KV cache + slots of one export.
 
-    Low-level calls address KV-cache slots (`seq_id`) explicitly; `generate` acquires and
-    releases slots itself. `sampling_params` builds the rows of `decode`'s `params`.
+    Low-level calls address KV-cache slots (`seq_id`) explicitly, or for paged exports a
+    request's block ids (`seq_ids`: block tables [N, M], graph_runner.py); `generate`
+    acquires and releases them itself (`acquire_kv`). `sampling_params` builds the rows of
+    `decode`'s `params`.
     """
 
     def __init__(self, export: LoadedExport, generation_config: GenerationConfig):
         self.export = export
         self.generation_config = generation_config
-        self.slots = SlotPool(export.config.batch_size)
+        config = export.config
+        self.slots = None if config.paged else SlotPool(config.batch_size)
+        self.blocks = BlockPool(config.kv_cache_blocks, config.kv_block_size) if config.paged else None
 
     @classmethod
     def from_pretrained(
@@ -73,8 +77,9 @@ class NeuronModelForCausalLM:
 
     # -- graph calls -------------------------------------------------------------------------
 
-    def prefill_chunk(self, input_ids: torch.Tensor, start: int, seq_id: int) -> torch.Tensor:
-        """One chunk (1 to prefill_chunk_size tokens) at positions start.. -> logits [V] after it."""
+    def prefill_chunk(self, input_ids: torch.Tensor, start: int, seq_id: SlotOrBlocks) -> torch.Tensor:
+        """One chunk (1 to prefill_chunk_size tokens) at positions start.. of slot seq_id (or
+        block ids for paged exports) -> logits [V] after it."""
         if not self.neuron_config.chunked:
             raise NeuronConfigError("this is a standard export (no CP graph): use context_encode().")
         return self.runner.prefill(input_ids, start, seq_id)
@@ -87,19 +92,20 @@ class NeuronModelForCausalLM:
             )
         return self.runner.prefill(input_ids, 0, seq_id)
 
-    def prefill_at(self, input_ids: torch.Tensor, start: int, seq_id: int) -> torch.Tensor:
-        """Tokens at positions start.. of slot seq_id in one call of the export's prefill graph
+    def prefill_at(self, input_ids: torch.Tensor, start: int, seq_id: SlotOrBlocks) -> torch.Tensor:
+        """Tokens at positions start.. of slot seq_id (or block ids for paged exports) in one call of the export's prefill graph
         (a chunk of at most prefill_chunk_size tokens, or a standard export's prompt) -> logits
         [V] after the last one."""
         return self.runner.prefill(input_ids, start, seq_id)
 
-    def prefill_positions(self, input_ids: torch.Tensor, start: int, seq_id: int) -> torch.Tensor:
+    def prefill_positions(self, input_ids: torch.Tensor, start: int, seq_id: SlotOrBlocks) -> torch.Tensor:
         """Like `prefill_at`, but the logits after every token: [T, V] (exports with
         --prompt-logprobs)."""
         return self.runner.prefill_positions(input_ids, start, seq_id)
 
-    def prefill(self, input_ids: torch.Tensor, seq_id: int) -> torch.Tensor:
-        """A whole prompt, chunk by chunk or through CE, whichever the export has -> logits [V]."""
+    def prefill(self, input_ids: torch.Tensor, seq_id: SlotOrBlocks) -> torch.Tensor:
+        """A whole prompt into slot seq_id (or block ids for paged exports), chunk by chunk or
+        through CE, whichever the export has -> logits [V]."""
         n = input_ids.shape[0]
         if not 0 < n <= self.neuron_config.sequence_length:
             raise ValueError(
@@ -121,8 +127,9 @@ class NeuronModelForCausalLM:
         rand: torch.Tensor | None = None,
         need_logits: bool = True,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """One token for each of N slots -> (sampled tokens [N], logits [N, V] or None if not
-        `need_logits`); greedy by default."""
+        """One token for each of N slots `seq_ids` [N] (paged exports: block tables [N, M], right-
+        padded with 0) -> (sampled tokens [N], logits [N, V] or None if not `need_logits`);
+        greedy by default."""
         n = input_ids.shape[0]
         if params is None:
             params = torch.tensor([sampling_params(temperature=0.0)] * n)
@@ -139,19 +146,39 @@ class NeuronModelForCausalLM:
         rand: torch.Tensor,
         chunk_ids: torch.Tensor,
         chunk_start: int,
-        chunk_seq_id: int,
+        chunk_seq_id: SlotOrBlocks,
         need_logits: bool = True,
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-        """A decode step and a full prefill chunk of another slot in one call (--mixed-step
-        exports) -> (tokens [N], decode logits [N, V] or None, the chunk's last logits [V])."""
+        """A decode step and a full prefill chunk of another slot (or block ids for paged
+        exports) in one call (--mixed-step exports) -> (tokens [N], decode logits [N, V] or
+        None, the chunk's last logits [V])."""
         return self.runner.decode_with_chunk(
             input_ids, positions, seq_ids, params, rand, chunk_ids, chunk_start, chunk_seq_id, need_logits
         )
 
     def copy_prefix(self, src_seq_id: int, dst_seq_id: int, length: int) -> int:
-        """Copy the K/V of positions [0, length) from one slot to another (chunked exports) ->
-        the copy-graph calls made."""
+        """Copy the K/V of positions [0, length) from one slot to another (chunked slot
+        exports; paged ones share blocks) -> the copy-graph calls made."""
         return self.runner.copy_prefix(src_seq_id, dst_seq_id, length)
+
+    # -- KV for requests the host runs itself (generate) --------------------------------------
+
+    def acquire_kv(self, positions: int) -> int | tuple[int, ...]:
+        """KV for a request of up to `positions` positions: a free slot, or (paged) free blocks."""
+        return self.blocks.acquire(positions) if self.blocks is not None else self.slots.acquire()
+
+    def release_kv(self, kv: int | tuple[int, ...]) -> None:
+        if self.blocks is not None:
+            self.blocks.release(kv)
+        else:
+            self.slots.release(kv)
+
+    def kv_rows(self, kvs: list) -> torch.Tensor:
+        """Requests' KV as decode rows: slots [N], or block tables [N, M] padded with block 0."""
+        if self.blocks is None:
+            return torch.tensor(kvs)
+        width = max(len(blocks) for blocks in kvs)
+        return torch.tensor([list(blocks) + [0] * (width - len(blocks)) for blocks in kvs])
 
     def generate(
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, **kwargs

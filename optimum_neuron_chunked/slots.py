@@ -1,4 +1,5 @@
-"""KV-cache slots: each live request owns one row of the static cache."""
+"""KV-cache slots (each live request owns one row of the static cache) and, for paged
+exports, blocks of the shared pool."""
 
 from __future__ import annotations
 
@@ -26,3 +27,32 @@ class SlotPool:
             raise ValueError(f"slot {slot} is not in use")
         self._free.append(slot)
         self._free.sort()
+
+
+class BlockPool:
+    """A paged export's KV blocks, for requests the host runs itself (generate()): ids 1 to
+    num_blocks; block 0 is the null block that pads block tables and is never handed out, as
+    in vLLM's BlockPool (modeling/attention.py)."""
+
+    def __init__(self, num_blocks: int, block_size: int):
+        self._free = list(range(1, num_blocks + 1))
+        self.num_blocks, self.block_size = num_blocks, block_size
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def acquire(self, positions: int) -> tuple[int, ...]:
+        """Blocks for `positions` positions (one per block_size, rounded up)."""
+        n = -(-positions // self.block_size)
+        if n > len(self._free):
+            raise NoFreeSlotError(
+                f"{n} KV blocks wanted, {len(self._free)} of {self.num_blocks} free (--kv-cache-blocks)"
+            )
+        blocks, self._free = tuple(self._free[:n]), self._free[n:]
+        return blocks
+
+    def release(self, blocks: tuple[int, ...]) -> None:
+        if any(not 0 < b <= self.num_blocks or b in self._free for b in blocks):
+            raise ValueError(f"blocks {list(blocks)} are not all in use")
+        self._free = sorted(self._free + list(blocks))

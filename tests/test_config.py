@@ -204,3 +204,27 @@ def test_quantized_checkpoints_are_dequantized_or_refused():
     assert mxfp4["quantization_config"].dequantize
     with pytest.raises(ExportError, match=r"quantized \(gptq\).*export the unquantized checkpoint"):
         quantization_kwargs(LlamaConfig(quantization_config={"quant_method": "gptq", "bits": 4}))
+
+
+def test_paged_kv_options():
+    """--kv-cache-blocks / --kv-block-size: errors name the flags; paged exports have no copy graph."""
+    shapes = dict(batch_size=2, sequence_length=64, prefill_chunk_size=16, context_buckets=(32, 64))
+    for fields, message in [
+        (dict(kv_cache_blocks=8), "--kv-cache-blocks .* and --kv-block-size .* go together"),
+        (dict(kv_block_size=8), "--kv-cache-blocks .* and --kv-block-size .* go together"),
+        (dict(kv_cache_blocks=8, kv_block_size=8, prefill_chunk_size=0), "pass --prefill-chunk-size"),
+        (dict(kv_cache_blocks=8, kv_block_size=12), "--kv-block-size 12 must divide every context bucket"),
+    ]:
+        with pytest.raises(NeuronConfigError, match=message):
+            NeuronConfig(**(shapes | fields))
+    paged = NeuronConfig(**shapes, kv_cache_blocks=8, kv_block_size=8, mixed_step=True)
+    assert paged.paged and paged.blocks_per_sequence == 8
+    assert [s.name for s in graph_specs(paged)] == [
+        "cp_w32",
+        "tg_w32",
+        "mx_w32",
+        "cp_w64",
+        "tg_w64",
+        "mx_w64",
+    ]
+    assert NeuronConfig.from_dict(paged.to_dict()) == paged

@@ -27,6 +27,15 @@ def configs() -> list[NeuronConfig]:
         NeuronConfig(
             batch_size=2, sequence_length=64, prefill_chunk_size=16, context_buckets=(32, 64), mixed_step=True
         ),
+        NeuronConfig(
+            batch_size=2,
+            sequence_length=64,
+            prefill_chunk_size=16,
+            context_buckets=(32, 64),
+            mixed_step=True,
+            kv_cache_blocks=12,
+            kv_block_size=8,
+        ),
     ]
 
 
@@ -37,7 +46,7 @@ def model(config: NeuronConfig, functional_cache: bool):
     return m.eval()
 
 
-@pytest.mark.parametrize("config", configs(), ids=["chunked", "standard", "mixed"])
+@pytest.mark.parametrize("config", configs(), ids=["chunked", "standard", "mixed", "paged"])
 @pytest.mark.parametrize("functional_cache", [False, True], ids=["in-place", "functional"])
 def test_every_graph_takes_int32_inputs(config, functional_cache):
     int32_model, int64_model = model(config, functional_cache), model(config, functional_cache)

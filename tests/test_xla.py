@@ -45,6 +45,8 @@ def export_config(
     prefill_widths: tuple[int, ...] = (),
     decode_widths: tuple[int, ...] = (),
     mixed_step: bool = False,
+    kv_cache_blocks: int = 0,
+    kv_block_size: int = 0,
 ) -> NeuronConfig:
     return NeuronConfig(
         batch_size=2,
@@ -53,6 +55,8 @@ def export_config(
         prefill_widths=prefill_widths,
         decode_widths=decode_widths,
         mixed_step=mixed_step,
+        kv_cache_blocks=kv_cache_blocks,
+        kv_block_size=kv_block_size,
         context_buckets=BUCKETS,
         dtype=dtype,
         max_topk=MAX_TOPK,
@@ -207,6 +211,31 @@ def test_mixed_graphs_on_xla_equal_eager(family):
         report = pair.xla.hlo[name]
         assert report.forbidden == [] and report.dynamic_shapes == [], name
         HLO_CENSUS[f"{family} mixed {name}"] = report
+
+
+def test_paged_graphs_on_xla_equal_eager():
+    """--kv-cache-blocks: three requests in shuffled blocks of 16 through CP, TG (a padded row)
+    and MX in both buckets; the pools stay equal and every graph lowers to static HLO."""
+    pair = Pair("llama", export_config(chunked=True, mixed_step=True, kv_cache_blocks=20, kv_block_size=16))
+    reset_counters()
+    blocks = ([9, 3, 14, 1, 12, 6, 17, 20], [5, 11, 2], [4, 13, 8, 10, 19])
+    a, b, c = tokens(3 * CHUNK - 10, seed=11), tokens(CHUNK - 12, seed=12), tokens(2 * CHUNK, seed=13)
+    pair.prefill(a[:CHUNK], 0, blocks[0])  # bucket 64
+    pair.prefill(b, 0, blocks[1])
+    pair.prefill(a[CHUNK : 2 * CHUNK], CHUNK, blocks[0])
+    pair.prefill(a[2 * CHUNK :], 2 * CHUNK, blocks[0])  # crosses into bucket 128
+    tables = torch.tensor([blocks[0], blocks[1] + [0] * 5])
+    pair.decode(torch.tensor([7, 9]), torch.tensor([len(a), len(b)]), tables, SAMPLING, RAND)
+    pair.decode(
+        torch.tensor([11]), torch.tensor([len(b) + 1]), torch.tensor([blocks[1]]), SAMPLING[1:], RAND[1:]
+    )
+    row = (torch.tensor([5]), torch.tensor([len(b) + 2]), torch.tensor([blocks[1]]), SAMPLING[1:], RAND[1:])
+    pair.decode_with_chunk(*row, c[:CHUNK], 0, blocks[2])  # mx_w64
+    row = (torch.tensor([6]), torch.tensor([len(a) + 1]), torch.tensor([blocks[0]]), SAMPLING[:1], RAND[:1])
+    pair.decode_with_chunk(*row, c[CHUNK:], CHUNK, blocks[2])  # mx_w128: a's row is past 64
+    pair.assert_caches_equal()
+    assert fallback_ops() == []
+    check_hlo(pair, "llama", "paged")
 
 
 @pytest.mark.parametrize("chunked", [True, False], ids=["chunked", "standard"])

@@ -34,6 +34,7 @@ class Engine:
         self.worker.initialize_from_config(kv)
         config.cache_config.num_gpu_blocks = num_blocks
         self.scheduler = Scheduler(config, kv, StructuredOutputManager(config), block_size=spec.block_size)
+        self.block_hasher = block_hasher(config, spec.block_size)
         self.tokens: dict[str, list[int]] = {}
 
     def add(
@@ -53,7 +54,10 @@ class Engine:
 
         # vLLM 0.16.0's Request takes the eos token id (vllm/v1/request.py); 0.32 reads it from params
         eos = {"eos_token_id": None} if "eos_token_id" in inspect.signature(Request).parameters else {}
-        self.scheduler.add_request(Request(req_id, ids.tolist(), params, None, resumable=resumable, **eos))
+        request = Request(
+            req_id, ids.tolist(), params, None, resumable=resumable, block_hasher=self.block_hasher, **eos
+        )
+        self.scheduler.add_request(request)
         self.tokens.setdefault(req_id, [])
 
     def abort(self, req_id: str) -> None:
@@ -87,3 +91,16 @@ class Engine:
     @property
     def free_slots(self) -> int:
         return self.scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
+
+
+def block_hasher(config, block_size: int):
+    """vLLM's prefix-cache hashes of a request's blocks, built as its engine core builds them
+    (vllm/v1/engine/core.py, 0.16.0 and 0.32): without them vLLM's own prefix cache never hits."""
+    if not config.cache_config.enable_prefix_caching:
+        return None
+    from vllm.utils.hashing import get_hash_fn_by_name
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+
+    hash_fn = get_hash_fn_by_name(config.cache_config.prefix_caching_hash_algo)
+    init_none_hash(hash_fn)
+    return get_request_block_hasher(block_size, hash_fn)

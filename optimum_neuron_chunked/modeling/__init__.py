@@ -30,7 +30,7 @@ def model_from_spec(
     kernels: Kernels | None = None,
     device: str = "cpu",
 ) -> DecoderModel:
-    """The one place an export config shapes a decoder: cache rings, dtype, and how it computes
+    """The one place an export config shapes a decoder: cache rings or blocks, dtype, and how it computes
     (`kernels`: the backend's strategy, Backend.kernels; the reference unless given). `device`
     "meta": the names, shapes and dtypes alone (a streamed export holds no weights it does not
     need)."""
@@ -44,6 +44,8 @@ def model_from_spec(
             functional_cache,
             prefill_width=config.prefill_chunk_size or None,
             kernels=kernels,
+            kv_blocks=config.kv_cache_blocks,
+            kv_block_size=config.kv_block_size,
         )
 
 

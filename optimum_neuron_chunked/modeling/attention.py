@@ -9,6 +9,14 @@ computes the same K/V as that token (same input, same position, same visible key
 duplicate-index scatter writes identical values - a true no-op whatever the write order.
 Keys are masked by absolute position (key_pos <= query_pos), so stale entries a previous
 request left in the slot beyond the live context are never read.
+
+Paged models (block_size set) keep one pool of blocks [blocks + 1, Hkv, P, D] instead of slots:
+a row's position p lives in block table[p // P] at offset p % P, and every read gathers the
+row's blocks into its window. Block 0 is vLLM's null block (BlockPool takes block id 0 off its
+free list as `null_block` and never hands it to a request: vllm/v1/core/block_pool.py, 0.32
+and 0.16.0) and pads block tables; it is never written, since padding repeats real tokens and
+rows, so it holds zeros. Positions it stands for lie past the row's live context: masked, they
+get probability exactly 0, and 0 times its zeros (or any stale finite value) adds nothing.
 """
 
 from __future__ import annotations
@@ -48,10 +56,14 @@ def ring_length(sliding_window: int | None, sequence_length: int, prefill_width:
 
 
 def cache_lengths(
-    sliding_windows: tuple[int | None, ...], sequence_length: int, prefill_width: int | None
+    sliding_windows: tuple[int | None, ...],
+    sequence_length: int,
+    prefill_width: int | None,
+    paged: bool = False,
 ) -> tuple[int, ...]:
-    """Per layer, the cache positions a slot keeps (prefill_width None: no rings)."""
-    width = prefill_width or sequence_length
+    """Per layer, the cache positions a slot (paged: a sequence) keeps; prefill_width None or a
+    paged cache: no rings, blocks are shared and freed by vLLM, which knows no rings."""
+    width = sequence_length if paged else prefill_width or sequence_length
     return tuple(ring_length(w, sequence_length, width) for w in sliding_windows)
 
 
@@ -85,17 +97,45 @@ def write_cache(
     values: torch.Tensor,  # [N, T, Hkv, D]
     functional: bool,
 ) -> torch.Tensor:
-    """cache[seq_ids, :, position_ids] = values. In place for torch backends (the compiled
-    graphs share the cache tensor); as a new tensor for XLA tracing, which turns a buffer
-    reassigned to it into aliased device state and does not support in-place updates."""
+    """cache[seq_ids, :, position_ids] = values (scatter_cache)."""
+    return scatter_cache(cache, seq_ids[:, None], position_ids, values, functional)
+
+
+def scatter_cache(
+    cache: torch.Tensor,  # [B, Hkv, S, D]: slots x positions, or blocks x offsets
+    rows: torch.Tensor,  # [N, 1] or [N, T]: the cache row of each token
+    index: torch.Tensor,  # [N, T]: the position in that row
+    values: torch.Tensor,  # [N, T, Hkv, D]
+    functional: bool,
+) -> torch.Tensor:
+    """cache[rows, :, index] = values. In place for torch backends (the compiled graphs share
+    the cache tensor); as a new tensor for XLA tracing, which turns a buffer reassigned to it
+    into aliased device state and does not support in-place updates."""
     values = values.to(cache.dtype)
     if not functional:
         # Advanced indices on dims 0 and 2 put [N, T] first: values are [N, T, Hkv, D].
-        cache[seq_ids[:, None], :, position_ids] = values
+        cache[rows, :, index] = values
         return cache
     heads = torch.arange(cache.shape[1], device=cache.device)
-    index = (seq_ids[:, None, None], heads[None, :, None], position_ids[:, None, :])  # -> [N, Hkv, T]
-    return torch.index_put(cache, index, values.transpose(1, 2))
+    where = (rows[:, None, :], heads[None, :, None], index[:, None, :])  # -> [N, Hkv, T]
+    return torch.index_put(cache, where, values.transpose(1, 2))
+
+
+def block_positions(
+    block_tables: torch.Tensor, position_ids: torch.Tensor, block_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block tables [N, M] and positions [N, T] -> (block [N, T], offset [N, T]) holding each
+    position in a paged cache."""
+    blocks = torch.gather(block_tables, 1, torch.div(position_ids, block_size, rounding_mode="floor"))
+    return blocks, torch.remainder(position_ids, block_size)
+
+
+def gather_blocks(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
+    """A paged cache [blocks, Hkv, P, D] read through block tables [N, M] -> each row's first
+    M * P positions, [N, Hkv, M * P, D] (a copy)."""
+    n, m = block_tables.shape
+    blocks = cache[block_tables]  # [N, M, Hkv, P, D]
+    return blocks.transpose(1, 2).reshape(n, cache.shape[1], m * cache.shape[2], cache.shape[3])
 
 
 @dataclass(frozen=True)
@@ -103,10 +143,11 @@ class GraphPart:
     """Rows of one graph call that attend alike: a prefill chunk ([1, T]) or decode rows
     ([B, 1], one row per slot). A graph call is one part (CE, CP, TG) or a mixed step's two
     (decode rows, then a chunk): the projections and the MLP run once over every part's
-    tokens, each part attends over its own slots (Attention.forward)."""
+    tokens, each part attends over its own slots (Attention.forward). A paged model's parts
+    carry block tables where slot models carry slots (the model's construction says which)."""
 
     position_ids: torch.Tensor  # [N, T]
-    seq_ids: torch.Tensor  # [N]
+    seq_ids: torch.Tensor  # [N] slots; paged models: [N, W // P] block tables
     read: CacheRead
     one_row_per_slot: bool
     rotaries: tuple  # (cos, sin) of the global rotary, and of the local one or None
@@ -131,12 +172,14 @@ class Attention(nn.Module):
         use_rope: bool = True,
         local_rope: bool = False,
         ring: int | None = None,
+        block_size: int | None = None,
     ):
         super().__init__()
         self.kernels = kernels
         self.functional_cache, self.use_rope = functional_cache, use_rope
         self.local_rope = local_rope  # gemma3's sliding layers: the local rotary (GraphPart.rotaries)
         self.ring = ring  # cache length of a ring layer (see ring_length); None: position-indexed
+        self.block_size = block_size  # positions per block of a paged cache; None: slots
         d, hidden = spec.head_dim, spec.hidden_size
         self.num_heads, self.num_kv_heads, self.head_dim = layout.heads_per_rank, layout.kv_heads_per_rank, d
         self.scale = spec.scale
@@ -198,10 +241,15 @@ class Attention(nn.Module):
         if self.use_rope:
             cos_sin = part.rotaries[1] if self.local_rope else part.rotaries[0]
             q, k = apply_rotary(q, *cos_sin), apply_rotary(k, *cos_sin)
-        position_ids, seq_ids = part.position_ids, part.seq_ids
-        cache_index = position_ids if self.ring is None else torch.remainder(position_ids, self.ring)
-        k_cache = write_cache(k_cache, seq_ids, cache_index, k.transpose(1, 2), self.functional_cache)
-        v_cache = write_cache(v_cache, seq_ids, cache_index, v, self.functional_cache)
+        position_ids, rows = part.position_ids, part.seq_ids[:, None]
+        if self.block_size is not None:
+            rows, index = block_positions(part.seq_ids, position_ids, self.block_size)
+        elif self.ring is not None:
+            index = torch.remainder(position_ids, self.ring)
+        else:
+            index = position_ids
+        k_cache = scatter_cache(k_cache, rows, index, k.transpose(1, 2), self.functional_cache)
+        v_cache = scatter_cache(v_cache, rows, index, v, self.functional_cache)
         return q, k_cache, v_cache
 
     def read_extent(self, read: CacheRead) -> tuple[int, int | torch.SymInt]:
@@ -210,11 +258,16 @@ class Attention(nn.Module):
 
     def reference_attend(self, part: GraphPart, q, k_cache, v_cache) -> torch.Tensor:
         """The reference read (Kernels.attend): decode rows over views of the cache in slot
-        order, a chunk over its row's gathered window; the masked softmax.
+        order, a chunk over its row's gathered window; the masked softmax. A paged model
+        gathers every row's blocks, decode rows too (a pool has no slot order).
 
         `part.one_row_per_slot` is the graph kind's choice (TG: N = batch_size rows), never
         inferred from a shape, so a new graph cannot silently take the other path."""
         _, live = self.read_extent(part.read)
+        if self.block_size is not None:
+            keys, values = gather_blocks(k_cache, part.seq_ids), gather_blocks(v_cache, part.seq_ids)
+            key_positions = self.key_positions(part.position_ids, keys.shape[2])
+            return self.masked_softmax(q, keys, values, part.position_ids, key_positions)
         if part.one_row_per_slot:
             return self.attend_in_slot_order(q, k_cache, v_cache, part, live, self.masked_softmax)
         keys, values = k_cache[part.seq_ids, :, :live], v_cache[part.seq_ids, :, :live]

@@ -25,6 +25,7 @@ class DecoderLayer(nn.Module):
         functional_cache: bool,
         ring,
         kernels: Kernels,
+        block_size: int | None = None,
     ):
         super().__init__()
         window = spec.sliding_windows[layer_idx]
@@ -38,6 +39,7 @@ class DecoderLayer(nn.Module):
             use_rope=spec.uses_rope(layer_idx),
             local_rope=spec.local_rope and window is not None,
             ring=ring,
+            block_size=block_size,
         )
         if spec.moe is not None and spec.moe.sparse_layers[layer_idx]:
             self.mlp = SparseMoE(spec.hidden_size, spec.moe, layers, kernels.expert_selection)
@@ -69,11 +71,20 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderBody(nn.Module):
-    def __init__(self, spec: FamilySpec, layout: ShardLayout, layers, functional_cache: bool, rings, kernels):
+    def __init__(
+        self,
+        spec: FamilySpec,
+        layout: ShardLayout,
+        layers,
+        functional_cache: bool,
+        rings,
+        kernels,
+        block_size: int | None = None,
+    ):
         super().__init__()
         self.embed_tokens = layers.embedding(spec.vocab_size, spec.hidden_size)
         self.layers = nn.ModuleList(
-            DecoderLayer(spec, i, layout, layers, functional_cache, rings[i], kernels)
+            DecoderLayer(spec, i, layout, layers, functional_cache, rings[i], kernels, block_size)
             for i in range(spec.num_layers)
         )
         self.norm = rms_norm(spec.hidden_size, spec.rms_norm_eps, spec.gemma_norms)
@@ -97,6 +108,11 @@ class DecoderModel(nn.Module):
     request owns one row (its slot, `seq_id`) for its whole life. Under tensor parallelism
     this is one rank's model: its weight shards and the KV heads it holds.
 
+    `kv_blocks`, `kv_block_size` (paged): per layer k/v of shape [kv_blocks + 1, kv_heads,
+    kv_block_size, head_dim] instead, one pool of blocks (block 0: the null block, see
+    attention.py); graphs take block tables [N, W // P] where they take slots [N]. Every
+    layer keeps every position (no rings).
+
     `functional_cache`: graphs write the cache into new tensors and reassign the buffers
     (XLA tracing) instead of updating them in place (torch backends).
 
@@ -118,6 +134,8 @@ class DecoderModel(nn.Module):
         functional_cache: bool = False,
         prefill_width: int | None = None,
         kernels: Kernels | None = None,
+        kv_blocks: int = 0,
+        kv_block_size: int = 0,
     ):
         super().__init__()
         self.kernels = kernels or Kernels()
@@ -125,9 +143,13 @@ class DecoderModel(nn.Module):
         self.spec = spec
         self.layout = ShardLayout.of(spec, layers.tp_degree)
         self.functional_cache = functional_cache
-        self.cache_lengths = cache_lengths(spec.sliding_windows, sequence_length, prefill_width)
+        self.block_size = kv_block_size if kv_blocks else None
+        paged = self.block_size is not None
+        self.cache_lengths = cache_lengths(spec.sliding_windows, sequence_length, prefill_width, paged)
         rings = [n if n < sequence_length else None for n in self.cache_lengths]
-        self.model = DecoderBody(spec, self.layout, layers, functional_cache, rings, self.kernels)
+        self.model = DecoderBody(
+            spec, self.layout, layers, functional_cache, rings, self.kernels, self.block_size
+        )
         self.lm_head = layers.column(
             spec.hidden_size, self.layout.padded_vocab, bias=False, gather_output=True
         )
@@ -136,7 +158,8 @@ class DecoderModel(nn.Module):
         if self.tied:
             self.lm_head.weight = self.model.embed_tokens.weight
         for i, length in enumerate(self.cache_lengths):
-            cache_shape = (batch_size, self.layout.kv_heads_per_rank, length, spec.head_dim)
+            entries, positions = (kv_blocks + 1, kv_block_size) if self.block_size else (batch_size, length)
+            cache_shape = (entries, self.layout.kv_heads_per_rank, positions, spec.head_dim)
             self.register_buffer(f"k_cache_{i}", torch.zeros(cache_shape, dtype=dtype), persistent=False)
             self.register_buffer(f"v_cache_{i}", torch.zeros(cache_shape, dtype=dtype), persistent=False)
         self.to(dtype)
@@ -195,7 +218,8 @@ class DecoderModel(nn.Module):
         window: int,
         one_row_per_slot: bool = False,
     ) -> torch.Tensor:
-        """[N, T] tokens at [N, T] positions of slots [N] -> final-norm hidden states [N, T, H]."""
+        """[N, T] tokens at [N, T] positions of slots [N] (paged: block tables [N, window // P])
+        -> final-norm hidden states [N, T, H]."""
         (hidden,) = self.parts_hidden_states(((input_ids, position_ids, seq_ids, one_row_per_slot),), window)
         return hidden
 
@@ -239,7 +263,10 @@ class DecoderModel(nn.Module):
         """Copy the K/V of `position_ids` [1, T] from slot seq_ids[0] to slot seq_ids[1], every
         layer (prefix caching: a cached prefix enters a new request's slot). A ring layer holds
         position p at p % length; a full layer's positions are below its length already.
-        Padding repeats the last position (graph_runner.pad_repeat_last): the same entry copied twice."""
+        Padding repeats the last position (graph_runner.pad_repeat_last): the same entry copied twice.
+        Paged models share blocks instead (vLLM's prefix caching): they have no copy graph."""
+        if self.block_size:
+            raise ValueError("a paged KV cache has no slots to copy between: prefix caching shares blocks")
         position_ids, seq_ids = position_ids.long(), seq_ids.long()
         src, dst = seq_ids[:1], seq_ids[1:]
         for i, length in enumerate(self.cache_lengths):

@@ -10,6 +10,7 @@ The slot of a request is its KV block: the cache is presented to vLLM as one blo
 aborted request frees its slot in the scheduler itself. Block id b (1..B; 0 is vLLM's null
 block) is slot b-1, except with prefix caching, where the connector chooses the slot of each
 block it sees allocated (slot_assignment.py) and the step's `PrefixCopies` bring the choice.
+Paged exports: a request's KV address is its list of blocks (kv_blocks.py).
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ from vllm.v1.worker.gpu_input_batch import CachedRequestState, InputBatch
 
 from .compat import input_batch_args
 from .connector import PrefixCopies, is_prefix_cache_connector
-from .plan import ScheduledWork
+from .kv_blocks import dropped, next_block_ids, paged_address
+from .plan import KVAddress, ScheduledWork
 from .prompt_logprobs import PromptLogprobs
 
 
@@ -40,7 +42,8 @@ def block_of(block_ids: tuple[list[int], ...]) -> int:
 class BatchState:
     """The running requests (`CachedRequestState`) and vLLM's `InputBatch` over them."""
 
-    def __init__(self, vllm_config: VllmConfig):
+    def __init__(self, vllm_config: VllmConfig, paged: bool = False):
+        self.paged = paged
         mc, sc = vllm_config.model_config, vllm_config.scheduler_config
         block_size = vllm_config.cache_config.block_size
         cpu = torch.device("cpu")
@@ -65,7 +68,10 @@ class BatchState:
         # Requests whose prompt logprobs are still to come.
         self.prompt_logprobs: dict[str, PromptLogprobs] = {}
 
-    def slot_of(self, block_ids: tuple[list[int], ...]) -> int:
+    def slot_of(self, block_ids: tuple[list[int], ...]) -> KVAddress:
+        """Where the request's K/V lives: its slot, or (paged exports) its block ids."""
+        if self.paged:
+            return paged_address(block_ids)
         block = block_of(block_ids)
         if self.block_slots is None:
             return block - 1
@@ -86,15 +92,16 @@ class BatchState:
         # Running but not scheduled this step (preempted): out of the batch, state kept.
         for req_id in batch.req_id_to_index.keys() - (so.num_scheduled_tokens.keys() - resumed):
             batch.remove_request(req_id)
+        for req_id in so.preempted_req_ids or ():  # vLLM freed its blocks
+            if req_id in self.requests:
+                self.requests[req_id].block_ids = dropped(self.requests[req_id].block_ids)
         to_add = [self._new_state(new) for new in so.scheduled_new_reqs]  # after the removals
         cached = so.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
             state = self.requests[req_id]
             state.num_computed_tokens = cached.num_computed_tokens[i]
-            if req_id in resumed and cached.new_block_ids[i] is not None:
-                state.block_ids = cached.new_block_ids[i]
-            elif cached.new_block_ids[i] is not None and any(cached.new_block_ids[i]):
-                raise RuntimeError(f"request {req_id} got a second KV block: {cached.new_block_ids[i]}")
+            new_blocks = cached.new_block_ids[i]
+            state.block_ids = next_block_ids(state.block_ids, new_blocks, req_id in resumed)
             if req_id in cached.all_token_ids:  # resumed: vLLM resends prompt + outputs
                 del state.output_token_ids[cached.num_output_tokens[i] :]
             index = batch.req_id_to_index.get(req_id)
@@ -102,6 +109,8 @@ class BatchState:
                 to_add.append(state)
             else:
                 batch.num_computed_tokens_cpu[index] = state.num_computed_tokens
+                if new_blocks is not None and req_id not in resumed:
+                    batch.block_table.append_row(new_blocks, index)
         for state in to_add:
             batch.add_request(state)
         batch.condense()
@@ -150,6 +159,7 @@ class BatchState:
 
     def scheduled_work(self, so: SchedulerOutput) -> list[ScheduledWork]:
         """The step as plain data for the planner, in the scheduler's order."""
+        admitted = {new.req_id for new in so.scheduled_new_reqs} | so.scheduled_cached_reqs.resumed_req_ids
         work = []
         for req_id, n in so.num_scheduled_tokens.items():
             state = self.requests[req_id]
@@ -163,6 +173,7 @@ class BatchState:
                     token_ids=tuple(known[start : start + n]),
                     num_prompt_tokens=state.num_prompt_tokens,
                     num_known_tokens=len(known),
+                    after_earlier_chunks=self.paged and req_id in admitted,
                 )
             )
         return work

@@ -3,13 +3,14 @@ scheduler settings derived from them. Pure, so every refusal is unit-tested.
 
 Derived settings (each overridable by its usual vLLM flag):
   --max-model-len            sequence_length (the compiled KV-cache length)
-  --max-num-seqs             batch_size (one KV-cache slot per running request)
+  --max-num-seqs             batch_size (a KV-cache slot, or a paged export's decode row, per request)
   --max-num-batched-tokens   chunked: full_chunk_budget (every slot's decode plus a full chunk,
                              rounded up to whole chunks). Standard: max_model_len + max_num_seqs,
                              so a whole prompt always fits (standard exports cannot split prompts).
   --long-prefill-token-threshold   chunked: prefill_chunk_size, so one request's share of a
                              step stays one chunk if the budget is raised
-The KV cache is presented to vLLM as one group of max_model_len-token blocks, one per slot.
+The KV cache is presented to vLLM as one group of max_model_len-token blocks, one per slot;
+a paged export's as its pool of P-token blocks (--num-gpu-blocks-override may shrink it).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ class EngineRequest:
     max_num_batched_tokens: int | None
     long_prefill_token_threshold: int  # 0 = unset
     dtype: str
+    num_gpu_blocks_override: int | None = None  # read by paged exports only
 
 
 @dataclass(frozen=True)
@@ -41,8 +43,8 @@ class ServingLimits:
     max_num_batched_tokens: int
     long_prefill_token_threshold: int
     enable_chunked_prefill: bool
-    block_size: int  # one block per request
-    num_blocks: int  # one per slot + vLLM's null block
+    block_size: int  # max_model_len (one block per request), or a paged export's P
+    num_blocks: int  # one per slot (or the pool's blocks) + vLLM's null block
 
 
 def full_chunk_budget(chunk: int, max_num_seqs: int) -> int:
@@ -89,12 +91,39 @@ def serving_limits(config: NeuronConfig, request: EngineRequest) -> ServingLimit
             f"--max-num-batched-tokens {budget} is below --max-num-seqs {max_num_seqs}: raise it."
         )
     threshold = request.long_prefill_token_threshold or (chunk if config.chunked else 0)
+    block_size, num_blocks = kv_blocks(config, max_model_len, max_num_seqs, request.num_gpu_blocks_override)
     return ServingLimits(
         max_model_len=max_model_len,
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=budget,
         long_prefill_token_threshold=threshold,
         enable_chunked_prefill=config.chunked,
-        block_size=max_model_len,
-        num_blocks=max_num_seqs + 1,
+        block_size=block_size,
+        num_blocks=num_blocks,
     )
+
+
+def kv_blocks(
+    config: NeuronConfig, max_model_len: int, max_num_seqs: int, override: int | None
+) -> tuple[int, int]:
+    """(block_size, num_blocks) of vLLM's one KV-cache group; block 0 is vLLM's null block
+    (vllm/v1/core/block_pool.py, 0.16.0 and 0.32), so num_blocks counts it. Slot exports: one
+    `max_model_len` block per request. Paged exports: the pool, or fewer blocks if asked."""
+    if not config.paged:
+        return max_model_len, max_num_seqs + 1
+    size, pool = config.kv_block_size, config.kv_cache_blocks + 1
+    blocks = pool if override is None else override
+    if not 2 <= blocks <= pool:
+        raise ServingConfigError(
+            f"--num-gpu-blocks-override {blocks} is outside the export's KV pool: {pool - 1} blocks of "
+            f"{size} tokens plus vLLM's null block; pass 2 to {pool}, or omit it."
+        )
+    needed = -(-max_model_len // size)
+    if needed > blocks - 1:
+        raise ServingConfigError(
+            f"--max-model-len {max_model_len} needs {needed} KV blocks of {size} tokens, the pool "
+            f"serves {blocks - 1}: pass --max-model-len {(blocks - 1) * size} or less"
+            + (", or a larger --num-gpu-blocks-override" if blocks < pool else "")
+            + f", or re-export with --kv-cache-blocks {needed} or more."
+        )
+    return size, blocks

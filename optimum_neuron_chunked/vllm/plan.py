@@ -11,6 +11,9 @@ from dataclasses import dataclass
 
 from .prefix_index import SlotCopy
 
+# Where a request's K/V lives: its slot, or (paged exports) its block ids in position order.
+KVAddress = int | tuple[int, ...]
+
 
 class PlanError(RuntimeError):
     """A step the compiled graphs cannot run (a scheduler configured against the export)."""
@@ -25,11 +28,16 @@ class ScheduledWork:
     """
 
     req_id: str
-    slot: int
+    slot: KVAddress
     start: int
     token_ids: tuple[int, ...]
     num_prompt_tokens: int
     num_known_tokens: int
+    # Paged exports: a request admitted this step may hit blocks that vLLM cached when it
+    # allocated them to chunks scheduled before it (KVCacheManager.allocate_slots, vllm/v1/core/
+    # kv_cache_manager.py, 0.16.0 and 0.32): it runs as a chunk, in order, never in the TG call
+    # that runs ahead of the step's chunks.
+    after_earlier_chunks: bool = False
 
     @property
     def end(self) -> int:
@@ -41,7 +49,8 @@ class ScheduledWork:
         predicate: a one-token piece that does not reach the end of the known tokens (vLLM
         recomputing a request from position 0 after a reset) is prefill, whatever its position;
         a one-token prompt is prefill too."""
-        return len(self.token_ids) == 1 and self.samples and self.start >= self.num_prompt_tokens
+        one = len(self.token_ids) == 1 and not self.after_earlier_chunks
+        return one and self.samples and self.start >= self.num_prompt_tokens
 
     @property
     def samples(self) -> bool:
@@ -51,7 +60,7 @@ class ScheduledWork:
 @dataclass(frozen=True)
 class DecodeRow:
     req_id: str
-    slot: int
+    slot: KVAddress
     token_id: int
     position: int
 
@@ -61,7 +70,7 @@ class PrefillChunk:
     """A graph call's worth of prompt: at most C tokens (chunked) or a whole prompt (standard)."""
 
     req_id: str
-    slot: int
+    slot: KVAddress
     start: int
     token_ids: tuple[int, ...]
     samples: bool  # the last chunk of the request's prefill: its logits are sampled
@@ -114,17 +123,23 @@ def fuse_chunk(
     chunk_size: int,
     decode_widths: tuple[int, ...],
     apart: frozenset[str] = frozenset(),
+    in_order: bool = False,
 ) -> StepPlan:
     """The plan with its first full chunk (`chunk_size` tokens) set to run with the decodes in
     one MX call (mixed_step exports): its decode part is as wide as the batch (the largest of
     `decode_widths`), so only where the decodes would run in that TG width anyway. The MX
     call pads nothing the separate calls would not: a shorter chunk (a prompt's last) keeps
     its narrower CP graph, fewer decodes their narrower TG graph. A request in `apart` (prompt
-    logprobs: every position's logits, which MX does not return) keeps CP."""
+    logprobs: every position's logits, which MX does not return) keeps CP.
+
+    `in_order` (paged exports): a chunk may read blocks that an earlier chunk of the step
+    writes - vLLM caches a block for prefix hits when it allocates it for a scheduled chunk
+    (`KVCacheManager.allocate_slots`, vllm/v1/core/kv_cache_manager.py, 0.16.0 and 0.32) - so
+    only the first chunk may run ahead of the others, with the decodes."""
     narrower = [w for w in decode_widths if w < max(decode_widths)]
     if not plan.decodes or len(plan.decodes) <= max(narrower, default=0):
         return plan
-    for i, c in enumerate(plan.chunks):
+    for i, c in enumerate(plan.chunks[:1] if in_order else plan.chunks):
         if len(c.token_ids) == chunk_size and c.req_id not in apart:
             return dataclasses.replace(plan, fused=i)
     return plan

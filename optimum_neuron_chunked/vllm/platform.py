@@ -97,19 +97,10 @@ class NeuronChunkedPlatform(Platform):
         # validate_request has no config: what the export serves is kept for this process.
         cls.serves_prompt_logprobs = export.prompt_logprobs
         check_serving_host(export, vllm_config.parallel_config)  # each worker takes its devices
-        sched, cache = vllm_config.scheduler_config, vllm_config.cache_config
         request = _engine_request(vllm_config, export)
         limits = serving_limits(export, request)
         _warn_if_read_as_default(vllm_config, request, limits)
-        model_config.max_model_len = limits.max_model_len
-        sched.max_num_seqs = limits.max_num_seqs
-        sched.max_num_batched_tokens = limits.max_num_batched_tokens
-        sched.long_prefill_token_threshold = limits.long_prefill_token_threshold
-        sched.enable_chunked_prefill = limits.enable_chunked_prefill
-        sched.async_scheduling = False  # the runner needs each step's tokens before the next
-        cache.block_size = limits.block_size
-        cache.user_specified_block_size = True
-        cache.num_gpu_blocks_override = limits.num_blocks
+        _fit_engine(vllm_config, limits)
         caching = _set_prefix_caching(vllm_config, export)
         parallel = vllm_config.parallel_config
         if parallel.worker_cls == "auto":
@@ -155,6 +146,20 @@ class NeuronChunkedPlatform(Platform):
             )
 
 
+def _fit_engine(vllm_config, limits) -> None:
+    """vLLM's scheduler and KV-cache manager sized to the export (serving_limits)."""
+    sched, cache = vllm_config.scheduler_config, vllm_config.cache_config
+    vllm_config.model_config.max_model_len = limits.max_model_len
+    sched.max_num_seqs = limits.max_num_seqs
+    sched.max_num_batched_tokens = limits.max_num_batched_tokens
+    sched.long_prefill_token_threshold = limits.long_prefill_token_threshold
+    sched.enable_chunked_prefill = limits.enable_chunked_prefill
+    sched.async_scheduling = False  # the runner needs each step's tokens before the next
+    cache.block_size = limits.block_size
+    cache.user_specified_block_size = True
+    cache.num_gpu_blocks_override = limits.num_blocks
+
+
 # Values vLLM cannot tell from its defaults, given through --additional-config (honoured as given).
 EXACT_FLAGS = ("max_num_batched_tokens", "max_num_seqs")
 
@@ -191,6 +196,7 @@ def _engine_request(vllm_config, export: NeuronConfig) -> EngineRequest:
         max_num_batched_tokens=tokens,
         long_prefill_token_threshold=sched.long_prefill_token_threshold,
         dtype=DTYPE_NAMES.get(model_config.dtype, str(model_config.dtype)),
+        num_gpu_blocks_override=vllm_config.cache_config.num_gpu_blocks_override,
     )
 
 
@@ -234,16 +240,23 @@ def check_serving_host(export: NeuronConfig, parallel_config) -> None:
 
 
 def _set_prefix_caching(vllm_config, export: NeuronConfig) -> str:
-    """Prefix caching through our KV connector (connector.py) when vLLM's flag asks for it
-    (`--enable-prefix-caching`, on by default for generative models in vLLM 0.32) and the export
-    can serve it; vLLM's own is always off (one block per request never fills). Idempotent:
-    on the second call the flag reads False and our connector is what says it was asked for.
+    """Slot exports: prefix caching through our KV connector (connector.py) when vLLM's flag
+    asks for it (`--enable-prefix-caching`, on by default for generative models in vLLM 0.32)
+    and the export can serve it; vLLM's own is always off (one block per request never fills).
+    Idempotent: on the second call the flag reads False and our connector is what says it was
+    asked for. Paged exports: vLLM's own block prefix cache, as the flag says.
     Returns how it was decided, for the start-up log."""
     from vllm.config import KVTransferConfig
 
     from .connector import PrefixCopyConnector, is_prefix_cache_connector
 
     cache = vllm_config.cache_config
+    if ExportCapabilities.of(export, vllm_config.model_config.hf_config).kv.paged:
+        if not cache.enable_prefix_caching:
+            return "off (--no-enable-prefix-caching)"
+        return (
+            "on (vLLM's prefix cache shares the export's KV blocks; --no-enable-prefix-caching turns it off)"
+        )
     ours = is_prefix_cache_connector(vllm_config.kv_transfer_config)
     wanted = cache.enable_prefix_caching or ours
     cache.enable_prefix_caching = False
@@ -277,4 +290,6 @@ def prefix_caching_unsupported(export: NeuronConfig, hf_config) -> str | None:
 
 def _describe(config: NeuronConfig) -> str:
     kind = f"chunked C={config.prefill_chunk_size}" if config.chunked else "standard"
+    if config.paged:
+        kind += f", paged KV {config.kv_cache_blocks} blocks of {config.kv_block_size}"
     return f"{kind}, B={config.batch_size}, S={config.sequence_length}, backend={config.backend}"

@@ -18,7 +18,8 @@ from ..loader import NeuronModelForCausalLM
 from .batch import BatchState
 from .compat import host_sampler
 from .connector import PrefixCopies
-from .plan import StepPlan, describe, fuse_chunk, plan_step
+from .kv_blocks import block_table
+from .plan import PrefillChunk, StepPlan, describe, fuse_chunk, plan_step
 from .prompt_logprobs import add_chunk
 from .sampling import device_sampling_inputs, host_sample, on_device_eligible
 
@@ -40,7 +41,8 @@ class StepRunner:
         self.model = model
         self.config = model.neuron_config
         self.capabilities = model.export.capabilities
-        self.batch = BatchState(vllm_config)
+        self.paged = self.capabilities.kv.paged
+        self.batch = BatchState(vllm_config, paged=self.paged)
         self.logprobs_mode = vllm_config.model_config.logprobs_mode
         self.sampler = host_sampler(self.logprobs_mode)
         self.vocab_size = vllm_config.model_config.get_vocab_size()
@@ -61,7 +63,9 @@ class StepRunner:
         )
         if self.config.mixed_step:
             apart = frozenset(self.batch.prompt_logprobs)
-            plan = fuse_chunk(plan, self.config.prefill_chunk_size, self.config.decode_widths, apart)
+            plan = fuse_chunk(
+                plan, self.config.prefill_chunk_size, self.config.decode_widths, apart, in_order=self.paged
+            )
         self.last_plan = plan
         logger.debug("step: %s", describe(plan))
         result = StepResult(plan)
@@ -99,13 +103,16 @@ class StepRunner:
             on_device_eligible(p, caps.max_topk, self.vocab_size) for p in params
         )
         sampling, rand = device_sampling_inputs(params, self.rng)
-        rows = [torch.tensor([getattr(d, f) for d in decodes]) for f in ("token_id", "position", "slot")]
+        rows = [torch.tensor([getattr(d, f) for d in decodes]) for f in ("token_id", "position")]
+        slots = [d.slot for d in decodes]
+        rows.append(block_table(slots) if self.paged else torch.tensor(slots))
         if result.plan.fused is None:
             tokens, logits = self.model.decode(*rows, sampling, rand, need_logits=not on_device)
         else:
             chunk = result.plan.chunks[result.plan.fused]
+            chunk_args = (torch.tensor(chunk.token_ids), chunk.start, self._kv(chunk))
             tokens, logits, chunk_logits = self.model.decode_with_chunk(
-                *rows, sampling, rand, torch.tensor(chunk.token_ids), chunk.start, chunk.slot, not on_device
+                *rows, sampling, rand, *chunk_args, not on_device
             )
             if chunk.samples:
                 result.host_logits[chunk.req_id] = chunk_logits
@@ -120,9 +127,9 @@ class StepRunner:
             tokens = torch.tensor(chunk.token_ids)
             wanted = self.batch.prompt_logprobs.get(chunk.req_id)
             if wanted is None:
-                logits = self.model.prefill_at(tokens, chunk.start, chunk.slot)
+                logits = self.model.prefill_at(tokens, chunk.start, self._kv(chunk))
             else:
-                rows = self.model.prefill_positions(tokens, chunk.start, chunk.slot)
+                rows = self.model.prefill_positions(tokens, chunk.start, self._kv(chunk))
                 logits = rows[-1]
                 prompt = self.batch.requests[chunk.req_id].prompt_token_ids
                 done, tensors = add_chunk(wanted, prompt, chunk.start, rows, self.sampler, self.logprobs_mode)
@@ -131,3 +138,7 @@ class StepRunner:
                     del self.batch.prompt_logprobs[chunk.req_id]
             if chunk.samples:
                 result.host_logits[chunk.req_id] = logits
+
+    def _kv(self, chunk: PrefillChunk) -> int | list[int]:
+        """A prefill call's `seq_id`: the slot, or (paged exports) the request's block ids."""
+        return list(chunk.slot) if self.paged else chunk.slot

@@ -42,10 +42,13 @@ class NeuronChunkedWorker(WorkerBase):
         mc = self.model_config
         self.model = NeuronModelForCausalLM.from_pretrained(mc.model, revision=mc.revision)
         self.runner = StepRunner(self.model, self.vllm_config)
+        kv = self.model.export.capabilities.kv
+        unit, size = ("block", kv.bytes_per_block) if kv.paged else ("slot", kv.bytes_per_slot)
         logger.info(
-            "loaded %s; KV cache %.1f MiB a slot; torch threads: %d",
+            "loaded %s; KV cache %.3f MiB a %s; torch threads: %d",
             self.model_config.model,
-            self.model.export.capabilities.kv.bytes_per_slot / 2**20,
+            size / 2**20,
+            unit,
             torch.get_num_threads(),
         )
 
@@ -54,7 +57,9 @@ class NeuronChunkedWorker(WorkerBase):
 
     def get_kv_cache_spec(self) -> dict[str, KVCacheSpec]:
         # vLLM accounts the static cache as one layer of every layer's KV heads: its block
-        # count is fixed by the platform, so only the page size matters (determine_available_memory)
+        # count is fixed by the platform, so only the page size matters (determine_available_memory).
+        # Paged exports too: one group of P-token blocks, full attention for every layer (their
+        # sliding-window layers keep every position), so vLLM's block table is the export's.
         kv = self.model.export.capabilities.kv
         spec = FullAttentionSpec(
             block_size=self.cache_config.block_size,
@@ -74,6 +79,15 @@ class NeuronChunkedWorker(WorkerBase):
         return spec.page_size_bytes * self.cache_config.num_gpu_blocks_override
 
     def initialize_from_config(self, kv_cache_config: KVCacheConfig) -> None:
+        # Nothing to allocate: the export owns its cache (slots or block pool).
+        kv = self.model.export.capabilities.kv
+        if kv.paged:
+            if kv_cache_config.num_blocks > kv.num_blocks:
+                raise RuntimeError(
+                    f"vLLM sized the KV cache at {kv_cache_config.num_blocks} blocks, the export's "
+                    f"pool has {kv.num_blocks} (with vLLM's null block)"
+                )
+            return
         slots = kv_cache_config.num_blocks - 1
         if slots > self.model.neuron_config.batch_size:
             raise RuntimeError(

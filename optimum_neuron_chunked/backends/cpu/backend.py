@@ -78,7 +78,7 @@ class CpuBackend(Backend):
     name = "cpu"
 
     def kernels(self, config: NeuronConfig) -> CpuKernels:
-        return CpuKernels(kernel_choices(config.cpu_isa or None))
+        return CpuKernels(kernel_choices(config.cpu_isa or None), paged=config.paged)
 
     def graph_files(self, specs: list[GraphSpec]) -> list[str]:
         return [f"{GRAPHS_DIR}/{spec.name}.pt2" for spec in specs]

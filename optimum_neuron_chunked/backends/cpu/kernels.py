@@ -138,11 +138,16 @@ class CpuCacheRead(CacheRead):
 
 
 class CpuKernels(Kernels):
-    """The model's kernel strategy on the cpu backend, from its KernelChoices."""
+    """The model's kernel strategy on the cpu backend, from its KernelChoices.
 
-    def __init__(self, choices: KernelChoices):
+    `paged`: the model's cache is a pool of blocks; its attention is the reference's (slot
+    views, per-row reads and the decode op all address slots), its linears and experts still
+    follow the choices."""
+
+    def __init__(self, choices: KernelChoices, paged: bool = False):
         self.choices = choices
         self.expert_selection = choices.expert_selection
+        self.paged = paged
 
     def linear(self, in_features: int, out_features: int, bias: bool) -> nn.Module:
         choices = self.choices
@@ -157,6 +162,8 @@ class CpuKernels(Kernels):
     ) -> CpuCacheRead:
         """The scalar reads become unbacked symbols with bound checks under torch.export; padded
         rows/tokens repeat real ones, so the maximum is a real position."""
+        if self.paged:
+            return super().cache_read(position_ids, seq_ids, window, one_row_per_slot)
         live, slot, rows = window, None, None
         if self.choices.live_window:
             live = position_ids.max().item() + 1
@@ -170,6 +177,8 @@ class CpuKernels(Kernels):
         return CpuCacheRead(window, live, slot, rows)
 
     def attend(self, attention: Attention, part: GraphPart, q, k_cache, v_cache) -> torch.Tensor:
+        if self.paged:
+            return super().attend(attention, part, q, k_cache, v_cache)
         return attend(self.choices, attention, part, q, k_cache, v_cache)
 
 

@@ -1,0 +1,53 @@
+"""A request's KV blocks as vLLM's scheduler hands them out, and what the graphs take (pure).
+
+Slot exports: one `max_model_len`-token block per request, its slot (batch.py). Paged exports:
+vLLM's KV cache manager allocates the export's blocks of P tokens (block 0 is its null block),
+shares prefix-cached ones between requests and frees them; a request's block ids are its KV
+address. The runner follows vLLM's GPU runner (`GPUModelRunner._update_states`,
+vllm/v1/worker/gpu_model_runner.py, same rule in 0.16.0 and 0.32): a running request's
+`new_block_ids` are appended, a request resumed after preemption (`CachedRequestData.
+resumed_req_ids`, vllm/v1/core/sched/output.py, both releases) gets its list replaced.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+BlockIds = tuple[list[int], ...]  # per KV-cache group, as vLLM's SchedulerOutput carries them
+PAD_BLOCK = 0  # vLLM's null block: right-pads block-table rows (never read: positions mask it)
+
+
+def next_block_ids(current: BlockIds, new: BlockIds | None, resumed: bool) -> BlockIds:
+    """A scheduled cached request's blocks after this step's allocation. Fresh lists: vLLM's
+    in-process scheduler may hand the same list objects to several outputs."""
+    if new is None:
+        return current
+    if resumed:
+        return tuple(list(group) for group in new)
+    if len(new) != len(current):
+        raise RuntimeError(f"{len(new)} KV-cache groups of new blocks for a request with {len(current)}")
+    return tuple([*held, *added] for held, added in zip(current, new, strict=True))
+
+
+def dropped(block_ids: BlockIds) -> BlockIds:
+    """A preempted request's blocks: vLLM freed them (its resumption brings new ones)."""
+    return tuple([] for _ in block_ids)
+
+
+def paged_address(block_ids: BlockIds) -> tuple[int, ...]:
+    """The block ids of a request of a paged export (one KV-cache group for every layer)."""
+    (blocks,) = block_ids
+    if not blocks:
+        raise RuntimeError("a scheduled request holds no KV block: vLLM allocates before scheduling")
+    return tuple(blocks)
+
+
+def block_table(rows: Sequence[tuple[int, ...]]) -> torch.Tensor:
+    """[N, M] block ids of N decode rows, M the longest, right-padded with the null block."""
+    width = max(len(r) for r in rows)
+    table = torch.full((len(rows), width), PAD_BLOCK, dtype=torch.int32)
+    for i, r in enumerate(rows):
+        table[i, : len(r)] = torch.tensor(r, dtype=torch.int32)
+    return table

@@ -1,0 +1,148 @@
+"""Paged exports (--kv-cache-blocks, --kv-block-size): one pool of KV blocks shared by every
+request, each graph reading a row's blocks through its block table. Requests in shuffled,
+non-contiguous blocks, their chunks and decodes interleaved, equal HF transformers through the
+loader (eager; one cpu export proves AOTInductor compiles the gather and the scatter)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from fixtures.export_models import export_with
+from helpers import prompt
+
+from optimum_neuron_chunked import NeuronModelForCausalLM
+from optimum_neuron_chunked.modeling import build_model
+
+P, C, S, BUCKETS = 8, 16, 64, (32, 64)  # blocks of 8, chunks of 16: every chunk spans two blocks
+POOL = 4 * (S // P)  # four whole sequences
+LOGITS_TOLERANCE = 1e-4
+# a permutation of the pool: requests hold non-contiguous blocks in no order, so a wrong gather shows
+SHUFFLED = (torch.randperm(POOL, generator=torch.Generator().manual_seed(0)) + 1).tolist()
+
+
+def paged_options(**extra) -> dict:
+    shapes = dict(batch_size=3, sequence_length=S, prefill_chunk_size=C, context_buckets=BUCKETS)
+    return shapes | dict(kv_cache_blocks=POOL, kv_block_size=P) | extra
+
+
+def request_blocks(i: int) -> list[int]:
+    """The i-th request's blocks: a whole sequence's worth, out of the shuffled pool."""
+    return SHUFFLED[i * (S // P) : (i + 1) * (S // P)]
+
+
+def check(hf, logits: torch.Tensor, seq: torch.Tensor) -> int:
+    """logits [V] after `seq` equal HF's -> HF's greedy token."""
+    with torch.no_grad():
+        want = hf(seq[None]).logits[0, -1]
+    torch.testing.assert_close(logits, want, atol=LOGITS_TOLERANCE, rtol=0)
+    return int(want.argmax())
+
+
+@pytest.fixture(scope="module")
+def llama_paged():
+    return NeuronModelForCausalLM.from_pretrained(
+        export_with("llama", "eager", **paged_options(mixed_step=True))
+    )
+
+
+def test_interleaved_requests_in_shuffled_blocks_match_transformers(llama_paged, hf_reference):
+    model, hf = llama_paged, hf_reference("llama")
+    prompts = {"a": prompt(39), "b": prompt(21, seed=1), "c": prompt(9, seed=2), "d": prompt(C, seed=3)}
+    blocks = {name: request_blocks(i) for i, name in enumerate(prompts)}
+    seqs = {}
+    # a's third chunk crosses into bucket 64; each request's chunks are interleaved with others'
+    for name, start in (("a", 0), ("b", 0), ("a", C), ("c", 0), ("b", C), ("a", 2 * C)):
+        ids = prompts[name][start : start + C]
+        token = check(hf, model.prefill_chunk(ids, start, blocks[name]), prompts[name][: start + len(ids)])
+        seqs[name] = torch.cat([prompts[name][: start + len(ids)], torch.tensor([token])])
+    # three rows in bucket 64 with whole tables, then two (padded to three) in bucket 32 with
+    # tables of the blocks in use only; a crosses into a new block at 40, b at 24
+    for step in range(4):
+        names = ["a", "b", "c"] if step % 2 == 0 else ["c", "b"]
+        positions = torch.tensor([len(seqs[n]) - 1 for n in names])
+        used = [blocks[n][: int(p) // P + 1] for n, p in zip(names, positions, strict=True)]
+        tables = torch.tensor([blocks[n] for n in names]) if step % 2 == 0 else model.kv_rows(used)
+        tokens, logits = model.decode(torch.stack([seqs[n][-1] for n in names]), positions, tables)
+        for i, name in enumerate(names):
+            assert int(tokens[i]) == check(hf, logits[i], seqs[name])
+            seqs[name] = torch.cat([seqs[name], tokens[i : i + 1]])
+    # a mixed step: a and b decode while d's first chunk fills two blocks of its own
+    names = ["a", "b"]
+    positions = torch.tensor([len(seqs[n]) - 1 for n in names])
+    params, rand = torch.zeros(2, 3), torch.zeros(2)
+    tokens, logits, chunk_logits = model.decode_with_chunk(
+        torch.stack([seqs[n][-1] for n in names]), positions, torch.tensor([blocks[n] for n in names]),
+        params, rand, prompts["d"], 0, blocks["d"],
+    )  # fmt: skip
+    for i, name in enumerate(names):
+        assert int(tokens[i]) == check(hf, logits[i], seqs[name])
+    check(hf, chunk_logits, prompts["d"])
+    # padding repeats real tokens and rows: the null block is never written
+    decoder = model.runner.graphs["cp_w32"].__wrapped__.model
+    assert all(not getattr(decoder, name)[0].any() for name in decoder.cache_names())
+
+
+def test_generate_on_a_paged_export_matches_transformers(llama_paged, hf_reference):
+    """A left-padded batch: generate() takes blocks from its host-side pool and gives them back."""
+    model, hf = llama_paged, hf_reference("llama")
+    lengths, width = (2 * C + 5, P - 1), 2 * C + 5
+    input_ids = torch.full((len(lengths), width), hf.generation_config.pad_token_id)
+    attention_mask = torch.zeros_like(input_ids)
+    for row, n in enumerate(lengths):
+        input_ids[row, width - n :], attention_mask[row, width - n :] = prompt(n, seed=row), 1
+    output = model.generate(input_ids, attention_mask=attention_mask, max_new_tokens=12)
+    expected = hf.generate(input_ids, attention_mask=attention_mask, max_new_tokens=12, do_sample=False)
+    assert output.tolist() == expected.tolist()
+    assert model.blocks.num_free == POOL
+
+
+def test_the_runner_refuses_what_a_paged_export_cannot_run(llama_paged):
+    model, ids = llama_paged, prompt(C)
+    with pytest.raises(ValueError, match="block ids, not a slot"):
+        model.prefill_chunk(ids, 0, 1)
+    with pytest.raises(ValueError, match="positions up to"):  # 16 positions need two blocks
+        model.prefill_chunk(ids, 0, [5])
+    with pytest.raises(ValueError, match="positions up to"):  # position 9 would land in block 0
+        model.decode(ids[:1], torch.tensor([9]), torch.tensor([[5, 0, 0]]))
+    with pytest.raises(ValueError, match="distinct"):  # two rows writing one block
+        model.decode(ids[:2], torch.tensor([3, 4]), torch.tensor([[5], [5]]))
+    with pytest.raises(ValueError, match="copy graph"):
+        model.copy_prefix(0, 1, C)
+
+
+def test_sliding_window_layers_keep_every_position_in_blocks(hf_reference):
+    """gemma3's sliding layers (window 36) keep no rings in a paged export; the mask slides."""
+    model = NeuronModelForCausalLM.from_pretrained(export_with("gemma3_text", "eager", **paged_options()))
+    caps, hf = model.export.capabilities, hf_reference("gemma3_text")
+    assert (caps.paged, caps.ring_layers, caps.num_blocks, caps.block_size) == (True, (), POOL + 1, P)
+    decoder = build_model(model.config, model.neuron_config)
+    caches = [getattr(decoder, name) for name in decoder.cache_names()]
+    assert caps.bytes_per_block * caps.num_blocks == sum(c.nbytes for c in caches)
+    ids = prompt(50, seed=4)
+    check(hf, model.prefill(ids, request_blocks(2)), ids)
+    expected = hf.generate(ids[None], max_new_tokens=10, do_sample=False)
+    assert model.generate(ids[None], max_new_tokens=10).tolist() == expected.tolist()
+
+
+@pytest.mark.slow
+def test_a_cpu_paged_export_compiles_and_matches_transformers(hf_reference):
+    """AOTInductor: the block gather and scatter in the cpu backend's graphs (one bucket)."""
+    path = export_with("llama", "cpu", batch_size=2, sequence_length=32, prefill_chunk_size=C,
+                       context_buckets=(32,), kv_cache_blocks=8, kv_block_size=P)  # fmt: skip
+    model, hf = NeuronModelForCausalLM.from_pretrained(path), hf_reference("llama")
+    prompts, blocks = {"a": prompt(20, seed=5), "b": prompt(9, seed=6)}, {"a": [6, 2, 8], "b": [5, 1]}
+    seqs = {}
+    for name, start in (("a", 0), ("b", 0), ("a", C)):
+        end = min(start + C, len(prompts[name]))
+        token = check(
+            hf, model.prefill_chunk(prompts[name][start:end], start, blocks[name]), prompts[name][:end]
+        )
+        seqs[name] = torch.cat([prompts[name][:end], torch.tensor([token])])
+    for names in (["a", "b"], ["b"], ["a", "b"]):  # ["b"]: padded to two rows
+        positions = torch.tensor([len(seqs[n]) - 1 for n in names])
+        tokens, logits = model.decode(
+            torch.stack([seqs[n][-1] for n in names]), positions, model.kv_rows([blocks[n] for n in names])
+        )
+        for i, name in enumerate(names):
+            assert int(tokens[i]) == check(hf, logits[i], seqs[name])
+            seqs[name] = torch.cat([seqs[name], tokens[i : i + 1]])
