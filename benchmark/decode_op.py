@@ -31,9 +31,8 @@ sys.path[:0] = [str(HERE.parent), str(HERE)]
 
 from metrics import interleaved_ms, save_results, spread_cell  # noqa: E402
 
-from optimum_neuron_chunked.backends.cpu import keep_freed_heap  # noqa: E402
+from optimum_neuron_chunked.backends.cpu import decode_attention, keep_freed_heap  # noqa: E402
 from optimum_neuron_chunked.backends.cpu.host import host_cpu_capability  # noqa: E402
-from optimum_neuron_chunked.backends.cpu import decode_attention  # noqa: E402
 
 SOURCE = "optimum_neuron_chunked/backends/cpu/decode_attention.cpp"
 NAMESPACE = "optimum_neuron_chunked"

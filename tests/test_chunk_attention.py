@@ -11,13 +11,13 @@ from fixtures.export_models import checkpoint_path
 from transformers import AutoConfig
 
 from optimum_neuron_chunked.backends.cpu import attention
+from optimum_neuron_chunked.backends.cpu import chunk_attention as chunk_attention_module
 from optimum_neuron_chunked.backends.cpu.chunk_attention import chunk_attention
 from optimum_neuron_chunked.backends.cpu.kernels import CpuKernels, KernelChoices
 from optimum_neuron_chunked.config import NeuronConfig
 from optimum_neuron_chunked.graph_runner import pad_repeat_last
 from optimum_neuron_chunked.graphs import PrefillGraph
 from optimum_neuron_chunked.modeling import build_model, model_from_spec
-from optimum_neuron_chunked.backends.cpu import chunk_attention as chunk_attention_module
 
 
 def masked_softmax_attention(query, keys, values, positions, scale):

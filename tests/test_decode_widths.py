@@ -9,9 +9,9 @@ from fixtures.export_models import BUCKETS, CHUNK, SEQUENCE_LENGTH, checkpoint_p
 from helpers import RecordingGraphs
 from transformers import AutoModelForCausalLM
 
-from optimum_neuron_chunked.export.pipeline import export
 from optimum_neuron_chunked import NeuronModelForCausalLM
 from optimum_neuron_chunked.config import NeuronConfig
+from optimum_neuron_chunked.export.pipeline import export
 from optimum_neuron_chunked.graph_runner import GraphRunner
 from optimum_neuron_chunked.graphs import graph_specs
 

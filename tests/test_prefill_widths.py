@@ -8,9 +8,9 @@ import torch
 from fixtures.export_models import BUCKETS, CHUNK, SEQUENCE_LENGTH, checkpoint_path
 from transformers import AutoModelForCausalLM
 
-from optimum_neuron_chunked.export.pipeline import export
 from optimum_neuron_chunked import NeuronModelForCausalLM
 from optimum_neuron_chunked.config import NeuronConfig
+from optimum_neuron_chunked.export.pipeline import export
 from optimum_neuron_chunked.graph_runner import GraphRunner
 from optimum_neuron_chunked.graphs import graph_specs
 

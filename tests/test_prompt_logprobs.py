@@ -9,8 +9,8 @@ import torch
 from fixtures.export_models import checkpoint_path
 from helpers import prompt
 
-from optimum_neuron_chunked.export.pipeline import export
 from optimum_neuron_chunked import NeuronModelForCausalLM
+from optimum_neuron_chunked.export.pipeline import export
 
 CHUNK = 16
 
