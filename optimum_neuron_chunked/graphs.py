@@ -36,7 +36,7 @@ import torch
 from torch import nn
 
 from .config import NeuronConfig
-from .modeling.decoder import DecoderModel
+from .modeling.decoder import DecoderModel, PartInputs
 from .modeling.sampler import sample
 
 INDEX_DTYPE = torch.int32
@@ -166,7 +166,10 @@ class MixedGraph(nn.Module):
         rand=None,
     ):
         decode, chunk = self.model.parts_hidden_states(
-            ((input_ids, position_ids, seq_ids, True), (chunk_ids, chunk_positions, chunk_seq_ids, False)),
+            (
+                PartInputs(input_ids, position_ids, seq_ids, one_row_per_slot=True),
+                PartInputs(chunk_ids, chunk_positions, chunk_seq_ids, one_row_per_slot=False),
+            ),
             self.window,
         )
         last = torch.argmax(chunk_positions, dim=1)  # padding repeats the last real position

@@ -34,6 +34,16 @@ def test_unsupported_features_are_refused_at_start_up(export_dir, kwargs, flag):
     assert "not supported" in str(e.value)
 
 
+@pytest.mark.parametrize("export_dir", export_params([EXPORT]), indirect=True)
+def test_model_runner_v2_is_refused_naming_the_variable(export_dir, monkeypatch):
+    from vllm import LLM
+
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
+    with pytest.raises(Exception, match="VLLM_USE_V2_MODEL_RUNNER") as e:
+        LLM(model=str(export_dir), seed=0)
+    assert "not supported" in str(e.value)
+
+
 def vllm_version() -> str:
     import vllm
 

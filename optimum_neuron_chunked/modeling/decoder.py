@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -13,6 +14,15 @@ from .kernels import Kernels
 from .layers import MLP, Rotary, rms_norm
 from .moe import SparseMoE, moe_state_from_hf
 from .parallel import ShardLayout, TorchLayers, rank_shard, tp_checkpoint
+
+
+class PartInputs(NamedTuple):
+    """One part of a graph call (DecoderModel.parts_hidden_states): a prefill chunk or decode rows."""
+
+    input_ids: torch.Tensor  # [N, T]
+    position_ids: torch.Tensor  # [N, T]
+    seq_ids: torch.Tensor  # [N] slots; paged models: [N, window // P] block tables
+    one_row_per_slot: bool  # decode rows (TG), the graph kind's choice
 
 
 class DecoderLayer(nn.Module):
@@ -220,32 +230,36 @@ class DecoderModel(nn.Module):
     ) -> torch.Tensor:
         """[N, T] tokens at [N, T] positions of slots [N] (paged: block tables [N, window // P])
         -> final-norm hidden states [N, T, H]."""
-        (hidden,) = self.parts_hidden_states(((input_ids, position_ids, seq_ids, one_row_per_slot),), window)
+        (hidden,) = self.parts_hidden_states(
+            (PartInputs(input_ids, position_ids, seq_ids, one_row_per_slot),), window
+        )
         return hidden
 
-    def parts_hidden_states(self, parts: tuple[tuple, ...], window: int) -> tuple[torch.Tensor, ...]:
-        """One graph call over parts (input_ids [N, T], position_ids [N, T], seq_ids [N],
-        one_row_per_slot), every part attending over context bucket `window` -> each part's
-        final-norm hidden states [N, T, H]. Embeddings, projections and MLP run once over all
-        the parts' tokens (attention.GraphPart).
+    def parts_hidden_states(self, parts: tuple[PartInputs, ...], window: int) -> tuple[torch.Tensor, ...]:
+        """One graph call over parts, every part attending over context bucket `window` -> each
+        part's final-norm hidden states [N, T, H]. Embeddings, projections and MLP run once over
+        all the parts' tokens (attention.GraphPart).
 
         Integer inputs may arrive as int32 (graphs.INDEX_DTYPE): they are widened here, once,
         because index_put/index_copy want int64 indices and XLA refuses to mix S32 with the
         S64 of torch.arange (the head index of the functional cache write).
         """
-        parts = [(ids.long(), pos.long(), seq.long(), one_row) for ids, pos, seq, one_row in parts]
-        x = self.model.embed_tokens(torch.cat([ids.reshape(-1) for ids, *_ in parts])[None])  # [1, R, H]
+        parts = [
+            PartInputs(p.input_ids.long(), p.position_ids.long(), p.seq_ids.long(), p.one_row_per_slot)
+            for p in parts
+        ]
+        x = self.model.embed_tokens(torch.cat([p.input_ids.reshape(-1) for p in parts])[None])  # [1, R, H]
         # The multiplier rounded to the model dtype first, as Gemma3TextScaledWordEmbedding does.
         x = x * torch.tensor(self.spec.embedding_multiplier, dtype=x.dtype).item()
         graph_parts = tuple(
             GraphPart(
-                pos,
-                seq,
-                self.kernels.cache_read(pos, seq, window, one_row),
-                one_row,
-                self.model.rotaries(pos, x.dtype),
+                p.position_ids,
+                p.seq_ids,
+                self.kernels.cache_read(p.position_ids, p.seq_ids, window, p.one_row_per_slot),
+                p.one_row_per_slot,
+                self.model.rotaries(p.position_ids, x.dtype),
             )
-            for _, pos, seq, one_row in parts
+            for p in parts
         )
         for i, layer in enumerate(self.model.layers):
             k_cache, v_cache = getattr(self, f"k_cache_{i}"), getattr(self, f"v_cache_{i}")

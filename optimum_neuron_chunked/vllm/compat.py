@@ -107,3 +107,16 @@ def validate_request_args(args: tuple, kwargs: dict) -> tuple[Any, Any]:
         return kwargs.get("processed_inputs"), kwargs.get("params")
     processed_inputs, params = args[:2]
     return processed_inputs, params
+
+
+def uses_v2_model_runner(vllm_config) -> bool:
+    """vLLM's "model runner V2" protocol: its scheduler resends a resumed request as a new one
+    (v1/core/sched/scheduler.py), which this plugin's runner would take for a streaming-session
+    turn. 0.32 decides by `VllmConfig.use_v2_model_runner` (config/vllm.py: VLLM_USE_V2_MODEL_RUNNER,
+    else on where Triton runs and no unsupported feature is set); 0.16.0 by the env variable
+    alone (envs.py, default off)."""
+    if hasattr(type(vllm_config), "use_v2_model_runner"):
+        return bool(vllm_config.use_v2_model_runner)
+    import vllm.envs as envs
+
+    return bool(envs.VLLM_USE_V2_MODEL_RUNNER)

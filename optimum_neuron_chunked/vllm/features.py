@@ -8,6 +8,7 @@ Attribute names are VllmConfig's and flags are `vllm serve`'s, as of vLLM 0.32
 
 from __future__ import annotations
 
+from .compat import uses_v2_model_runner
 from .limits import ServingConfigError
 
 # VllmConfig attribute -> (the flag that sets it, why it cannot be served)
@@ -61,6 +62,11 @@ def refuse_unsupported(vllm_config) -> None:
         problems.append(
             f"--quantization {quantization} is not supported: the export's dtype decides the weights; "
             "drop the flag."
+        )
+    if uses_v2_model_runner(vllm_config):
+        problems.append(
+            "vLLM's model runner V2 is not supported (its scheduler resends resumed requests as new "
+            "ones): unset VLLM_USE_V2_MODEL_RUNNER or set it to 0."
         )
     if problems:
         raise ServingConfigError(" ".join(problems))
