@@ -1,6 +1,12 @@
-"""What one graph call per mixed step (`--mixed-step`) would save on Neuron: an analytic
-roofline, not a measurement. Llama-3.1-8B in bf16, TP=8 on trn1 (8 NeuronCore-v2 = 4 Trainium
-chips), B decode rows + one C-token chunk per mixed step.
+"""What one graph call per mixed step (`--mixed-step`) would save on Neuron, and what a paged
+KV cache (`--kv-cache-blocks`) costs a decode step: an analytic roofline, not a measurement.
+Llama-3.1-8B in bf16, TP=8 on trn1 (8 NeuronCore-v2 = 4 Trainium chips), B decode rows + one
+C-token chunk per mixed step.
+
+Paged TG: each row's blocks are gathered into a contiguous window before attention (the
+reference read every backend but cpu compiles, modeling/attention.py gather_blocks), so the
+step's KV crosses HBM three times (blocks read, the copy written, the copy read) where a slot
+export's attention reads each slot's cache once.
 
 Hardware (AWS Neuron docs, "Trainium Architecture"): a Trainium chip is 2 NeuronCore-v2 with
 190 BF16 TFLOPS and 820 GiB/s of HBM bandwidth. A graph's time is taken as
@@ -50,11 +56,12 @@ class Hardware:  # trn1, per NeuronCore-v2: half a chip
 
 
 def graph_ms(m: Model, hw: Hardware, tp: int, rows: int, lm_rows: int, attn_tokens: list[tuple[int, int]],
-             mfu: float, bw_eff: float) -> dict:  # fmt: skip
+             mfu: float, bw_eff: float, kv_passes: int = 1) -> dict:  # fmt: skip
     """One graph call on one core of a TP group: `rows` tokens through every layer, the LM head
-    on `lm_rows`, attention of (queries, keys attended) pairs."""
+    on `lm_rows`, attention of (queries, keys attended) pairs; the KV bytes cross HBM
+    `kv_passes` times."""
     weight_bytes = (m.layers * m.layer_params + m.hidden * m.vocab) * m.dtype_bytes / tp
-    kv_bytes = sum(keys for _, keys in attn_tokens) * m.kv_bytes_per_token() / tp
+    kv_bytes = kv_passes * sum(keys for _, keys in attn_tokens) * m.kv_bytes_per_token() / tp
     flops = 2 * rows * m.layers * m.layer_params / tp + 2 * lm_rows * m.hidden * m.vocab / tp
     flops += sum(4 * q * k * m.heads * m.head_dim * m.layers for q, k in attn_tokens) / tp
     memory_ms = (weight_bytes + kv_bytes) / (hw.gib_s * GIB * bw_eff) * 1e3
@@ -72,9 +79,16 @@ def project(
     tg = graph_ms(m, hw, tp, batch, batch, decodes, mfu, bw)
     cp = graph_ms(m, hw, tp, chunk, 1, [(chunk, context)], mfu, bw)
     fused = graph_ms(m, hw, tp, batch + chunk, batch + 1, decodes + [(chunk, context)], mfu, bw)
+    paged_tg = graph_ms(m, hw, tp, batch, batch, decodes, mfu, bw, kv_passes=3)
     separate = tg["ms"] + cp["ms"]
     return dict(
-        context=context, tg=tg, cp=cp, fused=fused, separate_ms=separate, saved=1 - fused["ms"] / separate
+        context=context,
+        tg=tg,
+        cp=cp,
+        fused=fused,
+        paged_tg=paged_tg,
+        separate_ms=separate,
+        saved=1 - fused["ms"] / separate,
     )
 
 
@@ -97,17 +111,19 @@ def main(argv: list[str] | None = None) -> int:
         for c in args.contexts.split(",")
     ]
     lines = [
-        f"# Mixed step on trn1, Llama-3.1-8B bf16 TP={args.tp}: TG + CP vs one fused graph (analytic)", "",
+        f"# Mixed step and paged TG on trn1, Llama-3.1-8B bf16 TP={args.tp} (analytic)", "",
         f"B={args.batch} decode rows + one {args.chunk}-token chunk; per NeuronCore-v2 {hw.tflops} TFLOPS, "
         f"{hw.gib_s} GiB/s; MFU {args.mfu}, bandwidth efficiency {args.bw}, all-reduce {hw.all_reduce_us} us.", "",
-        "| context | TG ms (weights+KV GiB/core) | CP ms (TFLOP/core) | TG + CP ms | fused ms | saved |",
-        "|---|---|---|---|---|---|",
+        "| context | TG ms (weights+KV GiB/core) | CP ms (TFLOP/core) | TG + CP ms | fused ms | saved "
+        "| paged TG ms (KV GiB/core, 3 passes) | paged / slot TG |",
+        "|---|---|---|---|---|---|---|---|",
     ]  # fmt: skip
     for r in rows:
         tg, cp = r["tg"], r["cp"]
         lines.append(
             f"| {r['context']} | {tg['ms']:.2f} ({tg['weights_gib'] + tg['kv_gib']:.2f}) | {cp['ms']:.2f} "
-            f"({cp['tflop']:.2f}) | {r['separate_ms']:.2f} | {r['fused']['ms']:.2f} | {r['saved']:.0%} |"
+            f"({cp['tflop']:.2f}) | {r['separate_ms']:.2f} | {r['fused']['ms']:.2f} | {r['saved']:.0%} "
+            f"| {r['paged_tg']['ms']:.2f} ({r['paged_tg']['kv_gib']:.2f}) | {r['paged_tg']['ms'] / tg['ms']:.2f}x |"
         )
     date = datetime.date.today().isoformat()
     out = HERE / "results" / f"neuron-projection-{date}"
