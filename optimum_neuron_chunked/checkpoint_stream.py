@@ -167,18 +167,6 @@ def _parameters_on_meta():
         nn.Module.register_parameter = register
 
 
-def weight_files(backend: str, config: NeuronConfig, single: str) -> tuple[list[WeightFile], bool]:
-    """The export's weight files and whether they hold a tied lm_head too: the neuron backend
-    stores rank r's shard in its own file with NxD's "model." prefix and an untied lm_head
-    (backends/neuron/backend.py save_weights); every other backend one unsharded file."""
-    if backend == "neuron":
-        return [
-            WeightFile(f"weights/tp{rank}_sharded_checkpoint.safetensors", rank, "model.")
-            for rank in range(config.tp_degree)
-        ], True
-    return [WeightFile(single, 0)], False
-
-
 def stream_weights(
     folder: Path,
     hf_config,
@@ -250,5 +238,4 @@ __all__ = [
     "empty_but_inlined",
     "hf_skeleton",
     "stream_weights",
-    "weight_files",
 ]

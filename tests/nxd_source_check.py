@@ -254,7 +254,7 @@ def check_compile(name: str, tp: int) -> list[str]:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from optimum_neuron_chunked.backends.neuron.backend import NeuronBackend
-    from optimum_neuron_chunked.checkpoint_stream import stream_weights, weight_files
+    from optimum_neuron_chunked.checkpoint_stream import stream_weights
     from optimum_neuron_chunked.graphs import example_inputs, graph_module, graph_specs
     from optimum_neuron_chunked.modeling import build_model, model_from_spec
 
@@ -294,7 +294,7 @@ def check_compile(name: str, tp: int) -> list[str]:
     quiet = _QuietStops()
     logging.getLogger("Neuron").addFilter(quiet)
     with tempfile.TemporaryDirectory() as out:
-        stream_weights(path, hf_config, config, meta, *weight_files("neuron", config, ""), Path(out))
+        stream_weights(path, hf_config, config, meta, *NeuronBackend().stream_targets(config), Path(out))
         try:
             NeuronBackend().compile(meta, config, specs, Path(out), on_graph)
         except ValueError as e:

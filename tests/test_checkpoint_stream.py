@@ -13,7 +13,7 @@ from fixtures.export_models import checkpoint_path
 from safetensors.torch import load_file, save_file
 
 from optimum_neuron_chunked import NeuronModelForCausalLM
-from optimum_neuron_chunked.checkpoint_stream import checkpoint_folder, stream_weights, weight_files
+from optimum_neuron_chunked.checkpoint_stream import checkpoint_folder, stream_weights
 from optimum_neuron_chunked.config import NeuronConfig, NeuronConfigError
 from optimum_neuron_chunked.export.pipeline import export
 from optimum_neuron_chunked.modeling import build_model, model_from_spec
@@ -68,7 +68,7 @@ def test_streamed_neuron_shards_equal_save_weights_at_tp2(family, tmp_path):
     (tmp_path / "old").mkdir()
     NeuronBackend().save_weights(decoder, config, tmp_path / "old")
     meta = model_from_spec(decoder.spec, config, device="meta")
-    files, tied = weight_files("neuron", config, "model.safetensors")
+    files, tied = NeuronBackend().stream_targets(config)
     stream_weights(checkpoint, hf_config, config, meta, files, tied, tmp_path / "new")
     for f in files:
         assert_same_tensors(load_file(tmp_path / "new" / f.path), load_file(tmp_path / "old" / f.path))

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from safetensors.torch import load_file, save_file
 
+from ..checkpoint_stream import WeightFile
 from ..config import NeuronConfig
 from ..graphs import GraphSpec
 from ..modeling import build_model
@@ -71,6 +72,20 @@ class Backend(ABC):
 
     def weight_files(self, config: NeuronConfig) -> list[str]:
         return [WEIGHTS_NAME]
+
+    def host_fields(self, instance_type: str | None) -> dict[str, str]:
+        """NeuronConfig fields the exporting host decides (the neuron target, the cpu's ISA)."""
+        return {}
+
+    def stream_targets(self, config: NeuronConfig) -> tuple[list[WeightFile], bool]:
+        """The files a streamed export writes the weights into, and whether they hold a tied
+        lm_head too (checkpoint_stream.stream_weights): one unsharded file by default."""
+        return [WeightFile(WEIGHTS_NAME, 0)], False
+
+    def streamed_model(self, decoder: DecoderModel, out_dir: Path) -> DecoderModel:
+        """The decoder (on the meta device, its weights streamed into `out_dir`) as `compile`
+        takes it: backends that compile no weights take it as it is."""
+        return decoder
 
     def graph_files(self, specs: list[GraphSpec]) -> list[str]:
         """Files (relative to the export folder) that a complete export of `specs` holds."""

@@ -18,15 +18,10 @@ from rich.console import Console
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
 from optimum_neuron_chunked.backends import Backend, default_backend, export_files, get_backend
-from optimum_neuron_chunked.backends.base import WEIGHTS_NAME
-from optimum_neuron_chunked.backends.cpu.host import host_cpu_capability
-from optimum_neuron_chunked.backends.neuron.target import resolve_instance_type
 from optimum_neuron_chunked.checkpoint_stream import (
     StreamUnsupportedError,
     checkpoint_folder,
-    empty_but_inlined,
     stream_weights,
-    weight_files,
 )
 from optimum_neuron_chunked.config import BACKENDS, EXPORT_OPTIONS, NeuronConfig
 from optimum_neuron_chunked.graphs import graph_specs
@@ -84,8 +79,7 @@ def export(
     config = NeuronConfig(
         **options,
         backend=backend,
-        instance_type=resolve_instance_type(instance_type) if backend == "neuron" else "",
-        cpu_isa=host_cpu_capability() if backend == "cpu" else "",
+        **impl.host_fields(instance_type),
         model_type=spec.model_type,
     )
     _check_shapes(hf_config, config)
@@ -180,13 +174,12 @@ def _export_weights(
     folder = checkpoint_folder(model) if weights == "stream" else None
     if folder is not None:
         decoder = model_from_spec(family_spec(hf_config), config, kernels=impl.kernels(config), device="meta")
-        files, tied = weight_files(config.backend, config, WEIGHTS_NAME)
         try:
-            stream_weights(folder, hf_config, config, decoder, files, tied, out)
+            stream_weights(folder, hf_config, config, decoder, *impl.stream_targets(config), out)
         except StreamUnsupportedError as e:
             console.print(f"[yellow]warning[/]: {e}; loading the whole model with transformers instead.")
         else:
-            return empty_but_inlined(decoder, out / WEIGHTS_NAME) if config.backend == "cpu" else decoder
+            return impl.streamed_model(decoder, out)
     elif weights == "stream":
         console.print(
             "[yellow]warning[/]: no safetensors checkpoint: loading the whole model with transformers."

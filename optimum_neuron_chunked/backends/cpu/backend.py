@@ -14,10 +14,11 @@ from pathlib import Path
 
 import torch
 
+from ...checkpoint_stream import empty_but_inlined
 from ...config import NeuronConfig
 from ...graphs import GraphSpec, example_inputs, graph_module
 from ...modeling.decoder import DecoderModel
-from ..base import GRAPHS_DIR, Backend, BackendUnavailableError, OnGraph
+from ..base import GRAPHS_DIR, WEIGHTS_NAME, Backend, BackendUnavailableError, OnGraph
 from .decode_attention import load_op
 from .host import host_cpu_capability
 from .kernels import CpuKernels, kernel_choices
@@ -76,6 +77,12 @@ def check_runs_here(config: NeuronConfig, host_isa: str | None = None) -> None:
 
 class CpuBackend(Backend):
     name = "cpu"
+
+    def host_fields(self, instance_type: str | None) -> dict[str, str]:
+        return {"cpu_isa": host_cpu_capability()}
+
+    def streamed_model(self, decoder: DecoderModel, out_dir: Path) -> DecoderModel:
+        return empty_but_inlined(decoder, out_dir / WEIGHTS_NAME)
 
     def kernels(self, config: NeuronConfig) -> CpuKernels:
         return CpuKernels(kernel_choices(config.cpu_isa or None), paged=config.paged)

@@ -17,6 +17,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from ...checkpoint_stream import WeightFile
 from ...config import NeuronConfig
 from ...graphs import GraphSpec, example_inputs, graph_module
 from ...modeling import model_from_spec
@@ -30,6 +31,7 @@ from .target import (
     host_core_count,
     require_neuron_device,
     require_neuron_sdk,
+    resolve_instance_type,
     visible_cores_env,
 )
 
@@ -61,6 +63,14 @@ class NeuronBackend(Backend):
 
     def weight_files(self, config: NeuronConfig) -> list[str]:
         return [f"weights/tp{rank}_sharded_checkpoint.safetensors" for rank in range(config.tp_degree)]
+
+    def host_fields(self, instance_type: str | None) -> dict[str, str]:
+        return {"instance_type": resolve_instance_type(instance_type)}
+
+    def stream_targets(self, config: NeuronConfig) -> tuple[list[WeightFile], bool]:
+        """Rank r's shard in its own file, with NxD's "model." prefix and an untied lm_head (as
+        save_weights writes them)."""
+        return [WeightFile(path, rank, PREFIX) for rank, path in enumerate(self.weight_files(config))], True
 
     def save_weights(self, model: DecoderModel, config: NeuronConfig, out_dir: Path) -> None:
         layout = ShardLayout.of(model.spec, config.tp_degree)
