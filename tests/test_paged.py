@@ -124,6 +124,17 @@ def test_sliding_window_layers_keep_every_position_in_blocks(hf_reference):
     assert model.generate(ids[None], max_new_tokens=10).tolist() == expected.tolist()
 
 
+def test_prompt_logprobs_of_a_paged_export_match_transformers(hf_reference):
+    """Every position's logits (--prompt-logprobs) through chunks over shuffled blocks."""
+    options = paged_options(prompt_logprobs=True)
+    model = NeuronModelForCausalLM.from_pretrained(export_with("llama", "eager", **options))
+    ids, blocks = prompt(37, seed=5), request_blocks(1)
+    got = torch.cat([model.prefill_positions(ids[s : s + C], s, blocks) for s in range(0, len(ids), C)])
+    with torch.no_grad():
+        want = hf_reference("llama")(ids[None]).logits[0]
+    torch.testing.assert_close(got, want, atol=LOGITS_TOLERANCE, rtol=0)
+
+
 @pytest.mark.slow
 def test_a_cpu_paged_export_compiles_and_matches_transformers(hf_reference):
     """AOTInductor: the block gather and scatter in the cpu backend's graphs (one bucket)."""
