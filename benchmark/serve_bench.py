@@ -58,6 +58,10 @@ class Setup:
     widths: tuple[int, ...] = ()  # CP widths of the chunked export; () = the chunk size alone
     decode_widths: tuple[int, ...] = ()  # TG widths (rows) of every export; () = the batch alone
     mixed_step: bool = False  # the chunked export has MX graphs (decodes + a chunk in one call)
+    # the paged export (engine_bench's `paged`): its decode rows and KV block size P; its pool
+    # holds the slot export's KV bytes (batch x seq positions)
+    paged_rows: int = 0
+    kv_block_size: int = 0
 
 
 FULL = Setup(
@@ -78,6 +82,9 @@ FULL = Setup(
     w1=dict(streams=4, long_prompt=3072, stream_tokens=400, warmup_s=3.0),
     w2=dict(requests=64, lengths=(128, 2048), out_tokens=128, concurrency=8),
     contenders=("std", "chunked", "chunked-whole", "native", "native-budget"),
+    # P = 128: divides every bucket (512-4096) and C, vLLM's CPU engine's default block size
+    paged_rows=32,
+    kv_block_size=128,
 )
 QUICK = Setup(
     model=dict(
@@ -97,6 +104,8 @@ QUICK = Setup(
     w1=dict(streams=3, long_prompt=384, stream_tokens=60, warmup_s=1.0),
     w2=dict(requests=8, lengths=(32, 256), out_tokens=16, concurrency=4),
     contenders=("std", "chunked"),
+    paged_rows=16,
+    kv_block_size=64,
 )
 
 
@@ -138,26 +147,41 @@ def describe(setup: Setup) -> str:
     return shape + (" mixed steps" if setup.mixed_step else "")
 
 
+def paged_shape(setup: Setup) -> dict:
+    """The paged export's options: `paged_rows` decode rows (TG widths: the slot export's, and
+    the rows), a pool of `kv_block_size` blocks holding batch x seq positions."""
+    rows, size = setup.paged_rows, setup.kv_block_size
+    widths = sorted({w for w in setup.decode_widths or (setup.batch,) if w < rows} | {rows})
+    return dict(batch_size=rows, decode_widths=tuple(widths), kv_block_size=size,
+                kv_cache_blocks=setup.batch * setup.seq // size)  # fmt: skip
+
+
 def exports(setup: Setup, work: Path, kinds=("std", "chunked")) -> tuple[Path, dict[str, Path], dict]:
-    """The bench checkpoint and its exports (cached under `work`, keyed by shapes and graph code)."""
+    """The bench checkpoint and its exports (cached under `work`, keyed by shapes and graph code).
+    Kinds: std, chunked, paged (chunked with a pool of KV blocks, `paged_shape`)."""
     from optimum_neuron_chunked.export.pipeline import export
 
     ckpt = build_checkpoint("bench", work / "checkpoint", config={**COMMON, **setup.model})
     folders, info = {}, {}
     for kind in kinds:
-        chunk = setup.chunk if kind == "chunked" else 0
+        chunk = setup.chunk if kind in ("chunked", "paged") else 0
         # keyed by the graph code too: a cached export of older model code is not reused
-        widths = setup.widths if kind == "chunked" else ()
+        widths = setup.widths if chunk else ()
         mixed = setup.mixed_step and kind == "chunked"
-        tags = (("b", setup.buckets), ("w", widths), ("r", setup.decode_widths))
+        options = dict(batch_size=setup.batch, decode_widths=setup.decode_widths)
+        if kind == "paged":
+            options = paged_shape(setup)
+        tags = (("b", setup.buckets), ("w", widths), ("r", options["decode_widths"]))
         shape = "".join(f"-{tag}{'.'.join(map(str, v))}" for tag, v in tags if v) + ("-mx" if mixed else "")
-        out = work / f"{kind}-{setup.batch}x{setup.seq}x{chunk}{shape}-{setup.backend}-{code_key()}"
+        if kind == "paged":
+            shape += f"-p{options['kv_block_size']}x{options['kv_cache_blocks']}"
+        out = work / f"{kind}-{options['batch_size']}x{setup.seq}x{chunk}{shape}-{setup.backend}-{code_key()}"
         started = time.perf_counter()
         if not (out / "neuron_config.json").is_file():
-            export(str(ckpt), out, batch_size=setup.batch, sequence_length=setup.seq,
+            export(str(ckpt), out, sequence_length=setup.seq,
                    prefill_chunk_size=chunk, backend=setup.backend, overwrite=True,
                    context_buckets=setup.buckets, prefill_widths=widths,
-                   decode_widths=setup.decode_widths, mixed_step=mixed)  # fmt: skip
+                   mixed_step=mixed, **options)  # fmt: skip
             info[kind] = {"export_s": round(time.perf_counter() - started, 1)}
         else:
             info[kind] = {"export_s": None}  # cached: see the results file of the run that built it
