@@ -370,6 +370,22 @@ def test_neuron_backend_without_sdk_says_so(tmp_path, extra):
     assert list(tmp_path.iterdir()) == []
 
 
+def test_an_instance_type_without_the_neuron_backend_is_refused_by_name(tmp_path):
+    from optimum_neuron_chunked.config import NeuronConfigError
+    from optimum_neuron_chunked.export.pipeline import export
+
+    with pytest.raises(NeuronConfigError, match="--instance_type"):
+        export(
+            str(checkpoint_path("llama")),
+            tmp_path / "out",
+            batch_size=1,
+            sequence_length=64,
+            backend="eager",
+            instance_type="trn1",
+        )
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_export_without_on_device_sampling_samples_on_the_host(tmp_path, hf_reference):
     import torch
 

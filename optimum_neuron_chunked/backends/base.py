@@ -74,8 +74,9 @@ class Backend(ABC):
         return [WEIGHTS_NAME]
 
     def host_fields(self, instance_type: str | None) -> dict[str, str]:
-        """NeuronConfig fields the exporting host decides (the neuron target, the cpu's ISA)."""
-        return {}
+        """NeuronConfig fields the exporting host decides (the neuron target, the cpu's ISA). An
+        instance type given for another backend goes to the config, which refuses it by name."""
+        return {"instance_type": instance_type} if instance_type else {}
 
     def stream_targets(self, config: NeuronConfig) -> tuple[list[WeightFile], bool]:
         """The files a streamed export writes the weights into, and whether they hold a tied

@@ -79,7 +79,7 @@ class CpuBackend(Backend):
     name = "cpu"
 
     def host_fields(self, instance_type: str | None) -> dict[str, str]:
-        return {"cpu_isa": host_cpu_capability()}
+        return {**super().host_fields(instance_type), "cpu_isa": host_cpu_capability()}
 
     def streamed_model(self, decoder: DecoderModel, out_dir: Path) -> DecoderModel:
         return empty_but_inlined(decoder, out_dir / WEIGHTS_NAME)
