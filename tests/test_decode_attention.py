@@ -44,6 +44,28 @@ def test_decode_attention_equals_the_masked_softmax(heads, kv_heads, head_dim):
     torch.testing.assert_close(stale, got[1:2])
 
 
+def test_decode_attention_reads_block_tables_in_place():
+    """Paged caches: each row reads its blocks in table order, up to its length (a partial last
+    block; the table's entries past it - here the null block 0 - never read), shared blocks and
+    a padded row repeating a real one: equal to the same rows laid out as slots."""
+    torch.manual_seed(0)
+    block, kv_heads, heads, head_dim = 16, 2, 4, 32
+    pool_k, pool_v = torch.randn(9, kv_heads, block, head_dim), torch.randn(9, kv_heads, block, head_dim)
+    tables = torch.tensor([[3, 1, 7, 0], [5, 0, 0, 0], [3, 1, 2, 8], [5, 0, 0, 0]])
+    lengths = torch.tensor([40, 16, 64, 16])
+    query = torch.randn(4, heads, head_dim)
+    query[3] = query[1]
+
+    def as_slots(pool):
+        return pool[tables].transpose(1, 2).reshape(4, kv_heads, 4 * block, head_dim)
+
+    got = decode_attention(query, pool_k, pool_v, tables, lengths, 0.3)
+    want = reference(query, as_slots(pool_k), as_slots(pool_v), torch.arange(4), lengths, 0.3)
+    torch.testing.assert_close(got, want)
+    pool_k[0] = pool_v[0] = float("nan")
+    torch.testing.assert_close(decode_attention(query, pool_k, pool_v, tables, lengths, 0.3), got)
+
+
 @pytest.mark.parametrize("slot, length", [(3, 5), (-1, 5), (0, 0), (0, 41)])
 def test_decode_attention_refuses_a_row_outside_the_cache(slot, length):
     caches = torch.zeros(3, 2, 40, 8)

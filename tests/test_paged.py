@@ -7,11 +7,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-from fixtures.export_models import export_with
+from fixtures.export_models import checkpoint_path, export_with
 from helpers import prompt
+from transformers import AutoConfig
 
 from optimum_neuron_chunked import NeuronModelForCausalLM
-from optimum_neuron_chunked.modeling import build_model
+from optimum_neuron_chunked.backends.cpu.kernels import CpuKernels, KernelChoices
+from optimum_neuron_chunked.config import NeuronConfig
+from optimum_neuron_chunked.modeling import build_model, model_from_spec
+from optimum_neuron_chunked.modeling.kernels import Kernels
 
 P, C, S, BUCKETS = 8, 16, 64, (32, 64)  # blocks of 8, chunks of 16: every chunk spans two blocks
 POOL = 4 * (S // P)  # four whole sequences
@@ -157,3 +161,47 @@ def test_a_cpu_paged_export_compiles_and_matches_transformers(hf_reference):
         for i, name in enumerate(names):
             assert int(tokens[i]) == check(hf, logits[i], seqs[name])
             seqs[name] = torch.cat([seqs[name], tokens[i : i + 1]])
+
+
+@pytest.mark.parametrize(
+    "choices",
+    [
+        KernelChoices(live_window=True, paged_decode_op=True),  # the decode op, masked-softmax chunks
+        KernelChoices(live_window=True, sdpa_prefill_from_window=1, onednn_chunk_attention_from_window=32),
+    ],
+    ids=["decode-op", "sdpa-onednn"],
+)
+def test_cpu_paged_reads_equal_the_reference(choices):
+    """The cpu backend's paged reads - decode rows reading their blocks in place (the C++ op),
+    chunks gathering only their live blocks - give the reference's hidden states. Exact reads
+    (the op's rows, a chunk's one row) read nothing past their row's context: the null block and
+    the table's tail may then hold NaN (reads up to the longest row need them finite, as the
+    reference's whole-bucket reads do)."""
+    config = NeuronConfig(backend="eager", **paged_options())
+    spec = build_model(AutoConfig.from_pretrained(checkpoint_path("llama")), config).spec
+    torch.manual_seed(0)
+    models = [
+        model_from_spec(spec, config, kernels=k).eval() for k in (Kernels(), CpuKernels(choices, paged=True))
+    ]
+    models[1].load_state_dict(models[0].state_dict())
+    caches = [
+        (cache, models[1].get_buffer(name)) for name, cache in models[0].named_buffers() if "cache" in name
+    ]
+    short = request_blocks(1)[:3] + [0] * 5  # row 1: 24 positions in 3 blocks, then the null block
+    tables = torch.tensor([request_blocks(0), short, request_blocks(0)])
+    decode = (torch.tensor([[3], [4], [3]]), torch.tensor([[50], [20], [50]]), tables, True)
+    chunk = (torch.arange(5, 5 + C)[None], torch.arange(8, 8 + C)[None], tables[1:2], False)
+    with torch.no_grad():
+        for (ids, positions, seq_ids, one_row), exact in ((decode, choices.paged_decode_op), (chunk, True)):
+            for cache, twin in caches:  # written contexts, the null block zeros (as vLLM's pool)
+                twin.copy_(cache.copy_(torch.randn_like(cache)))
+                twin[0], cache[0] = 0.0, 0.0
+            want, got = (
+                m.hidden_states(ids, positions, seq_ids, S, one_row_per_slot=one_row) for m in models
+            )
+            torch.testing.assert_close(got, want)
+            if exact:
+                for _, twin in caches:
+                    twin[0], twin[request_blocks(1)[3:]] = float("nan"), float("nan")
+                again = models[1].hidden_states(ids, positions, seq_ids, S, one_row_per_slot=one_row)
+                torch.testing.assert_close(again, got)

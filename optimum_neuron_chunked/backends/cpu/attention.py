@@ -1,7 +1,7 @@
 """The cpu backend's attention paths (kernels.KernelChoices): where they differ from the
 reference (modeling/attention.py) is only in what they read and which core computes - views of
-a slot up to its live length instead of gathered bucket windows, and SDPA or a custom op
-instead of the masked softmax. Each falls back to the reference's pieces where it does not
+a slot (or a row's blocks) up to its live length instead of gathered bucket windows, and SDPA
+or a custom op instead of the masked softmax. Each falls back to the reference's pieces where it does not
 apply (rings, sliding windows, sinks, other dtypes)."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ...modeling.attention import Attention, GraphPart, attention_mask
+from ...modeling.attention import Attention, GraphPart, attention_mask, gather_blocks
 from .chunk_attention import chunk_attention
 from .decode_attention import decode_attention
 
@@ -17,25 +17,68 @@ from .decode_attention import decode_attention
 def attend(choices, attention: Attention, part: GraphPart, q, k_cache, v_cache) -> torch.Tensor:
     """One part's queries [N, Hq, T, D] over its slots -> [N, Hq, T, D] (Kernels.attend)."""
     position_ids, read = part.position_ids, part.read
-    n, t = position_ids.shape
-    window, live = attention.read_extent(read)
-    sdpa_from = choices.sdpa_decode_from_window if part.one_row_per_slot else choices.sdpa_prefill_from_window
-    # none for gpt-oss: its sinks join the softmax, where SDPA has no place for them
-    use_sdpa = attention.sinks is None and sdpa_from is not None and window >= sdpa_from
-    core = _sdpa(attention) if use_sdpa else attention.masked_softmax
+    t = position_ids.shape[1]
+    live = attention.read_extent(read)[1]
     if part.one_row_per_slot:
-        if t == 1 and choices.decode_attention_op and attention.plain_causal and q.dtype == torch.float32:
-            lengths = position_ids[:, 0] + 1
-            out = decode_attention(q[:, :, 0], k_cache, v_cache, part.seq_ids, lengths, attention.scale)
+        if t == 1 and choices.decode_attention_op and _plain_fp32(attention, q):
+            out = decode_attention(
+                q[:, :, 0], k_cache, v_cache, part.seq_ids, position_ids[:, 0] + 1, attention.scale
+            )
             return out[:, :, None]
+        core = _core(choices, attention, part)
         if read.rows is not None and attention.ring is None:
             return _attend_per_row(attention, q, k_cache, v_cache, position_ids, read.rows, core)
         return attention.attend_in_slot_order(q, k_cache, v_cache, part, live, core)
     keys, values = _row_windows(k_cache, v_cache, part.seq_ids, read.slot, live)
+    return _attend_windows(choices, attention, part, q, keys, values)
+
+
+def attend_paged(choices, attention: Attention, part: GraphPart, q, k_pool, v_pool) -> torch.Tensor:
+    """Kernels.attend of a paged model (part.seq_ids: block tables [N, W / P]): decode rows
+    through the decode op, reading blocks in place; other reads gather the blocks holding the
+    live context (read.live positions: every row's with live_window), not the bucket's."""
+    position_ids = part.position_ids
+    if (
+        part.one_row_per_slot
+        and position_ids.shape[1] == 1
+        and choices.paged_decode_op
+        and _plain_fp32(attention, q)
+    ):
+        out = decode_attention(
+            q[:, :, 0], k_pool, v_pool, part.seq_ids, position_ids[:, 0] + 1, attention.scale
+        )
+        return out[:, :, None]
+    blocks = (part.read.live + attention.block_size - 1) // attention.block_size
+    torch._check(blocks <= part.seq_ids.shape[1])
+    tables = part.seq_ids[:, :blocks]
+    keys, values = gather_blocks(k_pool, tables), gather_blocks(v_pool, tables)
+    return _attend_windows(choices, attention, part, q, keys, values)
+
+
+def _plain_fp32(attention: Attention, q: torch.Tensor) -> bool:
+    """What the C++ decode op computes: plain causal layers in fp32."""
+    return attention.plain_causal and q.dtype == torch.float32
+
+
+def _core(choices, attention: Attention, part: GraphPart):
+    """SDPA from the choice's window on (none for gpt-oss: its sinks join the softmax, where
+    SDPA has no place for them), else the reference's masked softmax."""
+    window = attention.read_extent(part.read)[0]
+    sdpa_from = choices.sdpa_decode_from_window if part.one_row_per_slot else choices.sdpa_prefill_from_window
+    use_sdpa = attention.sinks is None and sdpa_from is not None and window >= sdpa_from
+    return _sdpa(attention) if use_sdpa else attention.masked_softmax
+
+
+def _attend_windows(choices, attention: Attention, part: GraphPart, q, keys, values) -> torch.Tensor:
+    """A part's queries over each row's window read from position 0 (a ring: its whole ring),
+    keys / values [N, Hkv, W, D]: the oneDNN chunk op for one wide plain causal chunk, else
+    the part's core."""
+    position_ids, window = part.position_ids, attention.read_extent(part.read)[0]
     onednn_from = choices.onednn_chunk_attention_from_window if attention.plain_causal else None
-    if onednn_from is not None and window >= onednn_from and n == 1:  # keys from position 0
+    if not part.one_row_per_slot and onednn_from is not None and window >= onednn_from and q.shape[0] == 1:
         return chunk_attention(q[0], keys[0], values[0], position_ids[0], attention.scale)[None]
-    return core(q, keys, values, position_ids, attention.key_positions(position_ids, live))
+    core = _core(choices, attention, part)
+    return core(q, keys, values, position_ids, attention.key_positions(position_ids, keys.shape[2]))
 
 
 def _sdpa(attention: Attention):

@@ -113,7 +113,7 @@ class CpuBackend(Backend):
         check_runs_here(config)
         keep_freed_heap()
         kernels = self.kernels(config)
-        if kernels.choices.decode_attention_op:
+        if kernels.calls_decode_op:
             load_op()  # its graphs call the op through AOTInductor's proxy executor
         constants = self.torch_model(hf_config, config, export_dir).constants()
         graphs = {}

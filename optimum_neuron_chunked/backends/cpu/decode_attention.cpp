@@ -1,4 +1,5 @@
-// Decode attention over each row's own slot and length, fp32 (see decode_attention.py).
+// Decode attention over each row's own blocks and length, fp32 (see decode_attention.py). A slot
+// cache is a pool of one block per slot: its rows' tables hold one entry each.
 //
 // A decode step is bound by reading the live K/V once. Per (row, KV head) this reads the keys
 // once for all G query heads of the group (scores into a G x length buffer that stays in
@@ -30,9 +31,10 @@ constexpr int64_t kLanes = 8;  // one AVX2 register of floats: the compiler vect
 constexpr int64_t kKeys = 4;   // keys per step of the score loop: independent accumulators
 static_assert(kKeys == 4, "weighted_values unrolls four value rows by hand");
 
-// s[g * length + j] = scale * <q_g, k_j> for the G query heads q (G x D) and j < length; each
+// s[g * stride + j] = scale * <q_g, k_j> for the G query heads q (G x D) and j < length; each
 // block of keys is read from memory once for all G heads.
-void scores(const float* q, int64_t G, const float* k, int64_t length, int64_t D, float scale, float* s) {
+void scores(const float* q, int64_t G, const float* k, int64_t length, int64_t D, float scale, float* s,
+            int64_t stride) {
   const int64_t body = D - D % kLanes;
   auto dot = [&](const float* qg, const float* kj) {  // one key: the tail of the blocks below
     float sum = 0.f;
@@ -52,12 +54,12 @@ void scores(const float* q, int64_t G, const float* k, int64_t length, int64_t D
         float sum = 0.f;
         for (int64_t d = body; d < D; ++d) sum += qg[d] * kj[r * D + d];
         for (int64_t l = 0; l < kLanes; ++l) sum += acc[r][l];
-        s[g * length + j + r] = sum * scale;
+        s[g * stride + j + r] = sum * scale;
       }
     }
   }
   for (; j < length; ++j)
-    for (int64_t g = 0; g < G; ++g) s[g * length + j] = dot(q + g * D, k + j * D) * scale;
+    for (int64_t g = 0; g < G; ++g) s[g * stride + j] = dot(q + g * D, k + j * D) * scale;
 }
 
 #ifdef ONC_AVX2
@@ -77,7 +79,8 @@ inline float horizontal_sum(__m256 a) {
 // scores() for heads g0 .. g0 + HB - 1 and D % 8 == 0: 8 accumulators, one per (head, key) of
 // a block of 8 / HB keys, reduced together; the keys' vectors are loaded once for the HB heads.
 template <int HB>
-void scores_avx2(const float* q, int64_t g0, const float* k, int64_t length, int64_t D, float scale, float* s) {
+void scores_avx2(const float* q, int64_t g0, const float* k, int64_t length, int64_t D, float scale, float* s,
+                 int64_t stride) {
   constexpr int KB = 8 / HB;
   const __m256 factor = _mm256_set1_ps(scale);
   int64_t j = 0;
@@ -94,10 +97,10 @@ void scores_avx2(const float* q, int64_t g0, const float* k, int64_t length, int
     }
     const __m256 sums = _mm256_mul_ps(horizontal_sums(acc), factor);
     if constexpr (HB == 2) {
-      _mm_storeu_ps(s + g0 * length + j, _mm256_castps256_ps128(sums));
-      _mm_storeu_ps(s + (g0 + 1) * length + j, _mm256_extractf128_ps(sums, 1));
+      _mm_storeu_ps(s + g0 * stride + j, _mm256_castps256_ps128(sums));
+      _mm_storeu_ps(s + (g0 + 1) * stride + j, _mm256_extractf128_ps(sums, 1));
     } else {
-      _mm256_storeu_ps(s + g0 * length + j, sums);
+      _mm256_storeu_ps(s + g0 * stride + j, sums);
     }
   }
   for (; j < length; ++j)
@@ -105,17 +108,17 @@ void scores_avx2(const float* q, int64_t g0, const float* k, int64_t length, int
       __m256 acc = _mm256_setzero_ps();
       for (int64_t d = 0; d < D; d += 8)
         acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + (g0 + h) * D + d), _mm256_loadu_ps(k + j * D + d), acc);
-      s[(g0 + h) * length + j] = horizontal_sum(acc) * scale;
+      s[(g0 + h) * stride + j] = horizontal_sum(acc) * scale;
     }
 }
 
-// out[g] = sum_j p[g * length + j] * v_j for D % (8 * NV) == 0: blocks of value rows small
+// out[g] += sum_j p[g * stride + j] * v_j for D % (8 * NV) == 0: blocks of value rows small
 // enough for L1, read from memory once and then once per head from cache; NV accumulators
 // hold 8 * NV output dims of one head.
 template <int NV>
-void weighted_values_avx2(const float* p, int64_t G, const float* v, int64_t length, int64_t D, float* out) {
+void weighted_values_avx2(const float* p, int64_t G, const float* v, int64_t length, int64_t D, float* out,
+                          int64_t stride) {
   constexpr int64_t kBlock = 64;  // value rows per block: 16 KB at D = 64
-  std::fill(out, out + G * D, 0.f);
   for (int64_t j0 = 0; j0 < length; j0 += kBlock) {
     const int64_t j1 = std::min(length, j0 + kBlock);
     for (int64_t g = 0; g < G; ++g)
@@ -124,7 +127,7 @@ void weighted_values_avx2(const float* p, int64_t G, const float* v, int64_t len
         __m256 acc[NV];
         for (int i = 0; i < NV; ++i) acc[i] = _mm256_loadu_ps(og + 8 * i);
         for (int64_t j = j0; j < j1; ++j) {
-          const __m256 pj = _mm256_broadcast_ss(p + g * length + j);
+          const __m256 pj = _mm256_broadcast_ss(p + g * stride + j);
           for (int i = 0; i < NV; ++i) acc[i] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(v + j * D + d0 + 8 * i), acc[i]);
         }
         for (int i = 0; i < NV; ++i) _mm256_storeu_ps(og + 8 * i, acc[i]);
@@ -146,15 +149,15 @@ void softmax(float* s, int64_t length) {
   for (int64_t j = 0; j < length; ++j) s[j] *= inv;
 }
 
-// out[g] = sum_j p[g * length + j] * v_j for the G heads (out: G x D); each block of value
+// out[g] += sum_j p[g * stride + j] * v_j for the G heads (out: G x D); each block of value
 // rows is read from memory once for all G heads.
-void weighted_values(const float* p, int64_t G, const float* v, int64_t length, int64_t D, float* out) {
-  std::fill(out, out + G * D, 0.f);
+void weighted_values(const float* p, int64_t G, const float* v, int64_t length, int64_t D, float* out,
+                     int64_t stride) {
   int64_t j = 0;
   for (; j + kKeys <= length; j += kKeys) {
     const float* vj = v + j * D;
     for (int64_t g = 0; g < G; ++g) {
-      const float* pg = p + g * length + j;
+      const float* pg = p + g * stride + j;
       float* og = out + g * D;
       for (int64_t d = 0; d < D; ++d)
         og[d] += pg[0] * vj[d] + pg[1] * vj[D + d] + pg[2] * vj[2 * D + d] + pg[3] * vj[3 * D + d];
@@ -162,56 +165,65 @@ void weighted_values(const float* p, int64_t G, const float* v, int64_t length, 
   }
   for (; j < length; ++j)
     for (int64_t g = 0; g < G; ++g)
-      for (int64_t d = 0; d < D; ++d) out[g * D + d] += p[g * length + j] * v[j * D + d];
+      for (int64_t d = 0; d < D; ++d) out[g * D + d] += p[g * stride + j] * v[j * D + d];
 }
 
 // The group's scores and weighted values: the AVX2 loops where the head size allows them.
-void group_scores(const float* q, int64_t G, const float* k, int64_t length, int64_t D, float scale, float* s) {
+// `length` keys or values of one block; score rows `stride` apart.
+void group_scores(const float* q, int64_t G, const float* k, int64_t length, int64_t D, float scale, float* s,
+                  int64_t stride) {
 #ifdef ONC_AVX2
   if (D % 8 == 0) {
     int64_t g = 0;
-    for (; g + 2 <= G; g += 2) scores_avx2<2>(q, g, k, length, D, scale, s);
-    if (g < G) scores_avx2<1>(q, g, k, length, D, scale, s);
+    for (; g + 2 <= G; g += 2) scores_avx2<2>(q, g, k, length, D, scale, s, stride);
+    if (g < G) scores_avx2<1>(q, g, k, length, D, scale, s, stride);
     return;
   }
 #endif
-  scores(q, G, k, length, D, scale, s);
+  scores(q, G, k, length, D, scale, s, stride);
 }
 
-void group_values(const float* p, int64_t G, const float* v, int64_t length, int64_t D, float* out) {
+void group_values(const float* p, int64_t G, const float* v, int64_t length, int64_t D, float* out,
+                  int64_t stride) {
 #ifdef ONC_AVX2
-  if (D % 64 == 0) return weighted_values_avx2<8>(p, G, v, length, D, out);
-  if (D % 32 == 0) return weighted_values_avx2<4>(p, G, v, length, D, out);
+  if (D % 64 == 0) return weighted_values_avx2<8>(p, G, v, length, D, out, stride);
+  if (D % 32 == 0) return weighted_values_avx2<4>(p, G, v, length, D, out, stride);
 #endif
-  weighted_values(p, G, v, length, D, out);
+  weighted_values(p, G, v, length, D, out, stride);
 }
 
-// query [N, Hq, D]; caches [slots, Hkv, S, D] (positions contiguous); slots, lengths [N] int64
-// -> [N, Hq, D]. Row n attends over the first lengths[n] positions of slot slots[n]; query
-// head h reads KV head h / (Hq / Hkv), as transformers' repeat_kv.
+// query [N, Hq, D]; caches [blocks, Hkv, P, D] (positions contiguous); tables [N, M] (or [N]:
+// one block each, a slot cache), lengths [N] -> [N, Hq, D]. Row n attends over its positions
+// 0 .. lengths[n] - 1, position p at offset p % P of block tables[n][p / P]; query head h reads
+// KV head h / (Hq / Hkv), as transformers' repeat_kv.
 at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
                             const at::Tensor& slots, const at::Tensor& lengths, double scale) {
+  const at::Tensor& tables = slots;
   TORCH_CHECK(query.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
-              "decode_attention: query [N, Hq, D] and caches [slots, Hkv, S, D] expected");
+              "decode_attention: query [N, Hq, D] and caches [blocks, Hkv, P, D] expected");
   TORCH_CHECK(query.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kFloat &&
                   v_cache.scalar_type() == at::kFloat,
               "decode_attention: fp32 only");
   const int64_t N = query.size(0), Hq = query.size(1), D = query.size(2);
-  const int64_t Hkv = k_cache.size(1), S = k_cache.size(2);
+  const int64_t Hkv = k_cache.size(1), P = k_cache.size(2);
   TORCH_CHECK(k_cache.size(3) == D && Hq % Hkv == 0, "decode_attention: head shapes disagree");
   for (const auto* cache : {&k_cache, &v_cache})
     TORCH_CHECK(cache->stride(3) == 1 && cache->stride(2) == D, "decode_attention: cache positions must be contiguous");
-  const auto slot_ids = slots.to(at::kLong).contiguous(), live = lengths.to(at::kLong).contiguous();
-  TORCH_CHECK(slot_ids.numel() == N && live.numel() == N, "decode_attention: one slot and length per row");
-  const int64_t* slot_of = slot_ids.data_ptr<int64_t>();
+  const auto table = tables.to(at::kLong).reshape({N, -1}).contiguous(), live = lengths.to(at::kLong).contiguous();
+  TORCH_CHECK(tables.size(0) == N && live.numel() == N, "decode_attention: one block table and length per row");
+  const int64_t M = table.size(1);
+  const int64_t* table_of = table.data_ptr<int64_t>();
   const int64_t* length_of = live.data_ptr<int64_t>();
-  for (int64_t n = 0; n < N; ++n)
-    TORCH_CHECK(slot_of[n] >= 0 && slot_of[n] < k_cache.size(0) && length_of[n] >= 1 && length_of[n] <= S,
-                "decode_attention: row ", n, " has slot ", slot_of[n], " and length ", length_of[n],
-                " outside the cache [", k_cache.size(0), ", ", S, "]");
+  for (int64_t n = 0; n < N; ++n) {
+    TORCH_CHECK(length_of[n] >= 1 && length_of[n] <= M * P, "decode_attention: row ", n, " has length ",
+                length_of[n], " outside the cache's ", M, " blocks of ", P, " positions");
+    for (int64_t b = 0; b * P < length_of[n]; ++b)
+      TORCH_CHECK(table_of[n * M + b] >= 0 && table_of[n * M + b] < k_cache.size(0), "decode_attention: row ", n,
+                  " reads block ", table_of[n * M + b], " outside the cache's ", k_cache.size(0), " blocks");
+  }
 
   const auto q = query.contiguous();
-  auto out = at::empty({N, Hq, D}, query.options());
+  auto out = at::zeros({N, Hq, D}, query.options());
   const int64_t G = Hq / Hkv;
   const float* qp = q.data_ptr<float>();
   const float* kp = k_cache.data_ptr<float>();
@@ -228,12 +240,20 @@ at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& k_cache, 
     std::vector<float> s;
     for (int64_t taken = next++; taken < N * Hkv; taken = next++) {
       const int64_t i = order[taken], n = i / Hkv, h = i % Hkv, length = length_of[n];
-      const float* k = kp + slot_of[n] * k_cache.stride(0) + h * k_cache.stride(1);
-      const float* v = vp + slot_of[n] * v_cache.stride(0) + h * v_cache.stride(1);
+      const float* qg = qp + (n * Hq + h * G) * D;
+      float* og = op + (n * Hq + h * G) * D;
       s.resize(G * length);
-      group_scores(qp + (n * Hq + h * G) * D, G, k, length, D, static_cast<float>(scale), s.data());
+      for (int64_t start = 0; start < length; start += P) {
+        const int64_t block = table_of[n * M + start / P], count = std::min(P, length - start);
+        const float* k = kp + block * k_cache.stride(0) + h * k_cache.stride(1);
+        group_scores(qg, G, k, count, D, static_cast<float>(scale), s.data() + start, length);
+      }
       for (int64_t g = 0; g < G; ++g) softmax(s.data() + g * length, length);
-      group_values(s.data(), G, v, length, D, op + (n * Hq + h * G) * D);
+      for (int64_t start = 0; start < length; start += P) {
+        const int64_t block = table_of[n * M + start / P], count = std::min(P, length - start);
+        const float* v = vp + block * v_cache.stride(0) + h * v_cache.stride(1);
+        group_values(s.data() + start, G, v, count, D, og, length);
+      }
     }
   });
   return out;
@@ -242,6 +262,7 @@ at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& k_cache, 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(optimum_neuron_chunked, m) {
+  // `slots`: the block tables (the name of the slot-only op, kept: compiled graphs call it by schema)
   m.def("decode_attention(Tensor query, Tensor k_cache, Tensor v_cache, Tensor slots, Tensor lengths, float scale) -> Tensor");
 }
 

@@ -1,7 +1,7 @@
 """Decode attention as a C++ op (cpu backend only, kernels.decode_attention_op).
 
-A decode step (TG: one query row per slot) reads each row's live K/V once; that read is the
-step's cost. ATen's bmm with the 2 query heads of a KV group as its rows runs MKL sgemm far
+A decode step (TG: one query row per slot or per block table) reads each row's live K/V once;
+that read is the step's cost. ATen's bmm with the 2 query heads of a KV group as its rows runs MKL sgemm far
 from the memory stream, so the op (decode_attention.cpp) reads each block of keys and values
 once for the group, with the softmax in between, one call a layer for all rows.
 
@@ -49,7 +49,7 @@ def load_op() -> None:
     _loaded = True
 
 
-def _shape(query, k_cache, v_cache, slots, lengths, scale):
+def _shape(query, k_cache, v_cache, tables, lengths, scale):
     return query.new_empty(query.shape)
 
 
@@ -57,13 +57,15 @@ def decode_attention(
     query: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
-    slots: torch.Tensor,
+    tables: torch.Tensor,
     lengths: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
-    """query [N, Hq, D] (one row per slot), caches [slots, Hkv, S, D], slots / lengths [N]
-    -> [N, Hq, D]: row n over the first lengths[n] positions of slot slots[n]. Query head h
-    reads KV head h // (Hq / Hkv), as transformers' repeat_kv. Padded rows repeat a real row:
-    the same result, computed twice. fp32."""
+    """query [N, Hq, D] (one decode row each), lengths [N] -> [N, Hq, D]: row n over its
+    positions 0 .. lengths[n] - 1, read in place. Paged: caches [blocks, Hkv, P, D], block
+    tables [N, M], position p at offset p % P of block tables[n, p // P]. Slots: caches
+    [slots, Hkv, S, D], tables = the rows' slots [N] (one block of S positions each).
+    Query head h reads KV head h // (Hq / Hkv), as transformers' repeat_kv. Padded rows repeat
+    a real row: the same result, computed twice. fp32."""
     load_op()
-    return torch.ops.optimum_neuron_chunked.decode_attention(query, k_cache, v_cache, slots, lengths, scale)
+    return torch.ops.optimum_neuron_chunked.decode_attention(query, k_cache, v_cache, tables, lengths, scale)

@@ -53,6 +53,11 @@ exactly the reference; tests turn the flags on one by one against it.
   2-4 query heads as its rows; TG graphs also compile without per-row unrolling. AVX2 hosts
   only (not measured with AVX-512, where bmm stays); rings, sliding windows, sinks and other
   dtypes keep the choices above.
+- paged_decode_op: decode rows of paged exports (--kv-cache-blocks) run plain causal fp32 layers
+  through the same op, reading each row's blocks in place up to its own position, on every ISA:
+  the reference gathers every row's whole bucket window first (a 32-row step took 26x the
+  8-slot step, docs/performance.md). Other paged reads (chunks; decode rows the op does not
+  cover) gather only the blocks holding the live context (live_window), not the bucket's.
 - realize_reused_values: AOTInductor stores every value that more than one operation consumes
   (inductor config realize_reads_threshold=0) instead of recomputing it inside each consumer.
   By default it inlines a pointwise producer into its consumers: a decode graph's RMSNorm output
@@ -73,7 +78,7 @@ from torch import nn
 
 from ...modeling.attention import Attention, CacheRead, GraphPart
 from ...modeling.kernels import Kernels
-from .attention import attend
+from .attention import attend, attend_paged
 from .host import host_cpu_capability
 from .linear import CpuLinear
 
@@ -90,6 +95,7 @@ class KernelChoices:
     onednn_linear: bool = False
     onednn_chunk_attention_from_window: int | None = None
     decode_attention_op: bool = False
+    paged_decode_op: bool = False
     realize_reused_values: bool = False
 
 
@@ -109,6 +115,7 @@ CPU = KernelChoices(
     rowwise_linear_rows=8,
     onednn_linear=True,
     onednn_chunk_attention_from_window=2048,
+    paged_decode_op=True,
     realize_reused_values=True,
 )
 
@@ -140,14 +147,18 @@ class CpuCacheRead(CacheRead):
 class CpuKernels(Kernels):
     """The model's kernel strategy on the cpu backend, from its KernelChoices.
 
-    `paged`: the model's cache is a pool of blocks; its attention is the reference's (slot
-    views, per-row reads and the decode op all address slots), its linears and experts still
-    follow the choices."""
+    `paged`: the model's cache is a pool of blocks, read through block tables (attend_paged):
+    slot views and per-row slot reads do not apply; linears and experts follow the choices."""
 
     def __init__(self, choices: KernelChoices, paged: bool = False):
         self.choices = choices
         self.expert_selection = choices.expert_selection
         self.paged = paged
+
+    @property
+    def calls_decode_op(self) -> bool:
+        """Whether decode graphs may call decode_attention.decode_attention (load it first)."""
+        return self.choices.paged_decode_op if self.paged else self.choices.decode_attention_op
 
     def linear(self, in_features: int, out_features: int, bias: bool) -> nn.Module:
         choices = self.choices
@@ -162,13 +173,13 @@ class CpuKernels(Kernels):
     ) -> CpuCacheRead:
         """The scalar reads become unbacked symbols with bound checks under torch.export; padded
         rows/tokens repeat real ones, so the maximum is a real position."""
-        if self.paged:
-            return super().cache_read(position_ids, seq_ids, window, one_row_per_slot)
         live, slot, rows = window, None, None
         if self.choices.live_window:
             live = position_ids.max().item() + 1
             torch._check(live >= 1)
             torch._check(live <= window)
+        if self.paged:
+            return CpuCacheRead(window, live)
         if self.choices.slot_view and not one_row_per_slot and seq_ids.shape[0] == 1:
             slot = seq_ids[0].item()
             torch._check(slot >= 0)
@@ -178,7 +189,7 @@ class CpuKernels(Kernels):
 
     def attend(self, attention: Attention, part: GraphPart, q, k_cache, v_cache) -> torch.Tensor:
         if self.paged:
-            return super().attend(attention, part, q, k_cache, v_cache)
+            return attend_paged(self.choices, attention, part, q, k_cache, v_cache)
         return attend(self.choices, attention, part, q, k_cache, v_cache)
 
 
