@@ -2,6 +2,9 @@
 
 Contenders (serve_bench.py's bench model, fp32, B=8, S=4096, C=256):
   ours-on / ours-off      the chunked export, --enable-prefix-caching / --no-enable-prefix-caching
+                          (our KV connector copies a cached prefix into the request's slot)
+  paged-on / paged-off    the chunked export with paged KV (serve_bench.paged_shape): vLLM's own
+                          prefix caching, hits share blocks (no copy); 8 rows as the others
   native-on / native-off  vLLM's own CPU engine on the HF checkpoint, the same token budget
 Workloads (fresh random prompts per repeat, 8 requests in flight, 64 tokens out each):
   shared       16 requests = one 2048-token system prompt + a 64-256-token suffix each, cold:
@@ -37,7 +40,7 @@ from serve_bench import FULL, QUICK, Setup, add_shape_arguments, describe, expor
 
 from optimum_neuron_chunked.vllm.limits import full_chunk_budget  # noqa: E402
 
-CONTENDERS = ("ours-on", "ours-off", "native-on", "native-off")
+CONTENDERS = ("ours-on", "ours-off", "paged-on", "paged-off", "native-on", "native-off")
 WORKLOADS = ("shared", "shared-warm", "no-sharing")
 
 
@@ -190,7 +193,7 @@ def ratio_lines(kind: str, runs: dict) -> list[str]:
         return statistics.median(r[field] for r in runs[name]) if name in runs else None
 
     lines = []
-    for engine in ("ours", "native"):
+    for engine in ("ours", "paged", "native"):
         on, off = med(f"{engine}-on", "ttft_ms_p50"), med(f"{engine}-off", "ttft_ms_p50")
         if on and off:
             tput = med(f"{engine}-on", "output_tok_s") / med(f"{engine}-off", "output_tok_s")
@@ -229,15 +232,18 @@ def main(argv: list[str] | None = None) -> int:
     setup = shaped(setup, args)
     work = args.work / ("quick" if args.quick else "full")
     work.mkdir(parents=True, exist_ok=True)
-    ckpt, folders, _ = exports(setup, work, kinds=("chunked",))
+    contenders = args.contenders.split(",")
+    kinds = ("chunked", "paged") if any(n.startswith("paged") for n in contenders) else ("chunked",)
+    ckpt, folders, _ = exports(setup, work, kinds=kinds)
     chunked = folders["chunked"]
+    models = {"native": ckpt, "ours": chunked, "paged": folders.get("paged")}
     runs: dict = {kind: {} for kind in args.workloads.split(",")}
     for repeat in range(args.repeats):
         for kind in runs:
             prompt_file = work / f"prefix-prompts-{kind}-{repeat}.json"
             prompt_file.write_text(json.dumps(prompts(kind, load, setup.model["vocab_size"], seed=repeat)))
-            for name in args.contenders.split(","):
-                model = ckpt if name.startswith("native") else chunked
+            for name in contenders:
+                model = models[name.rsplit("-", 1)[0]]
                 result = run_contender(name, kind, setup, load, model, prompt_file)
                 runs[kind].setdefault(name, []).append(result)
                 summary = {k: round(v, 1) for k, v in result.items() if isinstance(v, float)}

@@ -15,6 +15,7 @@ from optimum_neuron_chunked import NeuronModelForCausalLM
 from optimum_neuron_chunked.backends.cpu.kernels import CpuKernels, KernelChoices
 from optimum_neuron_chunked.config import NeuronConfig
 from optimum_neuron_chunked.modeling import build_model, model_from_spec
+from optimum_neuron_chunked.modeling.decoder import PartInputs
 from optimum_neuron_chunked.modeling.kernels import Kernels
 
 P, C, S, BUCKETS = 8, 16, 64, (32, 64)  # blocks of 8, chunks of 16: every chunk spans two blocks
@@ -173,7 +174,8 @@ def test_a_cpu_paged_export_compiles_and_matches_transformers(hf_reference):
 )
 def test_cpu_paged_reads_equal_the_reference(choices):
     """The cpu backend's paged reads - decode rows reading their blocks in place (the C++ op),
-    chunks gathering only their live blocks - give the reference's hidden states. Exact reads
+    chunks gathering only their live blocks, alone or in one mixed step - give the reference's
+    hidden states. Exact reads
     (the op's rows, a chunk's one row) read nothing past their row's context: the null block and
     the table's tail may then hold NaN (reads up to the longest row need them finite, as the
     reference's whole-bucket reads do)."""
@@ -189,19 +191,20 @@ def test_cpu_paged_reads_equal_the_reference(choices):
     ]
     short = request_blocks(1)[:3] + [0] * 5  # row 1: 24 positions in 3 blocks, then the null block
     tables = torch.tensor([request_blocks(0), short, request_blocks(0)])
-    decode = (torch.tensor([[3], [4], [3]]), torch.tensor([[50], [20], [50]]), tables, True)
-    chunk = (torch.arange(5, 5 + C)[None], torch.arange(8, 8 + C)[None], tables[1:2], False)
-    with torch.no_grad():
-        for (ids, positions, seq_ids, one_row), exact in ((decode, choices.paged_decode_op), (chunk, True)):
+    decode = PartInputs(torch.tensor([[3], [4], [3]]), torch.tensor([[50], [20], [50]]), tables, True)
+    chunk = PartInputs(torch.arange(5, 5 + C)[None], torch.arange(8, 8 + C)[None], tables[1:2], False)
+    op_rows = choices.paged_decode_op
+    with torch.no_grad():  # TG, CP, and both parts in one call (MX)
+        for parts, exact in (((decode,), op_rows), ((chunk,), True), ((decode, chunk), op_rows)):
             for cache, twin in caches:  # written contexts, the null block zeros (as vLLM's pool)
                 twin.copy_(cache.copy_(torch.randn_like(cache)))
                 twin[0], cache[0] = 0.0, 0.0
             want, got = (
-                m.hidden_states(ids, positions, seq_ids, S, one_row_per_slot=one_row) for m in models
+                torch.cat([h.flatten(0, 1) for h in m.parts_hidden_states(parts, S)]) for m in models
             )
             torch.testing.assert_close(got, want)
             if exact:
                 for _, twin in caches:
                     twin[0], twin[request_blocks(1)[3:]] = float("nan"), float("nan")
-                again = models[1].hidden_states(ids, positions, seq_ids, S, one_row_per_slot=one_row)
+                again = torch.cat([h.flatten(0, 1) for h in models[1].parts_hidden_states(parts, S)])
                 torch.testing.assert_close(again, got)
