@@ -19,6 +19,8 @@ Workloads (prefix caching off everywhere; fresh token ids per repeat, seeded):
   W2  48 prompts of 128-2048 tokens, 64 out, 8 in flight: output tok/s, TTFT p50.
   W4  64 prompts of 64-512 tokens arriving together, 128 out: output tok/s, TTFT p50 (what
       more decode rows buy: slot exports run 8 requests at a time, paged 32).
+  W4P W4's prompts with 1 token out: the prefill floor. Decode rows change the decode steps
+      only, so no export serves W4 in less wall time than this (the ceiling of a decode gain).
 Each contender runs in its own process (vLLM picks its platform once per process).
 
     python benchmark/engine_bench.py [--quick] [--repeats 3] [--contenders chunked,native-budget]
@@ -62,7 +64,7 @@ from serve_bench import (  # noqa: E402
 from optimum_neuron_chunked.vllm.limits import full_chunk_budget  # noqa: E402
 
 CONTENDERS = ("std", "chunked", "chunked-whole", "paged", "native", "native-budget", "native-paged")
-WORKLOADS = ("w1", "w2", "w4")
+WORKLOADS = ("w1", "w2", "w4", "w4p")
 
 
 @dataclass(frozen=True)
@@ -144,18 +146,27 @@ def w2(loop: EngineLoop, loads: Loads, seed: int) -> dict:
     return summarize_load(traces, time.perf_counter() - started)
 
 
-def w4(loop: EngineLoop, loads: Loads, seed: int) -> dict:
+def w4(loop: EngineLoop, loads: Loads, seed: int, out_tokens: int | None = None) -> dict:
     """A burst, every request sent at once (the engine admits max_num_seqs of them at a time);
     the same lengths every repeat, fresh tokens per seed."""
     lengths_rng, tokens_rng = random.Random(4), random.Random(seed)
     lengths = [lengths_rng.randint(*loads.burst_lengths) for _ in range(loads.burst)]
     queue = [(f"b{i}-{seed}", prompt_ids(n, tokens_rng)) for i, n in enumerate(lengths)]
     started = time.perf_counter()
-    traces = loop.serve(queue, loads.burst_tokens, in_flight=len(queue))
+    traces = loop.serve(queue, out_tokens or loads.burst_tokens, in_flight=len(queue))
     return summarize_load(traces, time.perf_counter() - started)
 
 
-WORKLOAD_RUNS = {"w1": (w1, 100), "w2": (w2, 200), "w4": (w4, 400)}  # (run, first seed)
+def w4_prefill(loop: EngineLoop, loads: Loads, seed: int) -> dict:
+    return w4(loop, loads, seed, out_tokens=1)
+
+
+WORKLOAD_RUNS = {
+    "w1": (w1, 100),
+    "w2": (w2, 200),
+    "w4": (w4, 400),
+    "w4p": (w4_prefill, 400),
+}  # (run, first seed)
 
 
 def run_contender_here(
@@ -204,6 +215,8 @@ FIGURES = [  # (label, workload, path into a run's summary, scale)
     ("W2 TTFT p50 ms", "w2", ("ttft", "p50"), 1000),
     ("W4 output tok/s", "w4", ("output_tok_s",), 1),
     ("W4 TTFT p50 ms", "w4", ("ttft", "p50"), 1000),
+    ("W4 wall s", "w4", ("wall_s",), 1),
+    ("W4P wall s (the prompts alone)", "w4p", ("wall_s",), 1),
 ]
 # W4 figures of `paged` (and native) over the slot export's, the issue's targets beside them
 RATIOS = [  # (label, path, numerator, denominator, target)
@@ -249,6 +262,10 @@ def render(results: dict) -> str:
         num, den = (median(contenders, n, load, path) for n in (a, b))
         if num is not None and den:
             ratio_lines.append(f"| {label}: {a} / {b} | {num / den:.2f} | {target or '-'} |")
+    w4_wall, floor = (median(contenders, "chunked", load, ("wall_s",)) for load in ("w4", "w4p"))
+    if w4_wall and floor:
+        ratio_lines.append(f"| W4 output tok/s ceiling at free decode: chunked W4 wall / W4P wall | "
+                           f"{w4_wall / floor:.2f} | - |")  # fmt: skip
     if ratio_lines:
         lines += ["", "| ratio (median over median) | value | target |", "|---|---|---|", *ratio_lines]
     for n, r in results["contenders"].items():
@@ -268,7 +285,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="tiny model and loads (a smoke run)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--contenders", default=",".join(CONTENDERS))
-    p.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated: w1, w2, w4")
+    p.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated: w1, w2, w4, w4p")
     p.add_argument(
         "--w4-contenders",
         help="comma-separated contenders that run W4 only (beside --contenders, which run --workloads)",

@@ -1,8 +1,8 @@
 """The cpu backend's attention paths (kernels.KernelChoices): where they differ from the
 reference (modeling/attention.py) is only in what they read and which core computes - views of
 a slot (or a row's blocks) up to its live length instead of gathered bucket windows, and SDPA
-or a custom op instead of the masked softmax. Each falls back to the reference's pieces where it does not
-apply (rings, sliding windows, sinks, other dtypes)."""
+or a custom op instead of the masked softmax. Each falls back to the reference's pieces where
+it does not apply (rings, sliding windows, sinks, other dtypes)."""
 
 from __future__ import annotations
 
