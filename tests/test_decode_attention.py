@@ -44,6 +44,16 @@ def test_decode_attention_equals_the_masked_softmax(heads, kv_heads, head_dim):
     torch.testing.assert_close(stale, got[1:2])
 
 
+def test_decode_attention_with_weights_below_the_normal_range():
+    """Peaked scores (a spread of hundreds): weights under exp(-69) become 0, as they round in
+    the reference's sum."""
+    torch.manual_seed(1)
+    k_cache, v_cache = torch.randn(2, 2, 300, 64), torch.randn(2, 2, 300, 64)
+    query, slots, lengths = torch.randn(2, 4, 64) * 40, torch.tensor([1, 0]), torch.tensor([300, 257])
+    got = decode_attention(query, k_cache, v_cache, slots, lengths, 0.3)
+    torch.testing.assert_close(got, reference(query, k_cache, v_cache, slots, lengths, 0.3))
+
+
 def test_decode_attention_reads_block_tables_in_place():
     """Paged caches: each row reads its blocks in table order, up to its length (a partial last
     block; the table's entries past it - here the null block 0 - never read), shared blocks and
