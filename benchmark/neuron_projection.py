@@ -3,6 +3,11 @@ KV cache (`--kv-cache-blocks`) costs a decode step: an analytic roofline, not a 
 Llama-3.1-8B in bf16, TP=8 on trn1 (8 NeuronCore-v2 = 4 Trainium chips), B decode rows + one
 C-token chunk per mixed step.
 
+W4 (engine_bench.py's burst, 64 prompts of 64-512 tokens at once, 128 out): the wall time of a
+slot export (B rows) and a paged one (`--paged-rows` rows, same KV bytes): the same prefill
+calls, then B-row or paged-row decode steps at the rows' mean context. Output tok/s only: TTFT
+depends on vLLM's admission order.
+
 Paged TG: each row's blocks are gathered into a contiguous window before attention (the
 reference read every backend but cpu compiles, modeling/attention.py gather_blocks), so the
 step's KV crosses HBM three times (blocks read, the copy written, the copy read) where a slot
@@ -92,12 +97,27 @@ def project(
     )
 
 
+def project_w4(m: Model, hw: Hardware, tp: int, slots: int, rows: int, chunk: int, mfu: float, bw: float,
+               prompts: int = 64, prompt_mean: int = 288, out_tokens: int = 128) -> dict:  # fmt: skip
+    """W4's wall time on a slot export of `slots` rows against a paged one of `rows` rows."""
+    context = prompt_mean + out_tokens // 2  # a decode row's mean context
+    cp = graph_ms(m, hw, tp, chunk, 1, [(chunk, prompt_mean)], mfu, bw)
+    prefill_s = -(-prompts * prompt_mean // chunk) * cp["ms"] / 1e3
+    slot_tg = graph_ms(m, hw, tp, slots, slots, [(1, context)] * slots, mfu, bw)
+    paged_tg = graph_ms(m, hw, tp, rows, rows, [(1, context)] * rows, mfu, bw, kv_passes=3)
+    slot_s = prefill_s + prompts * out_tokens / slots * slot_tg["ms"] / 1e3
+    paged_s = prefill_s + prompts * out_tokens / rows * paged_tg["ms"] / 1e3
+    return dict(context=context, prefill_s=prefill_s, slot_tg_ms=slot_tg["ms"], paged_tg_ms=paged_tg["ms"],
+                slot_s=slot_s, paged_s=paged_s, tok_s_ratio=slot_s / paged_s)  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--chunk", type=int, default=256)
     p.add_argument("--tp", type=int, default=8)
     p.add_argument("--contexts", default="512,2048,8192")
+    p.add_argument("--paged-rows", type=int, default=32, help="decode rows of W4's paged export")
     p.add_argument(
         "--mfu", type=float, default=0.5, help="fraction of peak FLOPs a compute-bound graph reaches"
     )
@@ -118,6 +138,7 @@ def main(argv: list[str] | None = None) -> int:
         "| paged TG ms (KV GiB/core, 3 passes) | paged / slot TG |",
         "|---|---|---|---|---|---|---|---|",
     ]  # fmt: skip
+    w4 = project_w4(m, hw, args.tp, args.batch, args.paged_rows, args.chunk, args.mfu, args.bw)
     for r in rows:
         tg, cp = r["tg"], r["cp"]
         lines.append(
@@ -125,10 +146,16 @@ def main(argv: list[str] | None = None) -> int:
             f"({cp['tflop']:.2f}) | {r['separate_ms']:.2f} | {r['fused']['ms']:.2f} | {r['saved']:.0%} "
             f"| {r['paged_tg']['ms']:.2f} ({r['paged_tg']['kv_gib']:.2f}) | {r['paged_tg']['ms'] / tg['ms']:.2f}x |"
         )
+    lines += [
+        "", f"W4 (64 prompts of 64-512 tokens at once, 128 out; decode rows at context {w4['context']}): "
+        f"prefill {w4['prefill_s']:.2f} s either way; slot export B={args.batch}: TG {w4['slot_tg_ms']:.2f} ms, "
+        f"{w4['slot_s']:.2f} s; paged {args.paged_rows} rows: TG {w4['paged_tg_ms']:.2f} ms, {w4['paged_s']:.2f} s; "
+        f"output tok/s paged / slots **{w4['tok_s_ratio']:.2f}x**.",
+    ]  # fmt: skip
     date = datetime.date.today().isoformat()
     out = HERE / "results" / f"neuron-projection-{date}"
     out.with_suffix(".json").write_text(
-        json.dumps({"args": vars(args), "model": asdict(m), "rows": rows}, indent=1)
+        json.dumps({"args": vars(args), "model": asdict(m), "rows": rows, "w4": w4}, indent=1)
     )
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
