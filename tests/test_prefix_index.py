@@ -59,6 +59,10 @@ def test_a_request_waits_for_a_prefix_being_computed_only_if_it_saves_a_chunk():
     assert not worth_waiting(prompt, 0, [[9, *system]], min_gain=32)  # nothing shared
     assert not worth_waiting(prompt[:20], 0, [[*system, 7]], min_gain=32)  # a short prompt
     assert not worth_waiting(prompt, 0, [], min_gain=32)
+    # paged: hits are whole blocks, so 100 shared tokens can be 96 at most with blocks of 16
+    assert worth_waiting(prompt, 64, [[*system, 7]], min_gain=32, block=16)
+    assert worth_waiting(prompt, 64, [[*system, 7]], min_gain=34)
+    assert not worth_waiting(prompt, 64, [[*system, 7]], min_gain=34, block=16)  # 96 of the 100
 
 
 @pytest.mark.parametrize("a,b,n", [([], [1], 0), ([1, 2], [1, 2], 2), ([1, 2, 3], [1, 2], 2), ([1], [2], 0)])

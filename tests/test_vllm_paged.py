@@ -141,7 +141,8 @@ def test_the_platform_hands_vllm_the_block_pool_and_its_own_prefix_cache(export_
     NeuronChunkedPlatform.check_and_update_config(engine.worker.vllm_config)  # the engine core's call
     cache = engine.worker.vllm_config.cache_config
     assert (cache.block_size, cache.num_gpu_blocks_override) == (BLOCK, BLOCKS + 1)
-    assert cache.enable_prefix_caching and engine.worker.vllm_config.kv_transfer_config is None
+    connector = engine.worker.vllm_config.kv_transfer_config
+    assert cache.enable_prefix_caching and connector.kv_connector == "PrefixWaitConnector"
     assert engine.worker.vllm_config.scheduler_config.max_num_seqs == 4
     assert free_blocks(engine) == BLOCKS
 
@@ -189,6 +190,23 @@ def test_a_shared_prefix_is_read_from_vllms_cached_blocks(export_dir, hf_referen
     assert first_chunk(run(engine), "c") == "c[64:96]"
     hf = hf_reference("llama")
     assert engine.tokens == {r: hf_greedy(hf, ids, 4) for r, ids in {"a": a, "b": b, "c": c}.items()}
+    assert free_blocks(engine) == BLOCKS
+
+
+def test_a_request_waits_for_the_blocks_a_running_prefill_shares_with_it(export_dir, hf_reference):
+    """b arrives with a, sharing a's first 70 tokens: rather than compute blocks 2-3 itself
+    beside a (vLLM's cache alone hits only the blocks scheduled so far), b waits until a's chunk
+    writing them is scheduled, then hits all 4 full blocks."""
+    system = prompt(70, seed=97)
+    a, b = joined(system, prompt(30, seed=98)), joined(system, prompt(10, seed=99))
+    engine = engine_for(export_dir)
+    engine.add("a", a, max_tokens=4)
+    engine.add("b", b, max_tokens=4)
+    table = run(engine)
+    assert "b[" not in table[0]  # a computes [0:32] first, b waits
+    assert first_chunk(table, "b") == "b[64:80]"
+    hf = hf_reference("llama")
+    assert engine.tokens == {"a": hf_greedy(hf, a, 4), "b": hf_greedy(hf, b, 4)}
     assert free_blocks(engine) == BLOCKS
 
 

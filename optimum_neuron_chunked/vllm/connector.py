@@ -47,11 +47,44 @@ class PrefixCopies(KVConnectorMetadata):
 
 
 def is_prefix_cache_connector(kv_transfer_config) -> bool:
-    """Whether vLLM's KV-transfer config is the one the platform sets (not a user's)."""
+    """Whether vLLM's KV-transfer config is this copy connector, which the platform sets."""
     return kv_transfer_config is not None and kv_transfer_config.kv_connector_module_path == __name__
 
 
-class PrefixCopyConnector(KVConnectorBase_V1):
+def is_platform_connector(kv_transfer_config) -> bool:
+    """Whether vLLM's KV-transfer config is one the platform sets (not a user's): this copy
+    connector (slot exports) or the wait connector (paged exports, prefix_wait.py)."""
+    modules = (__name__, f"{__package__}.prefix_wait")
+    return kv_transfer_config is not None and kv_transfer_config.kv_connector_module_path in modules
+
+
+def prefilling(requests) -> list:
+    """The prompts of those vLLM `Request`s that are running and not yet past their prompt."""
+    return [
+        r.prompt_token_ids
+        for r in requests
+        if r.status == RequestStatus.RUNNING and r.num_computed_tokens < r.num_prompt_tokens
+    ]
+
+
+class SchedulerSideConnector(KVConnectorBase_V1):
+    """A connector that lives in the scheduler only: the worker never builds one (the runner
+    reads the step's metadata itself), so the worker-side hooks are never called."""
+
+    def start_load_kv(self, forward_context, **kwargs) -> None:
+        raise NotImplementedError("scheduler-side connector: the runner reads the step's metadata")
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        raise NotImplementedError("scheduler-side connector: the runner reads the step's metadata")
+
+    def save_kv_layer(self, layer_name, kv_layer, attn_metadata, **kwargs) -> None:
+        raise NotImplementedError("scheduler-side connector: the runner reads the step's metadata")
+
+    def wait_for_save(self) -> None:
+        raise NotImplementedError("scheduler-side connector: the runner reads the step's metadata")
+
+
+class PrefixCopyConnector(SchedulerSideConnector):
     def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         self.index = PrefixIndex(min_hit=MIN_HIT_TOKENS)
@@ -82,7 +115,7 @@ class PrefixCopyConnector(KVConnectorBase_V1):
         self._sync_live_slots()
         hit = self.index.longest_hit(request.prompt_token_ids)
         if worth_waiting(
-            request.prompt_token_ids, hit.length if hit else 0, self._computing(), self.min_wait_gain
+            request.prompt_token_ids, hit.length if hit else 0, prefilling(self._live.values()), self.min_wait_gain
         ):
             return None, False
         if hit is None:
@@ -98,13 +131,6 @@ class PrefixCopyConnector(KVConnectorBase_V1):
             if len(self.index.held(slot)) != computed:
                 self.index.set(slot, self._live[slot].all_token_ids[:computed])
 
-    def _computing(self) -> list:
-        """Prompts that running requests are prefilling now."""
-        return [
-            r.prompt_token_ids
-            for r in self._live.values()
-            if r.status == RequestStatus.RUNNING and r.num_computed_tokens < r.num_prompt_tokens
-        ]
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
         (block_ids,) = blocks.get_block_ids()
@@ -163,17 +189,3 @@ class PrefixCopyConnector(KVConnectorBase_V1):
             del self._live[slot], self._live_computed[slot]
             self.slots.release(slot)
         return False, None
-
-    # -- worker side: never built (the runner runs the copies) ---------------------------------
-
-    def start_load_kv(self, forward_context, **kwargs) -> None:
-        raise NotImplementedError("the runner applies PrefixCopies itself")
-
-    def wait_for_layer_load(self, layer_name: str) -> None:
-        raise NotImplementedError("the runner applies PrefixCopies itself")
-
-    def save_kv_layer(self, layer_name, kv_layer, attn_metadata, **kwargs) -> None:
-        raise NotImplementedError("the runner applies PrefixCopies itself")
-
-    def wait_for_save(self) -> None:
-        raise NotImplementedError("the runner applies PrefixCopies itself")

@@ -39,13 +39,13 @@ UNSUPPORTED_CONFIGS = {
 
 def refuse_unsupported(vllm_config) -> None:
     """Raise ServingConfigError naming every flag given that this platform cannot honour."""
-    from .connector import is_prefix_cache_connector  # set by the platform itself: not a flag
+    from .connector import is_platform_connector  # set by the platform itself: not a flag
 
     problems = [
         f"{flag} is not supported: {why}."
         for attr, (flag, why) in UNSUPPORTED_CONFIGS.items()
         if getattr(vllm_config, attr, None) is not None
-        and not (attr == "kv_transfer_config" and is_prefix_cache_connector(vllm_config.kv_transfer_config))
+        and not (attr == "kv_transfer_config" and is_platform_connector(vllm_config.kv_transfer_config))
     ]
     parallel = vllm_config.parallel_config
     for flag, size in (

@@ -240,24 +240,28 @@ def check_serving_host(export: NeuronConfig, parallel_config) -> None:
 
 
 def _set_prefix_caching(vllm_config, export: NeuronConfig) -> str:
-    """Slot exports: prefix caching through our KV connector (connector.py) when vLLM's flag
-    asks for it (`--enable-prefix-caching`, on by default for generative models in vLLM 0.32)
-    and the export can serve it; vLLM's own is always off (one block per request never fills).
-    Idempotent: on the second call the flag reads False and our connector is what says it was
-    asked for. Paged exports: vLLM's own block prefix cache, as the flag says.
+    """Prefix caching when vLLM's flag asks for it (`--enable-prefix-caching`, on by default
+    for generative models in vLLM 0.32) and the export can serve it.
+    Slot exports: through our copy connector (connector.py); vLLM's own is always off (one block
+    per request never fills). Idempotent: on the second call the flag reads False and our
+    connector is what says it was asked for.
+    Paged exports: vLLM's own block prefix cache, with our wait connector (prefix_wait.py) so
+    that concurrent requests do not compute a shared prefix twice.
     Returns how it was decided, for the start-up log."""
-    from vllm.config import KVTransferConfig
-
-    from .connector import PrefixCopyConnector, is_prefix_cache_connector
+    from .connector import PrefixCopyConnector, is_platform_connector
+    from .prefix_wait import PrefixWaitConnector
 
     cache = vllm_config.cache_config
+    ours = is_platform_connector(vllm_config.kv_transfer_config)
     if ExportCapabilities.of(export, vllm_config.model_config.hf_config).kv.paged:
         if not cache.enable_prefix_caching:
+            if ours:
+                vllm_config.kv_transfer_config = None
             return "off (--no-enable-prefix-caching)"
+        vllm_config.kv_transfer_config = _platform_connector(PrefixWaitConnector)
         return (
             "on (vLLM's prefix cache shares the export's KV blocks; --no-enable-prefix-caching turns it off)"
         )
-    ours = is_prefix_cache_connector(vllm_config.kv_transfer_config)
     wanted = cache.enable_prefix_caching or ours
     cache.enable_prefix_caching = False
     unsupported = prefix_caching_unsupported(export, vllm_config.model_config.hf_config)
@@ -267,13 +271,17 @@ def _set_prefix_caching(vllm_config, export: NeuronConfig) -> str:
         return "off (--no-enable-prefix-caching)" if not wanted else f"off: {unsupported}"
     # one KV group, and no hybrid cache manager on this platform (support_hybrid_kv_cache)
     vllm_config.scheduler_config.disable_hybrid_kv_cache_manager = True
-    if not ours:
-        vllm_config.kv_transfer_config = KVTransferConfig(
-            kv_connector=PrefixCopyConnector.__name__,
-            kv_connector_module_path=PrefixCopyConnector.__module__,
-            kv_role="kv_both",
-        )
+    vllm_config.kv_transfer_config = _platform_connector(PrefixCopyConnector)
     return "on (copies cached prefixes between slots; --no-enable-prefix-caching turns it off)"
+
+
+def _platform_connector(connector: type):
+    """vLLM's KV-transfer config naming one of our scheduler-side connectors."""
+    from vllm.config import KVTransferConfig
+
+    return KVTransferConfig(
+        kv_connector=connector.__name__, kv_connector_module_path=connector.__module__, kv_role="kv_both"
+    )
 
 
 def prefix_caching_unsupported(export: NeuronConfig, hf_config) -> str | None:

@@ -40,16 +40,17 @@ def common_prefix_length(a: np.ndarray, b: np.ndarray) -> int:
     return int(differ[0]) if len(differ) else n
 
 
-def worth_waiting(prompt, hit_length: int, computing: list, min_gain: int) -> bool:
+def worth_waiting(prompt, hit_length: int, computing: list, min_gain: int, block: int = 1) -> bool:
     """Whether a new request should wait a step rather than start now: a running request is
     computing a prompt that shares at least `min_gain` more tokens with this one than the
-    slots hold yet. Starting now would compute them twice - and a prefill that started takes
-    its share of every step's token budget until it is done. The wait ends: a running
-    prefill is scheduled before any new request, so it progresses every step."""
+    cache holds yet (`block`: hits are whole blocks of this many tokens). Starting now would
+    compute them twice - and a prefill that started takes its share of every step's token
+    budget until it is done. The wait ends: a running prefill is scheduled before any new
+    request, so it progresses every step."""
     prompt = np.asarray(prompt, dtype=np.int64)
     for other in computing:
         shared = min(common_prefix_length(prompt, np.asarray(other, dtype=np.int64)), len(prompt) - 1)
-        if shared >= hit_length + min_gain:
+        if shared - shared % block >= hit_length + min_gain:
             return True
     return False
 
