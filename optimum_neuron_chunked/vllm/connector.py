@@ -115,7 +115,10 @@ class PrefixCopyConnector(SchedulerSideConnector):
         self._sync_live_slots()
         hit = self.index.longest_hit(request.prompt_token_ids)
         if worth_waiting(
-            request.prompt_token_ids, hit.length if hit else 0, prefilling(self._live.values()), self.min_wait_gain
+            request.prompt_token_ids,
+            hit.length if hit else 0,
+            prefilling(self._live.values()),
+            self.min_wait_gain,
         ):
             return None, False
         if hit is None:
@@ -130,7 +133,6 @@ class PrefixCopyConnector(SchedulerSideConnector):
         for slot, computed in self._live_computed.items():
             if len(self.index.held(slot)) != computed:
                 self.index.set(slot, self._live[slot].all_token_ids[:computed])
-
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
         (block_ids,) = blocks.get_block_ids()

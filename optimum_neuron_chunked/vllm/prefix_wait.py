@@ -35,7 +35,9 @@ class PrefixWaitConnector(SchedulerSideConnector):
         if request.skip_reading_prefix_cache:  # reads no prefix: nothing to wait for
             return 0, False
         computing = prefilling(self._admitted.values())
-        if worth_waiting(request.prompt_token_ids, num_computed_tokens, computing, self.min_wait_gain, self.block_size):
+        if worth_waiting(
+            request.prompt_token_ids, num_computed_tokens, computing, self.min_wait_gain, self.block_size
+        ):
             return None, False
         return 0, False
 
