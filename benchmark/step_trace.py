@@ -1,10 +1,11 @@
-"""Where a workload's wall time goes, step by step: engine_bench's W2 on one of our contenders,
-each step's time grouped by what the runner planned (decode rows, prefill calls and their
-widths/windows). Answers "which kind of step costs the time", which the W2 summary cannot.
+"""Where a workload's wall time goes, step by step: engine_bench's W2 (or W4) on one of our
+contenders, each step's time grouped by what the runner planned (decode rows, prefill calls and
+their widths/windows). Answers "which kind of step costs the time", which a summary cannot.
 
-    python benchmark/step_trace.py [--contender chunked] [--quick]
+    python benchmark/step_trace.py [--contender chunked|paged|...] [--workload w2|w4] [--quick]
 
-Prints the groups (steps, total s, median ms) and saves them to results/steps-<date>-vm[-<tag>]-<contender>.{md,json}.
+Prints the groups (steps, total s, median ms) and saves them to
+results/steps-<date>-vm[-<tag>]-<contender>[-w4].{md,json}.
 """
 
 from __future__ import annotations
@@ -20,9 +21,9 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE.parent), str(HERE)]
 
-from engine_bench import FULL_LOADS, QUICK_LOADS, engine_args, w2  # noqa: E402
+from engine_bench import FULL_LOADS, QUICK_LOADS, engine_args, w2, w4  # noqa: E402
 from engine_loop import EngineLoop  # noqa: E402
-from serve_bench import FULL, QUICK, add_shape_arguments, describe, exports, shaped  # noqa: E402
+from serve_bench import FULL, QUICK, add_shape_arguments, describe, exports, paged_shape, shaped  # noqa: E402
 
 
 def step_runner(loop: EngineLoop):
@@ -46,8 +47,11 @@ def step_kind(plan, config) -> str:
     return " + ".join(parts)
 
 
-def trace_w2(loop: EngineLoop, loads, seed: int) -> tuple[dict, list[tuple[str, float, int]]]:
-    """W2's summary and, per step, (graph calls, ms, decode rows)."""
+WORKLOADS = {"w2": w2, "w4": w4}
+
+
+def trace(loop: EngineLoop, workload, loads, seed: int) -> tuple[dict, list[tuple[str, float, int]]]:
+    """The workload's summary and, per step, (graph calls, ms, decode rows)."""
     runner, kinds = step_runner(loop), []
     step = loop.step
 
@@ -59,7 +63,7 @@ def trace_w2(loop: EngineLoop, loads, seed: int) -> tuple[dict, list[tuple[str, 
         return finished
 
     loop.step = traced_step
-    summary = w2(loop, loads, seed)
+    summary = workload(loop, loads, seed)
     loop.step = step
     return summary, kinds
 
@@ -94,13 +98,15 @@ def group(kinds: list[tuple[str, float, int]]) -> list[dict]:
     return sorted(rows, key=lambda r: -r["total_s"])
 
 
-def render(contender: str, setup: str, summary: dict, rows: list[dict], tg: dict, bound: dict) -> str:
+def render(
+    contender: str, workload: str, setup: str, summary: dict, rows: list[dict], tg: dict, bound: dict
+) -> str:
     wall = summary["wall_s"]
     best = summary["output_tok_s"] * wall / (wall - bound["saved_s"])
     lines = [
-        f"# W2 step by step: {contender} ({datetime.date.today().isoformat()}, vm)",
+        f"# {workload.upper()} step by step: {contender} ({datetime.date.today().isoformat()}, vm)",
         "",
-        f"Setup: {setup}. One W2 run (seed 200): {summary['output_tok_s']:.1f} output tok/s, "
+        f"Setup: {setup}. One {workload.upper()} run (seed 200): {summary['output_tok_s']:.1f} output tok/s, "
         f"wall {wall:.1f} s, {sum(r['steps'] for r in rows)} steps. Decode calls: {tg['tg_calls']}, "
         f"{tg['real_rows_per_call']} real rows per call ({tg['padding_share']:.0%} of rows padding).",
         "",
@@ -120,7 +126,8 @@ def render(contender: str, setup: str, summary: dict, rows: list[dict], tg: dict
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--contender", default="chunked", choices=("chunked", "chunked-whole", "std"))
+    p.add_argument("--contender", default="chunked", choices=("chunked", "chunked-whole", "std", "paged"))
+    p.add_argument("--workload", default="w2", choices=tuple(WORKLOADS))
     p.add_argument("--quick", action="store_true")
     p.add_argument("--work", type=Path, default=Path.home() / ".cache" / "optimum-neuron-chunked" / "bench")
     p.add_argument("--results", type=Path, default=HERE / "results")
@@ -131,18 +138,20 @@ def main(argv: list[str] | None = None) -> int:
     setup = shaped(setup, args)
     work = args.work / ("quick" if args.quick else "full")
     work.mkdir(parents=True, exist_ok=True)
-    kind = "std" if args.contender == "std" else "chunked"
+    kind = args.contender if args.contender in ("std", "paged") else "chunked"
     _, folders, _ = exports(setup, work, kinds=(kind,))
     loop = EngineLoop(**engine_args(args.contender, str(folders[kind]), setup))
     loop.warm_up_buckets(setup.chunk, setup.seq)
-    summary, kinds = trace_w2(loop, loads, seed=200)
+    summary, kinds = trace(loop, WORKLOADS[args.workload], loads, seed=200)
     loop.close()
-    rows, tg, bound = group(kinds), decode_rows(kinds, setup.batch), piggyback_bound(kinds)
-    text = render(args.contender, describe(setup), summary, rows, tg, bound)
+    rows_per_call = paged_shape(setup)["batch_size"] if kind == "paged" else setup.batch
+    rows, tg, bound = group(kinds), decode_rows(kinds, rows_per_call), piggyback_bound(kinds)
+    text = render(args.contender, args.workload, describe(setup), summary, rows, tg, bound)
     print(text)
     date = datetime.date.today().isoformat()
     tag = f"-{args.tag}" if args.tag else ""
-    out = args.results / f"steps-{date}-vm{'-quick' if args.quick else ''}{tag}-{args.contender}"
+    load = "" if args.workload == "w2" else f"-{args.workload}"
+    out = args.results / f"steps-{date}-vm{'-quick' if args.quick else ''}{tag}-{args.contender}{load}"
     out.with_suffix(".json").write_text(
         json.dumps(dict(summary=summary, decode_calls=tg, piggyback_bound=bound, groups=rows), indent=1)
     )

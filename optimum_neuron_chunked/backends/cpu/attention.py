@@ -16,15 +16,11 @@ from .decode_attention import decode_attention
 
 def attend(choices, attention: Attention, part: GraphPart, q, k_cache, v_cache) -> torch.Tensor:
     """One part's queries [N, Hq, T, D] over its slots -> [N, Hq, T, D] (Kernels.attend)."""
+    if _op_decodes(choices.decode_attention_op, attention, part, q):
+        return _decode_op(attention, part, q, k_cache, v_cache)
     position_ids, read = part.position_ids, part.read
-    t = position_ids.shape[1]
     live = attention.read_extent(read)[1]
     if part.one_row_per_slot:
-        if t == 1 and choices.decode_attention_op and _plain_fp32(attention, q):
-            out = decode_attention(
-                q[:, :, 0], k_cache, v_cache, part.seq_ids, position_ids[:, 0] + 1, attention.scale
-            )
-            return out[:, :, None]
         core = _core(choices, attention, part)
         if read.rows is not None and attention.ring is None:
             return _attend_per_row(attention, q, k_cache, v_cache, position_ids, read.rows, core)
@@ -37,22 +33,25 @@ def attend_paged(choices, attention: Attention, part: GraphPart, q, k_pool, v_po
     """Kernels.attend of a paged model (part.seq_ids: block tables [N, W / P]): decode rows
     through the decode op, reading blocks in place; other reads gather the blocks holding the
     live context (read.live positions: every row's with live_window), not the bucket's."""
-    position_ids = part.position_ids
-    if (
-        part.one_row_per_slot
-        and position_ids.shape[1] == 1
-        and choices.paged_decode_op
-        and _plain_fp32(attention, q)
-    ):
-        out = decode_attention(
-            q[:, :, 0], k_pool, v_pool, part.seq_ids, position_ids[:, 0] + 1, attention.scale
-        )
-        return out[:, :, None]
+    if _op_decodes(choices.paged_decode_op, attention, part, q):
+        return _decode_op(attention, part, q, k_pool, v_pool)
     blocks = (part.read.live + attention.block_size - 1) // attention.block_size
     torch._check(blocks <= part.seq_ids.shape[1])
     tables = part.seq_ids[:, :blocks]
     keys, values = gather_blocks(k_pool, tables), gather_blocks(v_pool, tables)
     return _attend_windows(choices, attention, part, q, keys, values)
+
+
+def _op_decodes(chosen: bool, attention: Attention, part: GraphPart, q: torch.Tensor) -> bool:
+    """Whether the C++ decode op computes this part: one token per row (its slot or its block
+    table in part.seq_ids), in a plain causal fp32 layer, where the choice turns it on."""
+    return chosen and part.one_row_per_slot and part.position_ids.shape[1] == 1 and _plain_fp32(attention, q)
+
+
+def _decode_op(attention: Attention, part: GraphPart, q, k_cache, v_cache) -> torch.Tensor:
+    """Each row over its positions 0..its own, read in place: [N, Hq, 1, D]."""
+    lengths = part.position_ids[:, 0] + 1
+    return decode_attention(q[:, :, 0], k_cache, v_cache, part.seq_ids, lengths, attention.scale)[:, :, None]
 
 
 def _plain_fp32(attention: Attention, q: torch.Tensor) -> bool:
