@@ -258,7 +258,7 @@ def _set_prefix_caching(vllm_config, export: NeuronConfig) -> str:
             if ours:
                 vllm_config.kv_transfer_config = None
             return "off (--no-enable-prefix-caching)"
-        vllm_config.kv_transfer_config = _platform_connector(PrefixWaitConnector)
+        _use_connector(vllm_config, PrefixWaitConnector)
         return (
             "on (vLLM's prefix cache shares the export's KV blocks; --no-enable-prefix-caching turns it off)"
         )
@@ -271,15 +271,19 @@ def _set_prefix_caching(vllm_config, export: NeuronConfig) -> str:
         return "off (--no-enable-prefix-caching)" if not wanted else f"off: {unsupported}"
     # one KV group, and no hybrid cache manager on this platform (support_hybrid_kv_cache)
     vllm_config.scheduler_config.disable_hybrid_kv_cache_manager = True
-    vllm_config.kv_transfer_config = _platform_connector(PrefixCopyConnector)
+    _use_connector(vllm_config, PrefixCopyConnector)
     return "on (copies cached prefixes between slots; --no-enable-prefix-caching turns it off)"
 
 
-def _platform_connector(connector: type):
-    """vLLM's KV-transfer config naming one of our scheduler-side connectors."""
+def _use_connector(vllm_config, connector: type) -> None:
+    """Name one of our scheduler-side connectors in vLLM's KV-transfer config; one already set
+    (the front end's call) is kept as it is."""
     from vllm.config import KVTransferConfig
 
-    return KVTransferConfig(
+    current = vllm_config.kv_transfer_config
+    if current is not None and current.kv_connector_module_path == connector.__module__:
+        return
+    vllm_config.kv_transfer_config = KVTransferConfig(
         kv_connector=connector.__name__, kv_connector_module_path=connector.__module__, kv_role="kv_both"
     )
 
