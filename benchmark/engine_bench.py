@@ -261,16 +261,36 @@ def render(results: dict) -> str:
         num, den = (median(contenders, n, load, path) for n in (a, b))
         if num is not None and den:
             ratio_lines.append(f"| {label}: {a} / {b} | {num / den:.2f} | {target or '-'} |")
-    w4_wall, floor = (median(contenders, "chunked", load, ("wall_s",)) for load in ("w4", "w4p"))
-    if w4_wall and floor:
-        ratio_lines.append(f"| W4 output tok/s ceiling at free decode: chunked W4 wall / W4P wall | "
-                           f"{w4_wall / floor:.2f} | - |")  # fmt: skip
+    ratio_lines += w4_ceilings(results)
     if ratio_lines:
         lines += ["", "| ratio (median over median) | value | target |", "|---|---|---|", *ratio_lines]
     for n, r in results["contenders"].items():
         if "error" in r:
             lines += ["", f"{n} failed: {r['error'][-400:]}"]
     return "\n".join(lines) + "\n"
+
+
+def w4_ceilings(results: dict) -> list[str]:
+    """What bounds W4's paged / chunked output tok/s on this host (table rows):
+    - free decode: no export serves W4 faster than its prompts alone (W4P);
+    - no prefill: the decode steps alone, `rows` times the rows per step at the step cost the
+      ITL p50 shows: (paged rows / chunked rows) x (chunked ITL / paged ITL). Prefill, the same
+      work for both, only pulls the ratio towards 1 from there."""
+    contenders, rows = results["contenders"], results.get("rows", {})
+    lines = []
+    w4_wall, floor = (median(contenders, "chunked", load, ("wall_s",)) for load in ("w4", "w4p"))
+    if w4_wall and floor:
+        lines.append(
+            f"| W4 output tok/s ceiling at free decode: chunked W4 wall / W4P wall | {w4_wall / floor:.2f} | - |"
+        )
+    itl_c, itl_p = (median(contenders, n, "w4", ("itl", "p50")) for n in ("chunked", "paged"))
+    if itl_c and itl_p and rows.get("chunked") and rows.get("paged"):
+        bound = rows["paged"] / rows["chunked"] * itl_c / itl_p
+        lines.append(
+            f"| W4 output tok/s paged / chunked with no prefill: rows {rows['paged']}/{rows['chunked']} "
+            f"x ITL p50 {itl_c * 1000:.1f}/{itl_p * 1000:.1f} ms | {bound:.2f} | - |"
+        )
+    return lines
 
 
 def median(contenders: dict, name: str, load: str, path: tuple) -> float | None:
@@ -319,6 +339,7 @@ def main(argv: list[str] | None = None) -> int:
     date = datetime.date.today().isoformat()
     results = dict(date=date, machine=describe_host(), repeats=args.repeats,
                    setup=describe(setup), loads=str(loads), exports=export_info,
+                   rows={name: engine_args(name, "", setup)["max_num_seqs"] for name in runs},
                    contenders=contenders)  # fmt: skip
     if "paged" in runs:
         results["paged"] = str(paged_shape(setup))
