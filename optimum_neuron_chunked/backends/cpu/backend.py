@@ -20,6 +20,7 @@ from ...graphs import GraphSpec, example_inputs, graph_module
 from ...modeling.decoder import DecoderModel
 from ..base import GRAPHS_DIR, WEIGHTS_NAME, Backend, BackendUnavailableError, OnGraph
 from .decode_attention import load_op
+from .denormals import flushing
 from .host import host_cpu_capability
 from .kernels import CpuKernels, kernel_choices
 
@@ -123,5 +124,5 @@ class CpuBackend(Backend):
             names = compiled.get_constant_fqns()
             bound = {name: constants[name.removeprefix("model.")] for name in names}
             compiled.load_constants(bound, check_full_update=True, user_managed=True)
-            graphs[spec.name] = compiled
+            graphs[spec.name] = flushing(compiled)
         return graphs

@@ -1,0 +1,57 @@
+"""Denormal floats flushed to zero in the threads that call cpu graphs.
+
+x86 computes with denormal operands (magnitudes under 1.2e-38) ~100x slower than with normal
+ones. Softmax weights of long rows land there (exp of scores far below the row's maximum), and
+on the bench model most of a chunk's attention did: a 256-token CP call at position 2048 took
+~990 ms with them and ~135 ms flushed (docs/performance.md). Flushing changes no value above
+1.2e-38. The mode (MXCSR) is per thread, and OpenMP's pool belongs to the thread that starts
+parallel work: each thread that calls graphs sets it once, for itself and its pool
+(denormals.cpp), built on first use like the decode op.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).with_suffix(".cpp")
+_thread = threading.local()
+_loaded = False
+
+
+def flush_denormals() -> None:
+    """FTZ | DAZ for this thread and its intra-op pool (once per thread)."""
+    if getattr(_thread, "flushed", False):
+        return
+    _load()
+    torch.ops.optimum_neuron_chunked.flush_denormals()
+    _thread.flushed = True
+
+
+def flushing(graph: Callable) -> Callable:
+    """`graph`, called with denormals flushed in the calling thread."""
+
+    def call(*args):
+        flush_denormals()
+        return graph(*args)
+
+    return call
+
+
+def _load() -> None:
+    global _loaded
+    if _loaded:
+        return
+    from torch.utils.cpp_extension import load
+
+    load(
+        name="optimum_neuron_chunked_denormals",
+        sources=[str(SOURCE)],
+        extra_cflags=["-O2", "-fopenmp"],
+        extra_ldflags=["-fopenmp"],
+        is_python_module=False,
+    )
+    _loaded = True
