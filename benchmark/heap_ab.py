@@ -1,12 +1,15 @@
 """Process-wide settings, before/after: the cpu backend's `keep_freed_heap` (glibc's mmap and
-trim thresholds) changes every allocation of the process, so the configurations cannot share
-one process as ab_exports.py's do. Each configuration runs in its own process, in turn, for
---rounds rounds (the host drifts between runs minutes apart):
+trim thresholds) changes every allocation of the process, and its denormal flush (denormals.py)
+every float operation of the calling threads, so the configurations cannot share one process
+as ab_exports.py's do. Each configuration runs in its own process, in turn, for --rounds
+rounds (the host drifts between runs minutes apart):
 
     python benchmark/heap_ab.py BEFORE_DIR AFTER_DIR [--rounds 3] [--calls 12] [--tag NAME]
+    python benchmark/heap_ab.py EXPORT EXPORT --denormals [--tag denormals]
 
 configurations: "before" = BEFORE_DIR with glibc's default heap, "after" = AFTER_DIR as the
 cpu backend loads it (heap kept), "after, default heap" = AFTER_DIR with glibc's default.
+--denormals: "as loaded" (flushed) against "denormals kept", both AFTER_DIR.
 Each process times a full chunk ending at 512, 2048 and 4096 (CP calls, each on the next
 slot; a standard export: whole prompts of 500, 2000 and 3072 tokens, CE calls) and a TG step
 of 8 rows at W2-like contexts; medians per process, then the median and
@@ -32,18 +35,27 @@ from metrics import call_ms, save_results, spread_cell  # noqa: E402
 ENDS = (512, 2048, 4096)
 PROMPTS = (500, 2000, 3072)  # a standard export's CE calls (buckets 512, 2048, 4096)
 CONTEXTS = (1900, 300, 700, 1200, 150, 2000, 900, 400)
-CONFIGS = {"before": ("before", False), "after": ("after", True), "after, default heap": ("after", False)}
+# name: (folder, keep the freed heap, flush denormals)
+CONFIGS = {
+    "before": ("before", False, True),
+    "after": ("after", True, True),
+    "after, default heap": ("after", False, True),
+}
+DENORMAL_CONFIGS = {"as loaded": ("after", True, True), "denormals kept": ("after", True, False)}
 
 
-def measure(folder: Path, keep_heap: bool, calls: int) -> dict[str, float]:
+def measure(folder: Path, keep_heap: bool, flush: bool, calls: int) -> dict[str, float]:
     """One process's figures (ms, medians of `calls` after one untimed call each)."""
     import torch
 
     import optimum_neuron_chunked.backends.cpu as cpu
+    import optimum_neuron_chunked.backends.cpu.denormals as denormals
     from optimum_neuron_chunked import NeuronModelForCausalLM
 
     if not keep_heap:
         cpu.keep_freed_heap = lambda: False
+    if not flush:
+        denormals.flush_denormals = lambda: None
     runner = NeuronModelForCausalLM.from_pretrained(folder).runner
     width, batch = runner.config.prefill_chunk_size, runner.config.batch_size
     ids = torch.randint(4, 1000, (max(PROMPTS),), generator=torch.Generator().manual_seed(0))
@@ -68,23 +80,27 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("after", type=Path)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--calls", type=int, default=12)
+    p.add_argument("--denormals", action="store_true", help="denormals flushed against kept")
     p.add_argument("--tag", default="")
-    p.add_argument("--child", nargs=2, help=argparse.SUPPRESS)  # FOLDER KEEP_HEAP(0/1)
+    p.add_argument("--child", nargs=3, help=argparse.SUPPRESS)  # FOLDER KEEP_HEAP FLUSH (0/1)
     args = p.parse_args(argv)
     if args.child:
-        print(json.dumps(measure(Path(args.child[0]), args.child[1] == "1", args.calls)))
+        folder, keep, flush = args.child
+        print(json.dumps(measure(Path(folder), keep == "1", flush == "1", args.calls)))
         return 0
     folders = {"before": args.before, "after": args.after}
-    runs = {name: [] for name in CONFIGS}
+    configs = DENORMAL_CONFIGS if args.denormals else CONFIGS
+    runs = {name: [] for name in configs}
     for _ in range(args.rounds):
-        for name, (folder, keep) in CONFIGS.items():
+        for name, (folder, keep, flush) in configs.items():
             cmd = [sys.executable, __file__, "x", "x", "--calls", str(args.calls), "--child",
-                   str(folders[folder]), str(int(keep))]  # fmt: skip
+                   str(folders[folder]), str(int(keep)), str(int(flush))]  # fmt: skip
             out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
             runs[name].append(json.loads(out.strip().splitlines()[-1]))
-    keys = list(runs["before"][0])
+    keys = list(next(iter(runs.values()))[0])
     date = datetime.date.today().isoformat()
-    lines = [f"# Heap settings, before/after ({date}, {platform.node()})", "",
+    title = "Denormals flushed or kept" if args.denormals else "Heap settings, before/after"
+    lines = [f"# {title} ({date}, {platform.node()})", "",
              f"before: `{args.before.name}`", f"after: `{args.after.name}`", "",
              f"ms, median [min-max] over {args.rounds} processes per configuration (each the median of "
              f"{args.calls} calls).", "", "| configuration | " + " | ".join(keys) + " |",
