@@ -32,6 +32,7 @@ sys.path[:0] = [str(HERE.parent), str(HERE)]
 from metrics import interleaved_ms, save_results, spread_cell  # noqa: E402
 
 from optimum_neuron_chunked.backends.cpu import decode_attention, keep_freed_heap  # noqa: E402
+from optimum_neuron_chunked.backends.cpu.extension import build_op_library  # noqa: E402
 from optimum_neuron_chunked.backends.cpu.host import host_cpu_capability  # noqa: E402
 
 SOURCE = "optimum_neuron_chunked/backends/cpu/decode_attention.cpp"
@@ -48,15 +49,12 @@ def load_before(rev: str, namespace: str) -> None:
     ).stdout
     path = Path(tempfile.mkdtemp()) / "decode_attention_before.cpp"
     path.write_text(source.replace(f"({NAMESPACE},", f"({namespace},"))
-    from torch.utils.cpp_extension import load
-
     isa = host_cpu_capability()
-    load(  # the flags decode_attention.load_op builds the working tree's op with
-        name=f"onc_decode_attention_before_{namespace}_{isa.lower()}",
-        sources=[str(path)],
-        extra_cflags=["-O3", "-ffast-math", "-fopenmp", *decode_attention.ISA_FLAGS.get(isa, [])],
-        extra_ldflags=["-fopenmp", "-lmvec"],
-        is_python_module=False,
+    build_op_library(
+        f"onc_decode_attention_before_{namespace}_{isa.lower()}",
+        path,
+        decode_attention.compile_flags(isa),
+        decode_attention.LINK_FLAGS,
     )
 
 
@@ -86,7 +84,6 @@ def export_child(which: str, rev: str, export: Path, contexts: list[list[int]], 
     if which == "before":
         load_before(rev, NAMESPACE)
         torch.library.register_fake(f"{NAMESPACE}::decode_attention")(decode_attention._shape)
-        decode_attention._loaded = True  # the export's loader then keeps this op (load_op: once)
     from ab_exports import interleaved_decode_ms
 
     print(json.dumps([interleaved_decode_ms({which: export}, calls, c)[which] for c in contexts]))

@@ -14,10 +14,12 @@ export's kernel choices include it (`load_op`).
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import torch
 
+from .extension import build_op_library
 from .host import host_cpu_capability
 
 SOURCE = Path(__file__).with_suffix(".cpp")
@@ -26,27 +28,27 @@ ISA_FLAGS = {
     "AVX512": ["-mavx512f", "-mavx512dq", "-mavx512vl", "-mavx512bw", "-mfma"],
     "AVX2": ["-mavx2", "-mfma"],
 }
-_loaded = False
 
 
-def load_op() -> None:
-    """Build (once per host ISA and source) and register optimum_neuron_chunked::decode_attention."""
-    global _loaded
-    if _loaded:
-        return
-    from torch.utils.cpp_extension import load
-
-    isa = host_cpu_capability()
+def compile_flags(isa: str) -> list[str]:
     # -ffast-math: vectorized exp (glibc's libmvec); the op sees no inf or NaN (no -inf mask)
-    load(
-        name=f"optimum_neuron_chunked_decode_attention_{isa.lower()}",
-        sources=[str(SOURCE)],
-        extra_cflags=["-O3", "-ffast-math", "-fopenmp", *ISA_FLAGS.get(isa, [])],
-        extra_ldflags=["-fopenmp", "-lmvec"],
-        is_python_module=False,
+    return ["-O3", "-ffast-math", "-fopenmp", *ISA_FLAGS.get(isa, [])]
+
+
+LINK_FLAGS = ["-fopenmp", "-lmvec"]
+
+
+@functools.cache
+def load_op() -> None:
+    """Build (once per host ISA and source) and register optimum_neuron_chunked::decode_attention,
+    unless a build of it is registered already (benchmark/decode_op.py registers older sources)."""
+    if hasattr(torch.ops.optimum_neuron_chunked, "decode_attention"):
+        return
+    isa = host_cpu_capability()
+    build_op_library(
+        f"optimum_neuron_chunked_decode_attention_{isa.lower()}", SOURCE, compile_flags(isa), LINK_FLAGS
     )
     torch.library.register_fake("optimum_neuron_chunked::decode_attention")(_shape)
-    _loaded = True
 
 
 def _shape(query, k_cache, v_cache, tables, lengths, scale):

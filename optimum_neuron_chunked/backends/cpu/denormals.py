@@ -10,15 +10,17 @@ parallel work: each thread that calls graphs sets it once, for itself and its po
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
+from .extension import build_op_library
+
 SOURCE = Path(__file__).with_suffix(".cpp")
 _thread = threading.local()
-_loaded = False
 
 
 def flush_denormals() -> None:
@@ -40,17 +42,6 @@ def flushing(graph: Callable) -> Callable:
     return call
 
 
+@functools.cache
 def _load() -> None:
-    global _loaded
-    if _loaded:
-        return
-    from torch.utils.cpp_extension import load
-
-    load(
-        name="optimum_neuron_chunked_denormals",
-        sources=[str(SOURCE)],
-        extra_cflags=["-O2", "-fopenmp"],
-        extra_ldflags=["-fopenmp"],
-        is_python_module=False,
-    )
-    _loaded = True
+    build_op_library("optimum_neuron_chunked_denormals", SOURCE, ["-O2", "-fopenmp"], ["-fopenmp"])
