@@ -34,6 +34,23 @@ from metrics import interleaved_ms, save_results, spread_cell  # noqa: E402
 from optimum_neuron_chunked import NeuronModelForCausalLM  # noqa: E402
 
 
+def seq_id(model: NeuronModelForCausalLM, row: int) -> int | list[int]:
+    """Row `row`'s KV: its slot, or on a paged export a slot's worth of pool blocks (1, 2, ...:
+    block 0 is the null block), so that a paged export is timed on the slot export's layout."""
+    config = model.neuron_config
+    if not config.kv_cache_blocks:
+        return row
+    per_row = config.sequence_length // config.kv_block_size
+    if (row + 1) * per_row > config.kv_cache_blocks:
+        raise SystemExit(f"the pool of {config.kv_cache_blocks} blocks holds fewer than {row + 1} rows")
+    return list(range(1 + row * per_row, 1 + (row + 1) * per_row))
+
+
+def seq_ids(model: NeuronModelForCausalLM, rows: int) -> torch.Tensor:
+    """The slots [N] or block tables [N, M] of rows 0 .. rows - 1."""
+    return torch.tensor([seq_id(model, row) for row in range(rows)])
+
+
 def interleaved_prefill_ms(
     folders: dict[str, Path], calls: int, tokens: int | None = None, end: int | None = None
 ) -> dict[str, list[float]]:
@@ -51,7 +68,7 @@ def interleaved_prefill_ms(
     tokens, end = tokens or width, end or seq
     ids = torch.randint(4, 1000, (tokens,), generator=torch.Generator().manual_seed(0))
     prefill = {
-        name: lambda i, m=model: m.runner.prefill(ids, end - tokens, i % batch)
+        name: lambda i, m=model: m.runner.prefill(ids, end - tokens, seq_id(m, i % batch))
         for name, model in models.items()
     }
     return interleaved_ms(prefill, calls)
@@ -64,7 +81,7 @@ def write_contexts(model: NeuronModelForCausalLM, contexts: list[int]) -> None:
     for slot, length in enumerate(contexts):
         ids = torch.randint(4, 1000, (length - 1,), generator=torch.Generator().manual_seed(slot))
         for start in range(0, length - 1, width):
-            model.runner.prefill(ids[start : start + width], start, slot)
+            model.runner.prefill(ids[start : start + width], start, seq_id(model, slot))
 
 
 def interleaved_decode_ms(
@@ -77,10 +94,12 @@ def interleaved_decode_ms(
         write_contexts(model, contexts)
     rows = len(contexts)
     ids = torch.randint(4, 1000, (rows,), generator=torch.Generator().manual_seed(0))
-    positions, slots = torch.tensor(contexts) - 1, torch.arange(rows)
+    positions = torch.tensor(contexts) - 1
     params, rand = torch.tensor([[1.0, 1.0, 1.0]] * rows), torch.zeros(rows)  # greedy (top-k 1)
     decode = {
-        name: lambda _i, m=model: m.runner.decode(ids, positions, slots, params, rand, need_logits=False)
+        name: lambda _i, m=model: m.runner.decode(
+            ids, positions, seq_ids(m, rows), params, rand, need_logits=False
+        )
         for name, model in models.items()
     }
     return interleaved_ms(decode, calls)
@@ -97,16 +116,26 @@ def interleaved_mixed_ms(
     end = end or models["after"].neuron_config.sequence_length
     ids = torch.randint(4, 1000, (rows,), generator=torch.Generator().manual_seed(0))
     chunk = torch.randint(4, 1000, (width,), generator=torch.Generator().manual_seed(1))
-    positions, slots = torch.tensor(contexts) - 1, torch.arange(rows)
+    positions = torch.tensor(contexts) - 1
     params, rand = torch.tensor([[1.0, 1.0, 1.0]] * rows), torch.zeros(rows)  # greedy (top-k 1)
     before, after = models["before"].runner, models["after"].runner
 
     def separate(_i):
-        before.decode(ids, positions, slots, params, rand, need_logits=False)
-        return before.prefill(chunk, end - width, rows)
+        before.decode(ids, positions, seq_ids(models["before"], rows), params, rand, need_logits=False)
+        return before.prefill(chunk, end - width, seq_id(models["before"], rows))
 
     def fused(_i):
-        return after.decode_with_chunk(ids, positions, slots, params, rand, chunk, end - width, rows, False)
+        return after.decode_with_chunk(
+            ids,
+            positions,
+            seq_ids(models["after"], rows),
+            params,
+            rand,
+            chunk,
+            end - width,
+            seq_id(models["after"], rows),
+            False,
+        )
 
     return interleaved_ms({"before": separate, "after": fused}, calls)
 
