@@ -148,8 +148,10 @@ void softmax(float* s, int64_t length) {
   for (int64_t j = 1; j < length; ++j) top = std::max(top, s[j]);
   float total = 0.f;
   for (int64_t j = 0; j < length; ++j) {
-    const float x = s[j] - top;
-    s[j] = x < kNegligible ? 0.f : std::exp(x);
+    // exp of the clamped argument: the vector exp (libmvec) takes a scalar path, setting errno,
+    // for every lane below its range (about -87), and most lanes of long rows are there
+    const float x = s[j] - top, e = std::exp(std::max(x, kNegligible));
+    s[j] = x < kNegligible ? 0.f : e;
     total += s[j];
   }
   const float inv = 1.f / total;
