@@ -76,6 +76,16 @@ inline float horizontal_sum(__m256 a) {
   return _mm_cvtss_f32(_mm_hadd_ps(s, s));
 }
 
+// The hardware prefetcher alone left the score loop reading keys below the host's read stream
+// (the value loop, reading the same bytes, ran ~1.4x faster); keys this far ahead are requested
+// explicitly, within the block only (a paged row's next block is elsewhere in the pool).
+constexpr int64_t kPrefetchKeys = 16;
+
+inline void prefetch(const float* from, int64_t count) {
+  for (int64_t f = 0; f < count; f += 64 / sizeof(float))
+    _mm_prefetch(reinterpret_cast<const char*>(from + f), _MM_HINT_T0);
+}
+
 // scores() for heads g0 .. g0 + HB - 1 and D % 8 == 0: 8 accumulators, one per (head, key) of
 // a block of 8 / HB keys, reduced together; the keys' vectors are loaded once for the HB heads.
 template <int HB>
@@ -85,6 +95,7 @@ void scores_avx2(const float* q, int64_t g0, const float* k, int64_t length, int
   const __m256 factor = _mm256_set1_ps(scale);
   int64_t j = 0;
   for (; j + KB <= length; j += KB) {
+    if (j + kPrefetchKeys + KB <= length) prefetch(k + (j + kPrefetchKeys) * D, KB * D);
     __m256 acc[8];
     for (int i = 0; i < 8; ++i) acc[i] = _mm256_setzero_ps();
     for (int64_t d = 0; d < D; d += 8) {
