@@ -77,8 +77,8 @@ inline float horizontal_sum(__m256 a) {
 }
 
 // The hardware prefetcher alone left the score loop reading keys below the host's read stream
-// (the value loop, reading the same bytes, ran ~1.4x faster); keys this far ahead are requested
-// explicitly, within the block only (a paged row's next block is elsewhere in the pool).
+// (the value loop, reading the same bytes, ran ~1.4x faster): keys this far ahead are requested
+// explicitly, across into the row's next block (a paged row's blocks lie apart in the pool).
 constexpr int64_t kPrefetchKeys = 16;
 
 inline void prefetch(const float* from, int64_t count) {
@@ -88,14 +88,19 @@ inline void prefetch(const float* from, int64_t count) {
 
 // scores() for heads g0 .. g0 + HB - 1 and D % 8 == 0: 8 accumulators, one per (head, key) of
 // a block of 8 / HB keys, reduced together; the keys' vectors are loaded once for the HB heads.
+// `next`: the keys of the row's next block, or nullptr.
 template <int HB>
-void scores_avx2(const float* q, int64_t g0, const float* k, int64_t length, int64_t D, float scale, float* s,
-                 int64_t stride) {
+void scores_avx2(const float* q, int64_t g0, const float* k, const float* next, int64_t length, int64_t D,
+                 float scale, float* s, int64_t stride) {
   constexpr int KB = 8 / HB;
   const __m256 factor = _mm256_set1_ps(scale);
   int64_t j = 0;
   for (; j + KB <= length; j += KB) {
-    if (j + kPrefetchKeys + KB <= length) prefetch(k + (j + kPrefetchKeys) * D, KB * D);
+    const int64_t ahead = j + kPrefetchKeys;
+    if (ahead + KB <= length)
+      prefetch(k + ahead * D, KB * D);
+    else if (next != nullptr && ahead >= length)
+      prefetch(next + (ahead - length) * D, KB * D);
     __m256 acc[8];
     for (int i = 0; i < 8; ++i) acc[i] = _mm256_setzero_ps();
     for (int64_t d = 0; d < D; d += 8) {
@@ -190,13 +195,13 @@ void weighted_values(const float* p, int64_t G, const float* v, int64_t length, 
 
 // The group's scores and weighted values: the AVX2 loops where the head size allows them.
 // `length` keys or values of one block; score rows `stride` apart.
-void group_scores(const float* q, int64_t G, const float* k, int64_t length, int64_t D, float scale, float* s,
-                  int64_t stride) {
+void group_scores(const float* q, int64_t G, const float* k, const float* next, int64_t length, int64_t D,
+                  float scale, float* s, int64_t stride) {
 #ifdef ONC_AVX2
   if (D % 8 == 0) {
     int64_t g = 0;
-    for (; g + 2 <= G; g += 2) scores_avx2<2>(q, g, k, length, D, scale, s, stride);
-    if (g < G) scores_avx2<1>(q, g, k, length, D, scale, s, stride);
+    for (; g + 2 <= G; g += 2) scores_avx2<2>(q, g, k, next, length, D, scale, s, stride);
+    if (g < G) scores_avx2<1>(q, g, k, next, length, D, scale, s, stride);
     return;
   }
 #endif
@@ -255,18 +260,21 @@ at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& k_cache, 
   std::iota(order.begin(), order.end(), 0);
   std::stable_sort(order.begin(), order.end(),
                    [&](int64_t a, int64_t b) { return length_of[a / Hkv] > length_of[b / Hkv]; });
-  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> next_task{0};
   at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
     std::vector<float> s;
-    for (int64_t taken = next++; taken < N * Hkv; taken = next++) {
+    for (int64_t taken = next_task++; taken < N * Hkv; taken = next_task++) {
       const int64_t i = order[taken], n = i / Hkv, h = i % Hkv, length = length_of[n];
       const float* qg = qp + (n * Hq + h * G) * D;
       float* og = op + (n * Hq + h * G) * D;
+      auto keys_at = [&](int64_t start) {
+        return kp + table_of[n * M + start / P] * k_cache.stride(0) + h * k_cache.stride(1);
+      };
       s.resize(G * length);
       for (int64_t start = 0; start < length; start += P) {
-        const int64_t block = table_of[n * M + start / P], count = std::min(P, length - start);
-        const float* k = kp + block * k_cache.stride(0) + h * k_cache.stride(1);
-        group_scores(qg, G, k, count, D, static_cast<float>(scale), s.data() + start, length);
+        const float* following = start + P < length ? keys_at(start + P) : nullptr;
+        group_scores(qg, G, keys_at(start), following, std::min(P, length - start), D, static_cast<float>(scale),
+                     s.data() + start, length);
       }
       for (int64_t g = 0; g < G; ++g) softmax(s.data() + g * length, length);
       for (int64_t start = 0; start < length; start += P) {
