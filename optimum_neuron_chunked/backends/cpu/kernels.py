@@ -50,9 +50,9 @@ exactly the reference; tests turn the flags on one by one against it.
   C++ op decode_attention.decode_attention: one call a layer for all rows, each row over its
   own slot up to its own position (as per_row_live, without the scalar reads), reading every
   key and value once for the query heads of its group, instead of ATen's bmm with the group's
-  2-4 query heads as its rows; TG graphs also compile without per-row unrolling. AVX2 hosts
-  only (not measured with AVX-512, where bmm stays); rings, sliding windows, sinks and other
-  dtypes keep the choices above.
+  2-4 query heads as its rows; TG graphs also compile without per-row unrolling. Hosts with
+  AVX2 or AVX-512, where it was measured (its AVX2 loops serve both); rings, sliding windows,
+  sinks and other dtypes keep the choices above.
 - paged_decode_op: decode rows of paged exports (--kv-cache-blocks) run plain causal fp32 layers
   through the same op, reading each row's blocks in place up to its own position, on every ISA:
   the reference gathers every row's whole bucket window first (a 32-row step took 26x the
@@ -102,8 +102,8 @@ class KernelChoices:
 # The oneDNN chunk op pays only with AVX-512: on an AVX2 host its per-head products lose to
 # SDPA's flash kernel at every width (the linears are a wash there, so onednn_linear stays).
 ONEDNN_CHUNK_OP_ISAS = ("AVX512",)
-# The decode op is chosen only where it was measured to pay (AVX2); elsewhere bmm stays.
-DECODE_ATTENTION_OP_ISAS = ("AVX2",)
+# The decode op is chosen only where it was measured to pay; elsewhere bmm stays.
+DECODE_ATTENTION_OP_ISAS = ("AVX2", "AVX512")
 
 CPU = KernelChoices(
     sdpa_prefill_from_window=1,
