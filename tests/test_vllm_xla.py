@@ -18,7 +18,7 @@ import re
 import pytest
 import torch
 from fixtures.export_models import BUCKETS, checkpoint_path
-from helpers import prompt
+from helpers import prompt, saved_by_transformers_5
 
 from optimum_neuron_chunked.testing.reference import hf_greedy
 from optimum_neuron_chunked.testing.server import Server, concurrent_greedy_tokens, disconnect_mid_prefill
@@ -31,8 +31,10 @@ CHUNK = 32
 def server(tmp_path_factory):
     from optimum_neuron_chunked.export.pipeline import export
 
+    # Saved by transformers 5 and exported here under 4.57, as a Neuron user meets a new checkpoint.
+    source = saved_by_transformers_5(checkpoint_path("llama"), tmp_path_factory.mktemp("source") / "llama")
     out = tmp_path_factory.mktemp("xla-export") / "llama"
-    export(str(checkpoint_path("llama")), out, batch_size=2, sequence_length=128, prefill_chunk_size=CHUNK,
+    export(str(source), out, batch_size=2, sequence_length=128, prefill_chunk_size=CHUNK,
            backend="xla", context_buckets=BUCKETS, prompt_logprobs=True)  # fmt: skip
     srv = Server(out, tmp_path_factory.mktemp("serve") / "serve.log").wait_ready()
     yield srv
@@ -57,6 +59,23 @@ def completions(server, model: str, requests: list[dict]) -> list:
         return [r.choices[0] for r in await asyncio.gather(*calls)]
 
     return asyncio.run(all_at_once())
+
+
+def test_the_tokenizer_of_a_transformers_5_checkpoint_encodes_as_its_source(server, model):
+    import json
+    import urllib.request
+
+    from tokenizers import Tokenizer
+
+    reference = Tokenizer.from_file(str(checkpoint_path("llama") / "tokenizer.json"))
+    for text in ("once upon a time", "hello, world!  two  spaces\nand a line"):
+        request = urllib.request.Request(
+            f"{server.url}/tokenize",
+            data=json.dumps({"model": model, "prompt": text}).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(request, timeout=60) as answer:
+            assert json.load(answer)["tokens"] == reference.encode(text).ids
 
 
 def test_concurrent_requests_on_two_slots_equal_transformers(server, model, hf_reference):

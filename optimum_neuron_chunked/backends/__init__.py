@@ -4,13 +4,18 @@ from .base import Backend, BackendUnavailableError
 
 def default_backend() -> tuple[str, str]:
     """(backend, why): neuron where the Neuron SDK is importable (compile-only build hosts
-    too, as optimum-neuron's exporter), cpu elsewhere. Only checks importability: the SDK
-    itself is imported when the neuron backend compiles."""
+    too, as optimum-neuron's exporter), cpu elsewhere - except on a host with SDK 2.32's own
+    stack, where a silent cpu export would surprise: that refuses, saying what works there.
+    Only checks importability: the SDK itself is imported when the neuron backend compiles."""
+    from .neuron.sdk import sdk_232_advice, sdk_232_stack
     from .neuron.target import SDK_MODULES, missing_sdk_modules
 
     missing = missing_sdk_modules()
     if not missing:
         return "neuron", f"the Neuron SDK is importable: {', '.join(SDK_MODULES)}"
+    found = sdk_232_stack()
+    if found:
+        raise BackendUnavailableError(sdk_232_advice(found))
     return "cpu", f"the Neuron SDK is not importable: {', '.join(missing)} missing"
 
 

@@ -35,13 +35,11 @@ from optimum_neuron_chunked.modeling import (
 )
 from optimum_neuron_chunked.modeling.parallel import ShardLayout
 
+from .errors import ExportError
 from .model_card import write_model_card
+from .tokenizer import check_loads, copy_tokenizer
 
 WEIGHT_PATHS = ("stream", "transformers")
-
-
-class ExportError(ValueError):
-    """The export cannot proceed; the message says what to change."""
 
 
 def export(
@@ -88,12 +86,12 @@ def export(
     staging = Path(tempfile.mkdtemp(prefix=f".{output.name}.partial-", dir=output.parent))
     try:
         started = time.perf_counter()
+        _save_hf_files(model, hf_config, staging)  # a source without a usable tokenizer stops here
         with console.status(f"loading weights of {model}"):
             decoder = _export_weights(model, hf_config, config, impl, staging, weights, console)
         specs = graph_specs(config)
         with _progress(console, len(specs)) as on_graph:
             impl.compile(decoder, config, specs, staging, on_graph)
-        _save_hf_files(model, hf_config, staging)
         config.save(staging, files=record_files(staging, export_files(config)))
         write_model_card(staging, model, config)
         if output.exists():
@@ -216,19 +214,15 @@ def quantization_kwargs(hf_config) -> dict:
 
 
 def _save_hf_files(model: str, hf_config, out: Path) -> None:
-    from transformers import AutoTokenizer, GenerationConfig
+    from transformers import GenerationConfig
 
     hf_config.save_pretrained(out)
     try:
         GenerationConfig.from_pretrained(model).save_pretrained(out)
     except OSError:
         GenerationConfig.from_model_config(hf_config).save_pretrained(out)
-    try:
-        AutoTokenizer.from_pretrained(model).save_pretrained(out)
-    except (OSError, ValueError, TypeError):
-        Console(stderr=True).print(
-            f"[yellow]warning[/]: no tokenizer found for {model}; the export has none."
-        )
+    copy_tokenizer(model, out)
+    check_loads(out)
 
 
 @contextmanager

@@ -1,7 +1,8 @@
 """Neuron backend: the graph set compiled with neuronx-distributed's ModelBuilder.
 
-Written against neuronx-distributed 0.16-0.18 (Neuron SDK 2.27-2.29, `ModelBuilder` of
-trace/model_builder_v2.py and `NxDModel`). Every SDK import is lazy: installing and using
+Written against neuronx-distributed 0.18 (Neuron SDK 2.29, `ModelBuilder` of
+trace/model_builder_v2.py and `NxDModel`), the last public source; 0.19 (SDK 2.30, 2.31) is
+published as wheels only, and its release notes name no change to either class. Every SDK import is lazy: installing and using
 this package on a host without the SDK never needs it.
 """
 

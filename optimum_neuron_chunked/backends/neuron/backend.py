@@ -24,6 +24,7 @@ from ...modeling import model_from_spec
 from ...modeling.decoder import DecoderModel
 from ...modeling.parallel import ShardLayout, rank_shard, tp_checkpoint
 from ..base import GRAPHS_DIR, Backend, OnGraph
+from .sdk import installed_compiler_version
 from .target import (
     TARGETS,
     VISIBLE_CORES,
@@ -116,7 +117,7 @@ class NeuronBackend(Backend):
                 nxd_model = builder.compile(
                     priority_model_key=priority_graph(specs),
                     compiler_workdir=workdir,
-                    compiler_args=compiler_args(target),
+                    compiler_args=compiler_args(target, installed_compiler_version()),
                 )
         (out_dir / GRAPHS_DIR).mkdir(parents=True, exist_ok=True)
         nxd_model.save(str(out_dir / BUNDLE))

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..base import BackendUnavailableError
+from .sdk import options_to_drop, sdk_232_advice, sdk_232_stack
 
 SDK_MODULES = ("torch_neuronx", "neuronx_distributed")
 VISIBLE_CORES = "NEURON_RT_VISIBLE_CORES"  # the Neuron runtime's choice of cores for a process
@@ -34,12 +35,25 @@ TARGETS = {
 }
 
 
-def compiler_args(target: NeuronTarget) -> str:
-    """neuronx-cc flags for a transformer decoder (every graph of the bundle)."""
-    return (
-        "--auto-cast=none --model-type=transformer --enable-saturate-infinity "
-        "--tensorizer-options='--enable-ccop-compute-overlap --cc-pipeline-tiling-factor=2 "
-        f"--vectorize-strided-dma' -O2 --lnc={target.logical_nc_config} --target={target.compiler_target}"
+# neuronx-cc flags for a transformer decoder (every graph of the bundle); the tensorizer's
+# own options go inside --tensorizer-options.
+COMPILER_FLAGS = ("--auto-cast=none", "--model-type=transformer", "--enable-saturate-infinity", "-O2")
+TENSORIZER_OPTIONS = (
+    "--enable-ccop-compute-overlap",
+    "--cc-pipeline-tiling-factor=2",
+    "--vectorize-strided-dma",
+)
+
+
+def compiler_args(target: NeuronTarget, compiler: str | None = None) -> str:
+    """The flags for `target` with neuronx-cc release `compiler` (None: unknown), less every
+    option a known failure of that release on that target rules out (sdk.KNOWN_COMPILER_FAILURES)."""
+    dropped = {f.option for f in options_to_drop(compiler, target.instance_type)}
+    tensorizer = " ".join(o for o in TENSORIZER_OPTIONS if o not in dropped)
+    flags = [f for f in COMPILER_FLAGS if f not in dropped]
+    return " ".join(
+        [*flags, f"--tensorizer-options='{tensorizer}'", f"--lnc={target.logical_nc_config}"]
+        + [f"--target={target.compiler_target}"]
     )
 
 
@@ -49,11 +63,15 @@ def missing_sdk_modules() -> list[str]:
 
 def require_neuron_sdk() -> None:
     missing = missing_sdk_modules()
-    if missing:
-        raise BackendUnavailableError(
-            f"the neuron backend needs the Neuron SDK ({', '.join(missing)} not importable). On a "
-            f"Trainium/Inferentia host: {SDK_HINT}; on this host use --backend cpu or eager."
-        )
+    if not missing:
+        return
+    found = sdk_232_stack()
+    if found:
+        raise BackendUnavailableError(sdk_232_advice(found))
+    raise BackendUnavailableError(
+        f"the neuron backend needs the Neuron SDK ({', '.join(missing)} not importable). On a "
+        f"Trainium/Inferentia host: {SDK_HINT}; on this host use --backend cpu or eager."
+    )
 
 
 def has_neuron_device() -> bool:
