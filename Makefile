@@ -21,7 +21,7 @@ PIP_NET := --retries 10 --resume-retries 20
 pip_install = for attempt in 1 2 3; do $(1) -m pip install -q $(PIP_NET) $(2) && exit 0; \
 	echo "pip install failed (attempt $$attempt of 3)"; sleep 15; done; exit 1
 
-.PHONY: install install-sdk test test-sdk test-fast demo style style_check export-test-models export-report serve-parity bench bench-quick bench-w3 clean
+.PHONY: install install-sdk test test-sdk test-fast demo style style_check export-test-models export-report bench bench-quick bench-w3 clean
 
 install: $(VENV)/.installed
 
@@ -76,16 +76,12 @@ export-report: install
 bench: install
 	$(PY) benchmark/serve_bench.py
 	$(PY) benchmark/long_context.py
-	$(PY) benchmark/profile_decode.py
 
 bench-w3: install
 	$(PY) benchmark/long_context.py
 
 bench-quick: install
 	$(PY) benchmark/serve_bench.py --quick
-
-serve-parity: install
-	$(PY) benchmark/serve_parity.py
 
 style: install
 	$(VENV)/bin/ruff format .

@@ -2,12 +2,8 @@
 
 from __future__ import annotations
 
-import json
 import statistics
-import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import numpy as np
 
@@ -101,44 +97,3 @@ def median_of(runs: list[dict], *path: str) -> tuple[float, float]:
     if not values:
         return float("nan"), float("nan")
     return statistics.median(values), max(values) - min(values)
-
-
-def call_ms(fn: Callable[[], object], repeats: int, warmup: int = 1) -> list[float]:
-    """Milliseconds of each of `repeats` calls of `fn`, after `warmup` untimed ones (lazy init,
-    first-touch pages)."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        started = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - started) * 1e3)
-    return times
-
-
-def interleaved_ms(
-    calls: dict[str, Callable[[int], object]], repeats: int, warmup: int = 1
-) -> dict[str, list[float]]:
-    """Milliseconds per call of each of `calls`, called in turn with the round's index (the
-    host drifts 20-30 % within minutes: only interleaved calls compare), `repeats` rounds after
-    `warmup` untimed ones."""
-    times = {name: [] for name in calls}
-    for i in range(warmup + repeats):
-        for name, call in calls.items():
-            started = time.perf_counter()
-            call(i)
-            if i >= warmup:
-                times[name].append((time.perf_counter() - started) * 1e3)
-    return times
-
-
-def spread_cell(values: list[float]) -> str:
-    """A table cell: median [min-max]."""
-    return f"{statistics.median(values):.1f} [{min(values):.1f}-{max(values):.1f}]"
-
-
-def save_results(stem: Path, data: object, lines: list[str]) -> None:
-    """Results as `stem`.json (the raw figures) and `stem`.md (the table), printed too."""
-    stem.with_suffix(".json").write_text(json.dumps(data))
-    stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))

@@ -36,21 +36,6 @@ def test_load_summary_counts_failures_and_throughput():
     assert figures["ttft"]["p50"] == pytest.approx(0.2)
 
 
-def test_decode_rows_counts_the_padding_of_decode_calls():
-    from step_trace import decode_rows
-
-    steps = [("tg", 20.0, 3), ("cp256@w512", 90.0, 0), ("tg + cp256@w512", 120.0, 8)]
-    assert decode_rows(steps, batch=8) == dict(tg_calls=2, real_rows_per_call=5.5, padding_share=0.312)
-
-
-def test_piggyback_bound_prices_shared_decode_calls_at_the_decode_only_step():
-    from step_trace import piggyback_bound
-
-    steps = [("tg", 20.0, 8), ("tg", 10.0, 8), ("tg", 30.0, 8), ("cp256@w512", 90.0, 0),
-             ("tg + cp256@w512", 120.0, 7), ("tg + cp256@w1024 + cp64@w512", 150.0, 6)]  # fmt: skip
-    assert piggyback_bound(steps) == dict(shared_tg_calls=2, decode_step_ms=20.0, saved_s=0.04)
-
-
 @pytest.mark.slow
 def test_quick_mode_produces_the_report(tmp_path):
     from serve_bench import main
