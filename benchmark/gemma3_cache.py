@@ -1,7 +1,7 @@
 """KV cache bytes per slot of Gemma3 exports: local layers in rings vs full-length caches.
 
 Cache lengths per layer come from the function DecoderModel allocates its buffers with
-(attention.cache_lengths); tests/test_masking.py checks the buffers have those lengths. Dimensions
+(kv_cache.cache_lengths); tests/test_masking.py checks the buffers have those lengths. Dimensions
 are those of google/gemma-3-{4b,12b,27b}-it's text config (5 local layers per global one,
 sliding_window 1024). Writes benchmark/results/gemma3-cache-<date>.{json,md}.
 
@@ -19,7 +19,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from optimum_neuron_chunked.modeling import family_spec  # noqa: E402
-from optimum_neuron_chunked.modeling.attention import cache_lengths  # noqa: E402
+from optimum_neuron_chunked.modeling.kv_cache import cache_lengths  # noqa: E402
 
 MODELS = {
     "gemma-3-4b": dict(
