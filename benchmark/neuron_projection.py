@@ -9,7 +9,7 @@ calls, then B-row or paged-row decode steps at the rows' mean context. Output to
 depends on vLLM's admission order.
 
 Paged TG: each row's blocks are gathered into a contiguous window before attention (the
-reference read every backend but cpu compiles, modeling/attention.py gather_blocks), so the
+reference read every backend but cpu compiles, modeling/kv_cache.py gather_blocks), so the
 step's KV crosses HBM three times (blocks read, the copy written, the copy read) where a slot
 export's attention reads each slot's cache once.
 

@@ -23,7 +23,7 @@ def pad_repeat_last(x: torch.Tensor, length: int, dim: int) -> torch.Tensor:
     """The padding rule, the only one: repeat the last entry along `dim` up to `length`.
 
     Applied to a chunk's tokens and positions, padded copies are exact duplicates of the last
-    real token (see modeling/attention.py); applied to decode rows, padded rows repeat the
+    real token (see modeling/kv_cache.py); applied to decode rows, padded rows repeat the
     last real row and so rewrite exactly what it writes.
     """
     missing = length - x.shape[dim]
@@ -213,7 +213,7 @@ class GraphRunner:
 
     def _check_tables(self, tables: torch.Tensor, last_positions: torch.Tensor) -> None:
         """Each row [N, M] holds pool blocks (1..kv_cache_blocks, then 0 padding) for every
-        position up to its last: block 0 is never written (modeling/attention.py)."""
+        position up to its last: block 0 is never written (modeling/kv_cache.py)."""
         size, pool = self.config.kv_block_size, self.config.kv_cache_blocks
         if tables.dim() != 2 or tables.shape[0] != last_positions.shape[0]:
             raise ValueError(f"block tables are [rows, blocks], got {tuple(tables.shape)}")

@@ -16,7 +16,7 @@ from .graph_runner import GraphRunner
 from .graphs import graph_specs
 from .integrity import recorded_files, verify_files
 from .modeling import family_spec, torch_dtype
-from .modeling.attention import cache_lengths
+from .modeling.kv_cache import cache_lengths
 from .version import __version__
 
 
@@ -32,7 +32,7 @@ class KVLayout:
     num_kv_heads: int  # per layer
     head_dim: int
     dtype: torch.dtype
-    cache_lengths: tuple[int, ...]  # per layer: the positions a slot keeps (modeling/attention.py)
+    cache_lengths: tuple[int, ...]  # per layer: the positions a slot keeps (modeling/kv_cache.py)
     block_size: int = 0
     num_blocks: int = 0
 

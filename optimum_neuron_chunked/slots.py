@@ -32,7 +32,7 @@ class SlotPool:
 class BlockPool:
     """A paged export's KV blocks, for requests the host runs itself (generate()): ids 1 to
     num_blocks; block 0 is the null block that pads block tables and is never handed out, as
-    in vLLM's BlockPool (modeling/attention.py)."""
+    in vLLM's BlockPool (modeling/kv_cache.py)."""
 
     def __init__(self, num_blocks: int, block_size: int):
         self._free = list(range(1, num_blocks + 1))

@@ -8,9 +8,10 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from .attention import Attention, GraphPart, cache_lengths, write_cache
+from .attention import Attention
 from .family import FamilySpec
-from .kernels import Kernels
+from .kernels import GraphPart, Kernels
+from .kv_cache import KVCache, cache_lengths, scatter_cache
 from .layers import MLP, Rotary, rms_norm
 from .moe import SparseMoE, moe_state_from_hf
 from .parallel import ShardLayout, TorchLayers, rank_shard, tp_checkpoint
@@ -32,10 +33,8 @@ class DecoderLayer(nn.Module):
         layer_idx: int,
         layout: ShardLayout,
         layers,
-        functional_cache: bool,
-        ring,
+        ring: int | None,
         kernels: Kernels,
-        block_size: int | None = None,
     ):
         super().__init__()
         window = spec.sliding_windows[layer_idx]
@@ -44,12 +43,10 @@ class DecoderLayer(nn.Module):
             sliding_window=window,
             layout=layout,
             layers=layers,
-            functional_cache=functional_cache,
             kernels=kernels,
             use_rope=spec.uses_rope(layer_idx),
             local_rope=spec.local_rope and window is not None,
             ring=ring,
-            block_size=block_size,
         )
         if spec.moe is not None and spec.moe.sparse_layers[layer_idx]:
             self.mlp = SparseMoE(spec.hidden_size, spec.moe, layers, kernels.expert_selection)
@@ -66,18 +63,16 @@ class DecoderLayer(nn.Module):
             self.post_feedforward_layernorm = norm()
         self.residual_multiplier = spec.residual_multiplier
 
-    def forward(self, x: torch.Tensor, parts: tuple[GraphPart, ...], k_cache, v_cache):
+    def forward(
+        self, x: torch.Tensor, parts: tuple[GraphPart, ...], cache: KVCache
+    ) -> tuple[torch.Tensor, KVCache]:
         """x [1, R, H]: every part's tokens (Attention.forward)."""
-        h, k_cache, v_cache = self.self_attn(self.input_layernorm(x), parts, k_cache, v_cache)
+        h, cache = self.self_attn(self.input_layernorm(x), parts, cache)
         if self.sandwich_norms:
             x = x + self.post_attention_layernorm(h)
-            return (
-                x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x))),
-                k_cache,
-                v_cache,
-            )
+            return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x))), cache
         x = x + h * self.residual_multiplier
-        return x + self.mlp(self.post_attention_layernorm(x)) * self.residual_multiplier, k_cache, v_cache
+        return x + self.mlp(self.post_attention_layernorm(x)) * self.residual_multiplier, cache
 
 
 class DecoderBody(nn.Module):
@@ -86,16 +81,13 @@ class DecoderBody(nn.Module):
         spec: FamilySpec,
         layout: ShardLayout,
         layers,
-        functional_cache: bool,
-        rings,
-        kernels,
-        block_size: int | None = None,
+        rings: tuple[int | None, ...],
+        kernels: Kernels,
     ):
         super().__init__()
         self.embed_tokens = layers.embedding(spec.vocab_size, spec.hidden_size)
         self.layers = nn.ModuleList(
-            DecoderLayer(spec, i, layout, layers, functional_cache, rings[i], kernels, block_size)
-            for i in range(spec.num_layers)
+            DecoderLayer(spec, i, layout, layers, rings[i], kernels) for i in range(spec.num_layers)
         )
         self.norm = rms_norm(spec.hidden_size, spec.rms_norm_eps, spec.gemma_norms)
         self.rotary_emb = Rotary(spec.head_dim)
@@ -128,7 +120,7 @@ class DecoderModel(nn.Module):
 
     `prefill_width`: the most positions one graph call writes per row (the chunk of a chunked
     export). Sliding-window layers then keep a ring of window + prefill_width positions where
-    that is shorter than sequence_length (attention.ring_length); None: no rings.
+    that is shorter than sequence_length (kv_cache.ring_length); None: no rings.
 
     `kernels`: how linear layers, attention and experts compute (modeling/kernels.py: the
     reference unless a backend supplies its own, Backend.kernels).
@@ -156,10 +148,8 @@ class DecoderModel(nn.Module):
         self.block_size = kv_block_size if kv_blocks else None
         paged = self.block_size is not None
         self.cache_lengths = cache_lengths(spec.sliding_windows, sequence_length, prefill_width, paged)
-        rings = [n if n < sequence_length else None for n in self.cache_lengths]
-        self.model = DecoderBody(
-            spec, self.layout, layers, functional_cache, rings, self.kernels, self.block_size
-        )
+        self.rings = tuple(n if n < sequence_length else None for n in self.cache_lengths)
+        self.model = DecoderBody(spec, self.layout, layers, self.rings, self.kernels)
         self.lm_head = layers.column(
             spec.hidden_size, self.layout.padded_vocab, bias=False, gather_output=True
         )
@@ -238,7 +228,7 @@ class DecoderModel(nn.Module):
     def parts_hidden_states(self, parts: tuple[PartInputs, ...], window: int) -> tuple[torch.Tensor, ...]:
         """One graph call over parts, every part attending over context bucket `window` -> each
         part's final-norm hidden states [N, T, H]. Embeddings, projections and MLP run once over
-        all the parts' tokens (attention.GraphPart).
+        all the parts' tokens (kernels.GraphPart).
 
         Integer inputs may arrive as int32 (graphs.INDEX_DTYPE): they are widened here, once,
         because index_put/index_copy want int64 indices and XLA refuses to mix S32 with the
@@ -262,16 +252,20 @@ class DecoderModel(nn.Module):
             for p in parts
         )
         for i, layer in enumerate(self.model.layers):
-            k_cache, v_cache = getattr(self, f"k_cache_{i}"), getattr(self, f"v_cache_{i}")
-            x, k_cache, v_cache = layer(x, graph_parts, k_cache, v_cache)
+            x, cache = layer(x, graph_parts, self.layer_cache(i))
             if self.functional_cache:
-                setattr(self, f"k_cache_{i}", k_cache)
-                setattr(self, f"v_cache_{i}", v_cache)
+                setattr(self, f"k_cache_{i}", cache.keys)
+                setattr(self, f"v_cache_{i}", cache.values)
         hidden = self.model.norm(x)[0]
         sizes = [p.tokens for p in graph_parts]
         return tuple(
             h.view(*p.position_ids.shape, -1) for h, p in zip(hidden.split(sizes), graph_parts, strict=True)
         )
+
+    def layer_cache(self, i: int) -> KVCache:
+        """Layer i's cache buffers with their addressing (the buffers keep their export names)."""
+        k, v = getattr(self, f"k_cache_{i}"), getattr(self, f"v_cache_{i}")
+        return KVCache(k, v, self.rings[i], self.block_size, self.functional_cache)
 
     def copy_positions(self, position_ids: torch.Tensor, seq_ids: torch.Tensor) -> None:
         """Copy the K/V of `position_ids` [1, T] from slot seq_ids[0] to slot seq_ids[1], every
@@ -288,7 +282,9 @@ class DecoderModel(nn.Module):
             for kv in ("k", "v"):
                 cache = getattr(self, f"{kv}_cache_{i}")
                 values = cache.index_select(0, src).index_select(2, index[0])  # [1, Hkv, T, D]
-                cache = write_cache(cache, dst, index, values.transpose(1, 2), self.functional_cache)
+                cache = scatter_cache(
+                    cache, dst[:, None], index, values.transpose(1, 2), self.functional_cache
+                )
                 if self.functional_cache:
                     setattr(self, f"{kv}_cache_{i}", cache)
 

@@ -1,22 +1,80 @@
 """How a backend computes the shared math: the one interface between the model and a backend's
-tuning. `Kernels` itself is the reference - what eager, XLA and Neuron compute, and what every
-other strategy is tested against: plain linear layers, attention as the masked softmax over
-each row's gathered bucket window (decode rows: over views of the cache in slot order), and
-experts gathered by neuronx-distributed's rule.
+tuning, with the types it speaks in. `Kernels` itself is the reference - what eager, XLA and
+Neuron compute, and what every other strategy is tested against: plain linear layers,
+attention as the masked softmax over each row's gathered bucket window (decode rows: over
+views of the cache in slot order), and experts gathered by neuronx-distributed's rule.
 
 A backend whose compiler can do better subclasses it (backends/cpu/kernels.py) and hands its
-instance to the model (Backend.kernels); the model calls only these methods.
+instance to the model (Backend.kernels); the model calls only these methods. Attention reaches
+a kernel as a frozen `AttentionSpec`, the layer's `KVCache` and tensors, never as the module.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-if TYPE_CHECKING:
-    from .attention import Attention, CacheRead, GraphPart
+from .kv_cache import KVCache
+from .layers import MASK_VALUE
+
+
+@dataclass(frozen=True)
+class AttentionSpec:
+    """What a kernel needs to know of one layer's attention (heads held by this rank)."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    scale: float
+    sliding_window: int | None
+    sinks: bool  # gpt-oss: a learned logit per query head joins the softmax (attend's `sinks`)
+    ring: int | None  # cache length of a ring layer (kv_cache.ring_length); None: no ring
+
+    @property
+    def plain_causal(self) -> bool:
+        """Causal over the whole context: no sliding window, ring or sinks."""
+        return not self.sinks and self.sliding_window is None and self.ring is None
+
+
+@dataclass(frozen=True)
+class CacheRead:
+    """What every layer's attention reads of its cache in one graph call, decided once per call
+    (Kernels.cache_read).
+
+    window: the graph's context bucket (static: a backend may pick its kernel by it).
+    live: positions read from each slot: the window, or fewer where a backend reads the live
+      context only (backends/cpu/kernels.py).
+    """
+
+    window: int
+    live: int | torch.SymInt
+
+
+@dataclass(frozen=True)
+class GraphPart:
+    """Rows of one graph call that attend alike: a prefill chunk ([1, T]) or decode rows
+    ([B, 1], one row per slot). A graph call is one part (CE, CP, TG) or a mixed step's two
+    (decode rows, then a chunk): the projections and the MLP run once over every part's
+    tokens, each part attends over its own slots (Attention.forward). A paged model's parts
+    carry block tables where slot models carry slots (the model's construction says which)."""
+
+    position_ids: torch.Tensor  # [N, T]
+    seq_ids: torch.Tensor  # [N] slots; paged models: [N, W // P] block tables
+    read: CacheRead
+    one_row_per_slot: bool
+    rotaries: tuple  # (cos, sin) of the global rotary, and of the local one or None
+
+    @property
+    def tokens(self) -> int:
+        return self.position_ids.shape[0] * self.position_ids.shape[1]
+
+
+# (q, keys, values, position_ids, key_positions) -> output, as masked_softmax
+AttentionCore = Callable[..., torch.Tensor]
 
 
 class Kernels:
@@ -33,17 +91,91 @@ class Kernels:
         self, position_ids: torch.Tensor, seq_ids: torch.Tensor, window: int, one_row_per_slot: bool
     ) -> CacheRead:
         """What every layer reads of its cache in one call: the whole context bucket."""
-        from .attention import CacheRead
-
         return CacheRead(window, window)
 
     def attend(
         self,
-        attention: Attention,
+        spec: AttentionSpec,
         part: GraphPart,
-        q: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
+        q: torch.Tensor,  # [N, Hq, T, D]
+        cache: KVCache,
+        sinks: torch.Tensor | None,  # [Hq] where spec.sinks
     ) -> torch.Tensor:
-        """One part's queries [N, Hq, T, D] over its slots -> [N, Hq, T, D]."""
-        return attention.reference_attend(part, q, k_cache, v_cache)
+        """One part's queries over its slots (or blocks) -> [N, Hq, T, D]."""
+        return reference_attend(spec, part, q, cache, sinks)
+
+
+def reference_attend(
+    spec: AttentionSpec, part: GraphPart, q: torch.Tensor, cache: KVCache, sinks: torch.Tensor | None
+) -> torch.Tensor:
+    """The reference read: decode rows over views of the cache in slot order, a chunk over its
+    row's gathered window; the masked softmax. A paged cache gathers every row's blocks,
+    decode rows too (a pool has no slot order).
+
+    `part.one_row_per_slot` is the graph kind's choice (TG: N = batch_size rows), never
+    inferred from a shape, so a new graph cannot silently take the other path."""
+    _, live = cache.extent(part.read.window, part.read.live)
+    core = functools.partial(masked_softmax, spec, sinks)
+    if cache.block_size is not None:
+        keys, values = cache.block_windows(part.seq_ids)
+        key_positions = cache.key_positions(part.position_ids, keys.shape[2])
+        return core(q, keys, values, part.position_ids, key_positions)
+    if part.one_row_per_slot:
+        return attend_in_slot_order(q, cache, part, live, core)
+    keys, values = cache.slot_windows(part.seq_ids, live)
+    key_positions = cache.key_positions(part.position_ids, live)
+    return core(q, keys, values, part.position_ids, key_positions)
+
+
+def attend_in_slot_order(q, cache: KVCache, part: GraphPart, live, core: AttentionCore) -> torch.Tensor:
+    """A step with one row per slot (TG) attends over views of the cache: gathering every
+    row's window would copy the whole live cache each step. Rows are moved to their slots
+    and back; a slot with no row attends to whatever it holds, and the result is dropped.
+    Padded rows repeat a real row, so duplicate seq_ids copy identical values."""
+    seq_ids, position_ids, slots = part.seq_ids, part.position_ids, cache.keys.shape[0]
+    q_slots = q.new_zeros(slots, *q.shape[1:]).index_copy(0, seq_ids, q)
+    pos_slots = position_ids.new_zeros(slots, position_ids.shape[1]).index_copy(0, seq_ids, position_ids)
+    keys, values = cache.every_slot(live)
+    key_positions = cache.key_positions(pos_slots, live)
+    return core(q_slots, keys, values, pos_slots, key_positions).index_select(0, seq_ids)
+
+
+def attention_mask(
+    position_ids: torch.Tensor, key_positions: torch.Tensor, sliding_window: int | None
+) -> torch.Tensor:
+    """[N, 1, T, W] boolean: which cached keys (at absolute `key_positions`, [N or 1, W]) each
+    query may attend to. Negative key positions (ring entries not yet written) never are."""
+    key_pos = key_positions[:, None, None, :]  # [N, 1, 1, W]
+    query_pos = position_ids[:, None, :, None]  # [N, 1, T, 1]
+    mask = (key_pos <= query_pos) & (key_pos >= 0)
+    if sliding_window is not None:
+        mask = mask & (key_pos > query_pos - sliding_window)
+    return mask
+
+
+def masked_softmax(
+    spec: AttentionSpec, sinks: torch.Tensor | None, q, keys, values, position_ids, key_positions
+) -> torch.Tensor:
+    """q [N, Hq, T, D] over keys/values [N, Hkv, W, D] -> [N, Hq, T, D], W the positions
+    read: masked scores (MASK_VALUE), softmax, values - what every backend can lower.
+
+    Grouped-query attention without expanding K/V: query heads k*G..k*G+G-1 share KV
+    head k (transformers' repeat_kv order), so they are stacked along the query axis.
+    Batched 3-D products over (row, KV head) and a mask made at the scores' shape: no view
+    of a scores buffer feeds a matmul (AOTInductor cannot lay one out when its live width
+    is unbacked and a dim is 1). Query positions are tiled group-major, as q.
+    """
+    n, _, t, _ = q.shape
+    groups, kv_heads, read = spec.num_heads // spec.num_kv_heads, spec.num_kv_heads, keys.shape[2]
+    q = q.reshape(n * kv_heads, groups * t, spec.head_dim)
+    keys, values = keys.reshape(n * kv_heads, read, -1), values.reshape(n * kv_heads, read, -1)
+    mask = attention_mask(position_ids.repeat(1, groups), key_positions, spec.sliding_window)
+    mask = mask.expand(n, kv_heads, groups * t, read).reshape(n * kv_heads, groups * t, read)
+    scores = torch.where(mask, (torch.bmm(q, keys.transpose(1, 2)) * spec.scale).float(), MASK_VALUE)
+    if sinks is not None:  # eager_attention_forward of gpt_oss: an extra column, dropped after
+        sinks = sinks.float().view(1, kv_heads, groups, 1).repeat_interleave(t, dim=2)
+        sinks = sinks.expand(n, -1, -1, -1).reshape(n * kv_heads, groups * t, 1)
+        probs = torch.softmax(torch.cat([scores, sinks], dim=-1), dim=-1)[..., :read]
+    else:
+        probs = torch.softmax(scores, dim=-1)
+    return torch.bmm(probs.to(values.dtype), values).view(n, spec.num_heads, t, spec.head_dim)

@@ -5,7 +5,7 @@ ATen's CPU flash attention (what SDPA lowers to) runs its products on MKL sgemm,
 AVX-512 on AMD hosts; oneDNN's matmul (`torch.ops.mkldnn._linear_pointwise`, the kernel the
 cpu backend's linear layers call) does. The op is opaque to the graph compiler: AOTInductor
 calls it as an extern kernel through its proxy executor, so it must be registered (this module
-imported) in any process that loads a cpu export; modeling.attention imports it.
+imported) in any process that loads a cpu export; backends/cpu/attention.py imports it.
 
 Why an op and not the same calls inline: with the live width unbacked, AOTInductor cannot lay
 out the second product's operands (the softmax output and a transposed cache view) for an

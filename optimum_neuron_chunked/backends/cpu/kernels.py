@@ -76,8 +76,8 @@ from dataclasses import dataclass, replace
 import torch
 from torch import nn
 
-from ...modeling.attention import Attention, CacheRead, GraphPart
-from ...modeling.kernels import Kernels
+from ...modeling.kernels import AttentionSpec, CacheRead, GraphPart, Kernels
+from ...modeling.kv_cache import KVCache
 from .attention import attend, attend_paged
 from .host import host_cpu_capability
 from .linear import CpuLinear
@@ -187,10 +187,17 @@ class CpuKernels(Kernels):
             rows = tuple(_row_read(seq_ids[i], position_ids[i], window) for i in range(seq_ids.shape[0]))
         return CpuCacheRead(window, live, slot, rows)
 
-    def attend(self, attention: Attention, part: GraphPart, q, k_cache, v_cache) -> torch.Tensor:
+    def attend(
+        self,
+        spec: AttentionSpec,
+        part: GraphPart,
+        q: torch.Tensor,
+        cache: KVCache,
+        sinks: torch.Tensor | None,
+    ) -> torch.Tensor:
         if self.paged:
-            return attend_paged(self.choices, attention, part, q, k_cache, v_cache)
-        return attend(self.choices, attention, part, q, k_cache, v_cache)
+            return attend_paged(self.choices, spec, part, q, cache, sinks)
+        return attend(self.choices, spec, part, q, cache, sinks)
 
 
 def _row_read(slot_id: torch.Tensor, positions: torch.Tensor, window: int) -> tuple:

@@ -1,0 +1,153 @@
+"""One layer's static KV cache and the rules that address it (in the spirit of gpt-fast's
+`KVCache.update(input_pos, k, v)`, model.py).
+
+Slot caches are [batch_size, Hkv, length, D]: a request owns one row (its slot) for its whole
+life; position p lives at index p, or at p % length in a ring (sliding layers of chunked
+exports, ring_length). Paged caches are one pool [blocks + 1, Hkv, P, D]: a row's position p
+lives in block table[p // P] at offset p % P.
+
+Padding invariant: a padded token repeats the last real token *and its position*. It computes
+the same K/V as that token (same input, same position, same visible keys), so the
+duplicate-index scatter writes identical values - a true no-op whatever the write order.
+Keys are masked by absolute position (key_pos <= query_pos), so stale entries a previous
+request left in the slot beyond the live context are never read.
+
+Block 0 of a pool is vLLM's null block (BlockPool takes block id 0 off its free list as
+`null_block` and never hands it to a request: vllm/v1/core/block_pool.py, 0.32 and 0.16.0) and
+pads block tables; it is never written, since padding repeats real tokens and rows, so it holds
+zeros. Positions it stands for lie past the row's live context: masked, they get probability
+exactly 0, and 0 times its zeros (or any stale finite value) adds nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+
+
+def ring_length(sliding_window: int | None, sequence_length: int, prefill_width: int) -> int:
+    """Cache positions a layer keeps per slot. A sliding layer needs only its window plus the
+    positions one call writes (a query at the start of a chunk still sees `window - 1` keys
+    before it while the chunk's last token is written): a ring of that length when it is
+    shorter than the sequence, with position p stored at index p % length."""
+    if sliding_window is None:
+        return sequence_length
+    return min(sequence_length, sliding_window + prefill_width)
+
+
+def cache_lengths(
+    sliding_windows: tuple[int | None, ...],
+    sequence_length: int,
+    prefill_width: int | None,
+    paged: bool = False,
+) -> tuple[int, ...]:
+    """Per layer, the cache positions a slot (paged: a sequence) keeps; prefill_width None or a
+    paged cache: no rings, blocks are shared and freed by vLLM, which knows no rings."""
+    width = sequence_length if paged else prefill_width or sequence_length
+    return tuple(ring_length(w, sequence_length, width) for w in sliding_windows)
+
+
+def ring_positions(last_positions: torch.Tensor, length: int) -> torch.Tensor:
+    """[N] last written position of each row -> [N, length] absolute position held by each
+    ring index: the latest p <= last with p % length == index (negative: never written).
+    Every position in (last - length, last] of the row's request has been written by then."""
+    index = torch.arange(length, device=last_positions.device)
+    last = last_positions[:, None]
+    return last - torch.remainder(last - index, length)
+
+
+def scatter_cache(
+    cache: torch.Tensor,  # [B, Hkv, S, D]: slots x positions, or blocks x offsets
+    rows: torch.Tensor,  # [N, 1] or [N, T]: the cache row of each token
+    index: torch.Tensor,  # [N, T]: the position in that row
+    values: torch.Tensor,  # [N, T, Hkv, D]
+    functional: bool,
+) -> torch.Tensor:
+    """cache[rows, :, index] = values. In place for torch backends (the compiled graphs share
+    the cache tensor); as a new tensor for XLA tracing, which turns a buffer reassigned to it
+    into aliased device state and does not support in-place updates."""
+    values = values.to(cache.dtype)
+    if not functional:
+        # Advanced indices on dims 0 and 2 put [N, T] first: values are [N, T, Hkv, D].
+        cache[rows, :, index] = values
+        return cache
+    heads = torch.arange(cache.shape[1], device=cache.device)
+    where = (rows[:, None, :], heads[None, :, None], index[:, None, :])  # -> [N, Hkv, T]
+    return torch.index_put(cache, where, values.transpose(1, 2))
+
+
+def block_positions(
+    block_tables: torch.Tensor, position_ids: torch.Tensor, block_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block tables [N, M] and positions [N, T] -> (block [N, T], offset [N, T]) holding each
+    position in a paged cache."""
+    blocks = torch.gather(block_tables, 1, torch.div(position_ids, block_size, rounding_mode="floor"))
+    return blocks, torch.remainder(position_ids, block_size)
+
+
+def gather_blocks(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
+    """A paged cache [blocks, Hkv, P, D] read through block tables [N, M] -> each row's first
+    M * P positions, [N, Hkv, M * P, D] (a copy)."""
+    n, m = block_tables.shape
+    blocks = cache[block_tables]  # [N, M, Hkv, P, D]
+    return blocks.transpose(1, 2).reshape(n, cache.shape[1], m * cache.shape[2], cache.shape[3])
+
+
+@dataclass(frozen=True)
+class KVCache:
+    """One layer's K and V and how positions address them. `write` returns the cache with a
+    part's K/V in it (the same tensors, or new ones under `functional` XLA tracing).
+
+    `rows` of a read or write: slots [N], or a paged cache's block tables [N, W // P]."""
+
+    keys: torch.Tensor  # [B, Hkv, S, D] slots x positions, or [blocks + 1, Hkv, P, D]
+    values: torch.Tensor  # same shape
+    ring: int | None  # cache length of a ring layer (ring_length); None: position-indexed
+    block_size: int | None  # positions per block of a pool; None: slots
+    functional: bool
+
+    def write(
+        self,
+        rows: torch.Tensor,  # [N] slots or [N, M] block tables
+        position_ids: torch.Tensor,  # [N, T]
+        k: torch.Tensor,  # [N, T, Hkv, D]
+        v: torch.Tensor,  # [N, T, Hkv, D]
+    ) -> KVCache:
+        """The cache with k, v written at each row's positions."""
+        if self.block_size is not None:
+            rows, index = block_positions(rows, position_ids, self.block_size)
+        else:
+            rows = rows[:, None]
+            index = position_ids if self.ring is None else torch.remainder(position_ids, self.ring)
+        keys = scatter_cache(self.keys, rows, index, k, self.functional)
+        values = scatter_cache(self.values, rows, index, v, self.functional)
+        return replace(self, keys=keys, values=values)
+
+    def extent(self, window: int, live: int | torch.SymInt) -> tuple[int, int | torch.SymInt]:
+        """(window, live) this layer reads of each slot: a ring layer reads its whole ring."""
+        return (window, live) if self.ring is None else (self.ring, self.ring)
+
+    def key_positions(self, position_ids: torch.Tensor, width: int) -> torch.Tensor:
+        """[N or 1, width] absolute position of each cache entry read. A padded row repeats
+        its last real position, so the last column is the last position written."""
+        if self.ring is None:
+            return torch.arange(width, device=position_ids.device)[None]
+        return ring_positions(position_ids[:, -1], self.ring)
+
+    def slot_windows(self, slots: torch.Tensor, live) -> tuple[torch.Tensor, torch.Tensor]:
+        """The first `live` positions of each slot [N]: keys, values [N, Hkv, live, D] (a gather)."""
+        return self.keys[slots, :, :live], self.values[slots, :, :live]
+
+    def slot_view(self, slot, live) -> tuple[torch.Tensor, torch.Tensor]:
+        """The first `live` positions of one slot (a scalar) as views: [1, Hkv, live, D]."""
+        torch._check(slot < self.keys.shape[0])
+        return self.keys[slot, :, :live][None], self.values[slot, :, :live][None]
+
+    def every_slot(self, live) -> tuple[torch.Tensor, torch.Tensor]:
+        """The first `live` positions of every slot, in slot order, as views [B, Hkv, live, D]."""
+        return self.keys[:, :, :live], self.values[:, :, :live]
+
+    def block_windows(self, tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each row's blocks [N, M] gathered: keys, values [N, Hkv, M * P, D] (a copy)."""
+        return gather_blocks(self.keys, tables), gather_blocks(self.values, tables)
