@@ -61,6 +61,8 @@ class NeuronConfig:
     the whole batch.
     mixed_step: MX graphs (one per bucket) run a step's decode rows and a full chunk in one
     call, reading every weight once for both (Sarathi-Serve's piggybacked decodes).
+    speculation_length K: VF graphs (per bucket and decode width) take decode rows of K + 1
+    tokens - the last token and up to K drafts - and score every position.
     kv_cache_blocks / kv_block_size (paged exports): the KV cache is one pool of blocks of P
     positions that every request draws from; graphs take block tables where slot exports take
     slots, batch_size keeps counting the decode rows of TG graphs, and there is no copy graph
@@ -139,6 +141,14 @@ class NeuronConfig:
         help="With --prefill-chunk-size: add an MX graph per context bucket that runs a step's decodes "
         "and a full prefill chunk in one call, reading every weight once for both (default: off; "
         "decodes and chunks run in their own TG and CP calls).",
+    )
+    speculation_length: int = option(
+        "--speculation-length",
+        "--speculation_length",
+        default=0,
+        help="Add verify graphs (one per context bucket and decode width) that score a decode row's "
+        "last token and up to K drafted tokens in one call, for vLLM's n-gram speculative decoding "
+        "(--speculative-config); 0 (default): none.",
     )
     kv_cache_blocks: int = option(
         "--kv-cache-blocks",
@@ -234,12 +244,30 @@ class NeuronConfig:
                 "--mixed-step runs decodes with a prefill chunk in one graph: it needs a chunked "
                 "export, pass --prefill-chunk-size too."
             )
+        self._validate_speculation()
         if self.context_buckets[0] < max(self.prefill_chunk_size, 1):
             fail(
                 f"context bucket {self.context_buckets[0]} is smaller than the chunk size "
                 f"{self.prefill_chunk_size}: every bucket must hold at least one chunk."
             )
         self._validate_paged()
+
+    def _validate_speculation(self) -> None:
+        k = self.speculation_length
+        if k < 0:
+            raise NeuronConfigError(f"--speculation-length must be >= 0 (0: no verify graphs), got {k}.")
+        # A sliding layer's ring holds window + C positions: a call writes at most C (ring_length).
+        most = min(self.prefill_chunk_size or self.sequence_length, self.context_buckets[0]) - 1
+        if k > most:
+            raise NeuronConfigError(
+                f"--speculation-length {k} verifies {k + 1} tokens a row, more than the chunk size and "
+                f"the smallest context bucket allow: pass --speculation-length <= {most}."
+            )
+        if k and self.mixed_step:
+            raise NeuronConfigError(
+                "--speculation-length and --mixed-step do not combine: verify rows run in their own VF "
+                "graphs, never beside a chunk in an MX graph. Drop one of them."
+            )
 
     def _validate_paged(self) -> None:
         blocks, size = self.kv_cache_blocks, self.kv_block_size
@@ -261,6 +289,11 @@ class NeuronConfig:
     @property
     def chunked(self) -> bool:
         return self.prefill_chunk_size > 0
+
+    @property
+    def verify_width(self) -> int:
+        """Tokens per row of a VF graph: the last token and up to speculation_length drafts."""
+        return self.speculation_length + 1
 
     @property
     def paged(self) -> bool:

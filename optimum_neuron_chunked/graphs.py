@@ -8,6 +8,9 @@
   tg_w{W}_r{N}  [N, 1]  the same for steps of at most N < B rows (`decode_widths`)
   mx_w{W}  [B, 1] + [1, C]  a mixed step: decode rows and one full chunk in one call
                    (`mixed_step`): projections and MLP once over B + C rows, attention per part
+  vf_w{W}  [B, K+1]  verify: each decode row's last token and up to K drafts (`speculation_length`),
+                   padded by repeating the row's last position -> every position's argmax and logits
+  vf_w{W}_r{N}  [N, K+1]  the same for steps of at most N < B rows (`decode_widths`)
   copy     [1, C]  copies C positions' K/V from one slot to another, every layer (chunked
                    exports: prefix caching puts a cached prefix into a new request's slot)
 
@@ -49,6 +52,7 @@ class GraphKind(StrEnum):
     CP = "cp"
     TG = "tg"
     MX = "mx"
+    VF = "vf"
     COPY = "copy"
 
 
@@ -70,7 +74,8 @@ class GraphSpec:
         name = f"{self.kind}_w{self.window}"
         if not self.narrow:
             return name
-        return name + (f"_r{self.batch}" if self.kind == GraphKind.TG else f"_c{self.width}")
+        rows = self.kind in (GraphKind.TG, GraphKind.VF)
+        return name + (f"_r{self.batch}" if rows else f"_c{self.width}")
 
 
 COPY = GraphKind.COPY.value  # the copy graph's name
@@ -82,6 +87,10 @@ def cp_spec(config: NeuronConfig, width: int, window: int) -> GraphSpec:
 
 def tg_spec(config: NeuronConfig, rows: int, window: int) -> GraphSpec:
     return GraphSpec(GraphKind.TG, rows, 1, window, narrow=rows < config.batch_size)
+
+
+def vf_spec(config: NeuronConfig, rows: int, window: int) -> GraphSpec:
+    return GraphSpec(GraphKind.VF, rows, config.verify_width, window, narrow=rows < config.batch_size)
 
 
 def mx_spec(config: NeuronConfig, window: int) -> GraphSpec:
@@ -102,6 +111,8 @@ def graph_specs(config: NeuronConfig) -> list[GraphSpec]:
         specs += [tg_spec(config, rows, window) for rows in config.decode_widths]
         if config.mixed_step:
             specs.append(mx_spec(config, window))
+        if config.speculation_length:
+            specs += [vf_spec(config, rows, window) for rows in config.decode_widths]
     if config.chunked and not config.paged:  # paged: prefix caching shares blocks, copies nothing
         specs.append(GraphSpec(GraphKind.COPY, 1, config.prefill_chunk_size, 0))
     return specs
@@ -142,6 +153,24 @@ class DecodeGraph(nn.Module):
         if not self.on_device_sampling:
             return logits
         return sample(logits, sampling_params, rand, self.max_topk), logits
+
+
+class VerifyGraph(nn.Module):
+    """VF: decode rows [B, K+1] (a row's last token, then its drafts; a row with fewer drafts
+    repeats its last token and position) -> (argmax [B, K+1], logits [B, K+1, V]). Each
+    position attends causally within its row over the row's context. A greedy step fetches the
+    argmax only; a step that samples on the host fetches the logits."""
+
+    def __init__(self, model: DecoderModel, window: int):
+        super().__init__()
+        self.model, self.window = model, window
+
+    def forward(self, input_ids, position_ids, seq_ids):
+        hidden = self.model.hidden_states(
+            input_ids, position_ids, seq_ids, self.window, one_row_per_slot=True
+        )
+        logits = self.model.logits(hidden)
+        return torch.argmax(logits, dim=-1).to(INDEX_DTYPE), logits
 
 
 class MixedGraph(nn.Module):
@@ -200,6 +229,8 @@ def graph_module(model: DecoderModel, spec: GraphSpec, config: NeuronConfig) -> 
         return DecodeGraph(model, spec.window, config.on_device_sampling, config.max_topk)
     if spec.kind == GraphKind.MX:
         return MixedGraph(model, spec.window, config.on_device_sampling, config.max_topk)
+    if spec.kind == GraphKind.VF:
+        return VerifyGraph(model, spec.window)
     return PrefillGraph(model, spec.window, config.prompt_logprobs)
 
 

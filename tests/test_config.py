@@ -67,6 +67,11 @@ def test_bucket_for_picks_the_smallest_cover():
         (dict(batch_size=4, sequence_length=128, decode_widths=(1, 2)), "--batch_size 4 as the largest"),
         (dict(batch_size=4, sequence_length=128, decode_widths=(1, 8)), "--batch_size 4 as the largest"),
         (dict(batch_size=4, sequence_length=128, decode_widths=(0, 4)), "from 1 up to the batch size"),
+        (dict(batch_size=1, sequence_length=128, prefill_chunk_size=8, speculation_length=8), "<= 7"),
+        (
+            dict(batch_size=1, sequence_length=128, prefill_chunk_size=32, speculation_length=4, mixed_step=True),
+            "do not combine",
+        ),
     ],
 )
 def test_invalid_configs_say_what_to_change(kwargs, message):
@@ -125,6 +130,18 @@ def test_decode_widths():
     assert d["decode_widths"] == [1, 2, 4]
     del d["decode_widths"]
     assert NeuronConfig.from_dict(d) == plain
+
+
+def test_verify_graphs_per_bucket_and_decode_width():
+    config = NeuronConfig(
+        batch_size=4, sequence_length=1024, prefill_chunk_size=128, decode_widths=(2, 4), speculation_length=4
+    )
+    assert [(s.name, s.batch, s.width) for s in graph_specs(config) if s.kind == "vf"] == [
+        ("vf_w512_r2", 2, 5), ("vf_w512", 4, 5), ("vf_w1024_r2", 2, 5), ("vf_w1024", 4, 5),
+    ]  # fmt: skip
+    d = config.to_dict()
+    del d["speculation_length"]  # an export written before the field existed: no verify graphs
+    assert NeuronConfig.from_dict(d).speculation_length == 0
 
 
 def phi3_config(**kw):

@@ -78,6 +78,25 @@ def test_refusals_name_the_flag_and_the_compiled_value(kw, flag, compiled):
     assert flag in str(e.value) and compiled in str(e.value)
 
 
+def test_speculation_is_served_within_the_verify_graphs_and_widens_the_budget():
+    speculating = NeuronConfig(
+        batch_size=4, sequence_length=1024, prefill_chunk_size=128, speculation_length=4, backend="eager"
+    )
+    limits = serving_limits(speculating, request(speculative_method="ngram", speculative_tokens=3))
+    assert limits.max_num_batched_tokens == 256  # 3 other decodes of 1 + 3 tokens + a full chunk
+    k4 = serving_limits(speculating, request(speculative_method="ngram", speculative_tokens=4))
+    assert k4.max_num_batched_tokens == 256 and k4.max_num_batched_tokens >= 3 * 5 + 128
+    refusals = [
+        (speculating, dict(speculative_method="ngram", speculative_tokens=5), "--speculation-length 5"),
+        (CHUNKED, dict(speculative_method="ngram", speculative_tokens=2), "no verify graphs"),
+        (speculating, dict(speculative_method="eagle", speculative_tokens=2), "n-gram proposer only"),
+    ]
+    for config, kw, says in refusals:
+        with pytest.raises(ServingConfigError, match="--speculative-config") as e:
+            serving_limits(config, request(**kw))
+        assert says in str(e.value) and "not supported" in str(e.value)
+
+
 @pytest.mark.parametrize("export_dir", export_params(["llama-2x4x32-eager"]), indirect=True)
 @pytest.mark.parametrize(
     "kwargs, budget",

@@ -120,3 +120,13 @@ def uses_v2_model_runner(vllm_config) -> bool:
     import vllm.envs as envs
 
     return bool(envs.VLLM_USE_V2_MODEL_RUNNER)
+
+
+def ngram_propose(
+    proposer, k: int, sampled: list[list[int]], num_tokens_no_spec, token_ids_cpu
+) -> list[list[int]]:
+    """vLLM's n-gram proposer over the batch: vllm/v1/spec_decode/ngram_proposer.py 0.32 takes
+    the number of tokens to draft first (at most its k); 0.16.0 always drafts its k."""
+    if "num_speculative_tokens" in inspect.signature(proposer.propose).parameters:
+        return proposer.propose(k, sampled, num_tokens_no_spec, token_ids_cpu)
+    return proposer.propose(sampled, num_tokens_no_spec, token_ids_cpu)

@@ -1,7 +1,8 @@
 """vLLM features the runner cannot honour, refused at start-up with the flag that asks for them.
 
 A feature the worker would silently ignore (LoRA: base-model tokens) or fail on at the first
-request (speculative decoding: the engine dies) is refused before anything is loaded.
+request is refused before anything is loaded. Speculative decoding is checked against the
+export's verify graphs (limits.check_speculation).
 Attribute names are VllmConfig's and flags are `vllm serve`'s, as of vLLM 0.32
 (vllm/config/vllm.py, vllm/engine/arg_utils.py).
 """
@@ -17,10 +18,6 @@ UNSUPPORTED_CONFIGS = {
         "--enable-lora",
         "the compiled graphs hold the base weights only: merge the adapter into the checkpoint "
         "(peft's merge_and_unload) and export that",
-    ),
-    "speculative_config": (
-        "--speculative-config",
-        "the graphs compute one token per decode row and the runner proposes no draft tokens",
     ),
     "kv_transfer_config": (
         "--kv-transfer-config",

@@ -34,6 +34,8 @@ class EngineRequest:
     long_prefill_token_threshold: int  # 0 = unset
     dtype: str
     num_gpu_blocks_override: int | None = None  # read by paged exports only
+    speculative_method: str | None = None  # --speculative-config's method (None: no speculation)
+    speculative_tokens: int = 0  # its num_speculative_tokens
 
 
 @dataclass(frozen=True)
@@ -47,14 +49,43 @@ class ServingLimits:
     num_blocks: int  # one per slot (or the pool's blocks) + vLLM's null block
 
 
-def full_chunk_budget(chunk: int, max_num_seqs: int) -> int:
+def full_chunk_budget(chunk: int, max_num_seqs: int, tokens_per_decode: int = 1) -> int:
     """The default token budget of a chunked export: every other slot's decode plus a full
     chunk fit (decodes are scheduled first; a budget of C left C - decodes, down to one
     token while the CP graph computes C), rounded up to whole chunks because vLLM gives a
     request running alone the whole budget, ignoring long_prefill_token_threshold: it then
     runs whole chunks back to back, never a sliver (vLLM 0.32; 0.16.0 caps it at one chunk a
-    step, compat.LONE_PREFILL_TAKES_BUDGET)."""
-    return -(-(chunk + max_num_seqs - 1) // chunk) * chunk
+    step, compat.LONE_PREFILL_TAKES_BUDGET). With speculation a decode takes its token and
+    its drafts (`tokens_per_decode`)."""
+    return -(-(chunk + (max_num_seqs - 1) * tokens_per_decode) // chunk) * chunk
+
+
+SPECULATIVE_METHODS = ("ngram",)
+
+
+def check_speculation(config: NeuronConfig, request: EngineRequest) -> int:
+    """Tokens a decode row carries: 1, or 1 + K when --speculative-config asks for a method the
+    runner serves (vLLM's model-free n-gram proposer) within the export's verify graphs."""
+    method, k = request.speculative_method, request.speculative_tokens
+    if method is None:
+        return 1
+    if method not in SPECULATIVE_METHODS:
+        raise ServingConfigError(
+            f"--speculative-config method {method!r} is not supported: the runner drafts with vLLM's "
+            f'n-gram proposer only; pass \'{{"method": "ngram", "num_speculative_tokens": K}}\'.'
+        )
+    if not 1 <= k <= config.speculation_length:
+        served = (
+            f"num_speculative_tokens <= {config.speculation_length}"
+            if config.speculation_length
+            else "no speculation (it has no verify graphs)"
+        )
+        raise ServingConfigError(
+            f"--speculative-config num_speculative_tokens {k} is not supported by this export: it serves "
+            f"{served}; lower it, "
+            f"or re-export with --speculation-length {max(k, 1)}."
+        )
+    return 1 + k
 
 
 def serving_limits(config: NeuronConfig, request: EngineRequest) -> ServingLimits:
@@ -76,11 +107,13 @@ def serving_limits(config: NeuronConfig, request: EngineRequest) -> ServingLimit
             f"--max-num-seqs {max_num_seqs} exceeds the compiled batch_size {config.batch_size}: "
             f"pass --max-num-seqs {config.batch_size} or less, or re-export with --batch_size {max_num_seqs}."
         )
-    chunk = config.prefill_chunk_size
+    chunk, per_decode = config.prefill_chunk_size, check_speculation(config, request)
     if request.max_num_batched_tokens is not None:
         budget = request.max_num_batched_tokens
+    elif config.chunked:
+        budget = full_chunk_budget(chunk, max_num_seqs, per_decode)
     else:
-        budget = full_chunk_budget(chunk, max_num_seqs) if config.chunked else max_model_len + max_num_seqs
+        budget = max_model_len + max_num_seqs * per_decode
     if not config.chunked and budget < max_model_len:
         raise ServingConfigError(
             f"--max-num-batched-tokens {budget} is below --max-model-len {max_model_len}: a standard "

@@ -134,8 +134,10 @@ class NeuronBackend(Backend):
         # zero-initialised device state shared by every graph.
         nxd_model.set_weights([load_file(export_dir / path) for path in self.weight_files(config)])
         nxd_model.to_neuron()
-        # decode graphs sampling on device: fetch the tokens, leave the logits unless wanted
-        lazy = {spec.name for spec in specs if spec.kind in ("tg", "mx") and config.on_device_sampling}
+        # decode graphs sampling on device and verify graphs: fetch the tokens, leave the
+        # logits on the device unless wanted
+        sampled = ("tg", "mx") if config.on_device_sampling else ()
+        lazy = {spec.name for spec in specs if spec.kind in (*sampled, "vf")}
         return {spec.name: NeuronGraph(nxd_model, spec.name, spec.name in lazy) for spec in specs}
 
 

@@ -1,0 +1,102 @@
+"""Speculative decoding with vLLM's model-free n-gram proposer (prompt lookup) on verify graphs.
+
+A decode row carries its last token and up to K drafts; the verify graph scores all K + 1
+positions in one call (graphs.VerifyGraph), and this module turns its output into what each
+request emits, with vLLM's semantics (v1/sample/rejection_sampler.py): the accepted drafts,
+then the target's token at the first rejection, or the bonus token after the last draft.
+The scheduler rolls back what was rejected (`num_computed_tokens -= rejected`,
+v1/core/sched/scheduler.py, 0.16.0 and 0.32); K/V the graph wrote past the accepted tokens is
+never read, since every key is masked by position and the next call writes those positions
+before any query reaches them.
+
+Drafts are proposed only for requests the verify path samples exactly: greedy, temperature,
+top-k, top-p and a seed. Any other sampling field (logprobs, penalties, structured output,
+...) emits one token sampled on the host from the first position, as without speculation.
+"""
+
+from __future__ import annotations
+
+import torch
+from vllm.sampling_params import SamplingParams
+
+from ..rejection import Drafts, accepted_tokens, rejection_sample
+from .compat import ngram_propose
+from .sampling import GREEDY_EPS, host_fields
+
+VERIFIABLE_FIELDS = frozenset({"seed"})  # beside the on-device ones (sampling.DEVICE_FIELDS)
+
+
+def verifiable(params: SamplingParams) -> bool:
+    """Whether a request's drafts can be verified with vLLM's rejection semantics here."""
+    return set(host_fields(params)) <= VERIFIABLE_FIELDS
+
+
+def usable_drafts(drafts: list[int] | None) -> list[int]:
+    """The drafts up to the first placeholder: vLLM 0.32 pads a request admitted with one new
+    token with -1 drafts (v1/core/sched/scheduler.py), which its rejection sampler rejects."""
+    out = []
+    for token in drafts or ():
+        if token < 0:
+            break
+        out.append(token)
+    return out
+
+
+def accept_greedy(drafts: list[int], argmax: list[int]) -> list[int]:
+    """Drafts accepted while they equal the target's argmax, then the argmax after them."""
+    n = 0
+    while n < len(drafts) and drafts[n] == argmax[n]:
+        n += 1
+    return drafts[:n] + [argmax[n]]
+
+
+def processed_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """[T, V] logits as a random request samples from them: temperature, then top-k / top-p
+    (vLLM's apply_sampling_constraints, v1/sample/rejection_sampler.py)."""
+    from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p
+
+    scaled = logits.float() / params.temperature
+    rows = scaled.shape[0]
+    k = torch.full((rows,), params.top_k) if 0 < params.top_k < scaled.shape[-1] else None
+    p = torch.full((rows,), params.top_p) if params.top_p < 1.0 else None
+    return apply_top_k_top_p(scaled, k, p)
+
+
+def accept_random(
+    drafts: list[int], logits: torch.Tensor, bonus: int, params: SamplingParams, generator
+) -> list[int]:
+    """One random request's tokens: rejection sampling of its drafts against logits [n + 1, V]."""
+    generators = {0: generator} if generator is not None else {}
+    target = processed_logits(logits[: len(drafts)], params)
+    out = rejection_sample(
+        Drafts(torch.tensor(drafts, dtype=torch.int64), (len(drafts),)),
+        target,
+        torch.tensor([bonus]),
+        torch.tensor([False]),
+        generators,
+    )
+    return accepted_tokens(out)[0]
+
+
+def is_greedy(params: SamplingParams) -> bool:
+    return params.temperature < GREEDY_EPS
+
+
+class Drafter:
+    """vLLM's NgramProposer over the running batch (its InputBatch holds every request's tokens)."""
+
+    def __init__(self, vllm_config, length: int):
+        from vllm.v1.spec_decode.ngram_proposer import NgramProposer
+
+        self.length = length
+        self.proposer = NgramProposer(vllm_config)
+
+    def propose(self, input_batch, emitted: dict[str, list[int]], eligible) -> dict[str, list[int]]:
+        """Next drafts of the requests that emitted tokens this step and are `eligible`."""
+        sampled = [emitted.get(r, []) if eligible(r) else [] for r in input_batch.req_ids]
+        drafts = ngram_propose(
+            self.proposer, self.length, sampled, input_batch.num_tokens_no_spec, input_batch.token_ids_cpu
+        )
+        return {
+            r: list(d) for r, d, s in zip(input_batch.req_ids, drafts, sampled, strict=True) if s and len(d)
+        }
