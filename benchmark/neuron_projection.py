@@ -8,6 +8,11 @@ slot export (B rows) and a paged one (`--paged-rows` rows, same KV bytes): the s
 calls, then B-row or paged-row decode steps at the rows' mean context. Output tok/s only: TTFT
 depends on vLLM's admission order.
 
+Verify step (`--speculation-length K`): B rows of K + 1 tokens through every layer and the LM
+head, each attending over its context. With n-gram speculation a row emits on average `tau`
+tokens per verify call (engine_bench.py W5 measures it), so decode tok/s on / off is
+tau x TG ms / VF ms.
+
 Paged TG: each row's blocks are gathered into a contiguous window before attention (the
 reference read every backend but cpu compiles, modeling/kv_cache.py gather_blocks), so the
 step's KV crosses HBM three times (blocks read, the copy written, the copy read) where a slot
@@ -77,7 +82,15 @@ def graph_ms(m: Model, hw: Hardware, tp: int, rows: int, lm_rows: int, attn_toke
 
 
 def project(
-    m: Model, hw: Hardware, tp: int, batch: int, chunk: int, context: int, mfu: float, bw: float
+    m: Model,
+    hw: Hardware,
+    tp: int,
+    batch: int,
+    chunk: int,
+    context: int,
+    mfu: float,
+    bw: float,
+    speculation: int,
 ) -> dict:
     """A mixed step at `context` (decode rows and chunk attend over that many positions)."""
     decodes = [(1, context)] * batch
@@ -85,6 +98,8 @@ def project(
     cp = graph_ms(m, hw, tp, chunk, 1, [(chunk, context)], mfu, bw)
     fused = graph_ms(m, hw, tp, batch + chunk, batch + 1, decodes + [(chunk, context)], mfu, bw)
     paged_tg = graph_ms(m, hw, tp, batch, batch, decodes, mfu, bw, kv_passes=3)
+    width = speculation + 1
+    verify = graph_ms(m, hw, tp, batch * width, batch * width, [(width, context)] * batch, mfu, bw)
     separate = tg["ms"] + cp["ms"]
     return dict(
         context=context,
@@ -92,6 +107,7 @@ def project(
         cp=cp,
         fused=fused,
         paged_tg=paged_tg,
+        verify=verify,
         separate_ms=separate,
         saved=1 - fused["ms"] / separate,
     )
@@ -118,6 +134,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tp", type=int, default=8)
     p.add_argument("--contexts", default="512,2048,8192")
     p.add_argument("--paged-rows", type=int, default=32, help="decode rows of W4's paged export")
+    p.add_argument("--speculation-length", type=int, default=4, help="drafts K a verify row carries")
+    p.add_argument(
+        "--tokens-per-call", type=float, default=None,
+        help="tokens a row emits per verify call (W5's measured figure): projects decode tok/s on / off",
+    )  # fmt: skip
     p.add_argument(
         "--mfu", type=float, default=0.5, help="fraction of peak FLOPs a compute-bound graph reaches"
     )
@@ -127,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     m, hw = Model(), Hardware()
     rows = [
-        project(m, hw, args.tp, args.batch, args.chunk, int(c), args.mfu, args.bw)
+        project(m, hw, args.tp, args.batch, args.chunk, int(c), args.mfu, args.bw, args.speculation_length)
         for c in args.contexts.split(",")
     ]
     lines = [
@@ -151,7 +172,16 @@ def main(argv: list[str] | None = None) -> int:
         f"prefill {w4['prefill_s']:.2f} s either way; slot export B={args.batch}: TG {w4['slot_tg_ms']:.2f} ms, "
         f"{w4['slot_s']:.2f} s; paged {args.paged_rows} rows: TG {w4['paged_tg_ms']:.2f} ms, {w4['paged_s']:.2f} s; "
         f"output tok/s paged / slots **{w4['tok_s_ratio']:.2f}x**.",
+        "", f"Verify step, {args.speculation_length + 1} tokens a row (B={args.batch}):", "",
+        "| context | TG ms | VF ms | VF / TG |" + (" decode tok/s on / off |" if args.tokens_per_call else ""),
+        "|---|---|---|---|" + ("---|" if args.tokens_per_call else ""),
     ]  # fmt: skip
+    for r in rows:
+        ratio = r["verify"]["ms"] / r["tg"]["ms"]
+        gain = f" {args.tokens_per_call / ratio:.2f}x |" if args.tokens_per_call else ""
+        lines.append(
+            f"| {r['context']} | {r['tg']['ms']:.2f} | {r['verify']['ms']:.2f} | {ratio:.2f}x |{gain}"
+        )
     date = datetime.date.today().isoformat()
     out = HERE / "results" / f"neuron-projection-{date}"
     out.with_suffix(".json").write_text(
