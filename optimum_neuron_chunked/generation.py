@@ -6,7 +6,9 @@ import logging
 
 import torch
 
+from .graph_runner import GraphRunner
 from .modeling.sampler import sample, sampling_params
+from .slots import block_table
 
 logger = logging.getLogger(__name__)
 
@@ -67,29 +69,46 @@ def _generate_tokens(model, prompts, max_new_tokens, row_params, eos_ids, genera
     if max_new_tokens == 0:
         return tokens
     params = torch.tensor([row_params] * n)
-    max_topk = model.neuron_config.max_topk
+    runner, config, pool = model.runner, model.neuron_config, model.kv_pool
     seq_ids = []  # slots, or block ids of paged exports
     try:
         for prompt in prompts:
-            seq_ids.append(model.acquire_kv(len(prompt) + max_new_tokens))
+            seq_ids.append(pool.acquire(len(prompt) + max_new_tokens))
         for i, prompt in enumerate(prompts):
-            logits = model.prefill(prompt, seq_ids[i])
-            tokens[i].append(int(sample(logits[None], params[i : i + 1], _rand(1, generator), max_topk)[0]))
+            logits = prefill_prompt(runner, prompt, seq_ids[i])
+            tokens[i].append(
+                int(sample(logits[None], params[i : i + 1], _rand(1, generator), config.max_topk)[0])
+            )
         live = [i for i in range(n) if not _finished(tokens[i], eos_ids, max_new_tokens)]
         while live:
             ids = torch.tensor([tokens[i][-1] for i in live])
             positions = torch.tensor([len(prompts[i]) + len(tokens[i]) - 1 for i in live])
-            slots = model.kv_rows([seq_ids[i] for i in live])
-            sampled, _ = model.decode(
-                ids, positions, slots, params[live], _rand(len(live), generator), need_logits=False
+            kvs = [seq_ids[i] for i in live]
+            rows = block_table(kvs) if config.paged else torch.tensor(kvs)
+            sampled, _ = runner.decode(
+                ids, positions, rows, params[live], _rand(len(live), generator), need_logits=False
             )
             for i, token in zip(live, sampled.tolist(), strict=True):
                 tokens[i].append(token)
             live = [i for i in live if not _finished(tokens[i], eos_ids, max_new_tokens)]
     finally:
         for seq_id in seq_ids:
-            model.release_kv(seq_id)
+            pool.release(seq_id)
     return tokens
+
+
+def prefill_prompt(runner: GraphRunner, input_ids: torch.Tensor, seq_id) -> torch.Tensor:
+    """A whole prompt into slot seq_id (or block ids for paged exports), chunk by chunk or
+    through CE, whichever the export has -> logits [V] after its last token."""
+    config, n = runner.config, input_ids.shape[0]
+    if not 0 < n <= config.sequence_length:
+        raise ValueError(
+            f"prompt of {n} tokens: must hold 1 to sequence_length={config.sequence_length} tokens"
+        )
+    chunk = config.prefill_chunk_size or n
+    for start in range(0, n, chunk):
+        logits = runner.prefill(input_ids[start : start + chunk], start, seq_id)
+    return logits
 
 
 def _fit_new_tokens(config, prompts, max_new_tokens: int) -> int:

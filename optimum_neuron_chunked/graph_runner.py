@@ -9,12 +9,16 @@ graph gets the tables cut or padded (with 0) to its bucket's W // P columns."""
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import torch
+from transformers import AutoConfig, PretrainedConfig
 
+from .backends import get_backend
 from .config import NeuronConfig
-from .graphs import COPY, INDEX_DTYPE, ce_spec, cp_spec, mx_spec, tg_spec
-from .modeling.sampler import sample
+from .graphs import COPY, INDEX_DTYPE, ce_spec, cp_spec, graph_specs, mx_spec, tg_spec
+from .loaded_export import ExportCapabilities, check_export
+from .modeling.sampler import sample, sampling_params
 
 SlotOrBlocks = int | Sequence[int] | torch.Tensor
 
@@ -44,33 +48,55 @@ def _chunk_inputs(token_ids: torch.Tensor, start: int, kv: torch.Tensor, width: 
 
 
 class GraphRunner:
-    """Pads real inputs to the static shapes and picks the smallest bucket that covers them.
+    """The engine of one export: its graphs, what it serves (`capabilities`), and one method per
+    operation - prefill, decode, decode_with_chunk (a mixed step), copy_prefix. Pads real inputs
+    to the static shapes and picks the smallest bucket that covers them.
 
     `graphs` maps graph names to callables from the backend. Outputs may alias runtime
     buffers, so what is returned is cloned.
     """
 
-    def __init__(self, config: NeuronConfig, graphs: dict[str, Callable]):
+    def __init__(
+        self,
+        config: NeuronConfig,
+        graphs: dict[str, Callable],
+        hf_config: PretrainedConfig | None = None,
+    ):
         self.config = config
         self.graphs = graphs
+        self.hf_config = hf_config
+        self.capabilities = ExportCapabilities.of(config, hf_config) if hf_config is not None else None
 
-    def prefill(self, token_ids: torch.Tensor, start: int, seq_id: SlotOrBlocks) -> torch.Tensor:
+    @classmethod
+    def load(
+        cls, model_dir: str | Path, backend: str | None = None, verify_weights: bool = False
+    ) -> GraphRunner:
+        """The export in local folder `model_dir`, checked (check_export, once per process and
+        file state: integrity._digest_of) then loaded: every graph bound to one set of weights
+        and one KV cache."""
+        config = check_export(model_dir, backend, verify_weights)
+        hf_config = AutoConfig.from_pretrained(model_dir)
+        graphs = get_backend(config.backend).load(hf_config, config, graph_specs(config), Path(model_dir))
+        return cls(config, graphs, hf_config)
+
+    def prefill(
+        self, token_ids: torch.Tensor, start: int, seq_id: SlotOrBlocks, every_position: bool = False
+    ) -> torch.Tensor:
         """Tokens [T] at positions start.. of slot seq_id (or block ids for paged exports) ->
-        logits [V] after the last one.
+        logits [V] after the last one, or [T, V] after every one if `every_position` (exports
+        with prompt_logprobs).
 
         Chunked exports take T <= prefill_chunk_size; standard ones take a whole prompt.
         """
-        logits = self._prefill(token_ids, start, seq_id)
-        last = logits[0, token_ids.shape[0] - 1] if self.config.prompt_logprobs else logits[0]
-        return last.clone()
-
-    def prefill_positions(self, token_ids: torch.Tensor, start: int, seq_id: SlotOrBlocks) -> torch.Tensor:
-        """Like `prefill`, but the logits after every token: [T, V] (exports with prompt_logprobs)."""
-        if not self.config.prompt_logprobs:
+        if every_position and not self.config.prompt_logprobs:
             raise ValueError(
                 "this export returns the last position's logits only: re-export with --prompt-logprobs"
             )
-        return self._prefill(token_ids, start, seq_id)[0, : token_ids.shape[0]].clone()
+        logits = self._prefill(token_ids, start, seq_id)
+        if every_position:
+            return logits[0, : token_ids.shape[0]].clone()
+        last = logits[0, token_ids.shape[0] - 1] if self.config.prompt_logprobs else logits[0]
+        return last.clone()
 
     def _prefill(self, token_ids: torch.Tensor, start: int, seq_id: SlotOrBlocks) -> torch.Tensor:
         t = token_ids.shape[0]
@@ -114,8 +140,8 @@ class GraphRunner:
         token_ids: torch.Tensor,  # [N]
         positions: torch.Tensor,  # [N]
         seq_ids: torch.Tensor,  # [N] slots, or block tables [N, M] for paged exports
-        params: torch.Tensor,  # [N, 3]
-        rand: torch.Tensor,  # [N]
+        params: torch.Tensor | None = None,  # [N, 3] (sampling.sampling_params rows); greedy
+        rand: torch.Tensor | None = None,  # [N]
         need_logits: bool = True,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One TG step for N <= batch_size slots (paged: requests) -> (tokens [N], logits [N, V]
@@ -124,6 +150,10 @@ class GraphRunner:
         Logits are fetched from the graph's outputs only if `need_logits` (or if the export
         samples on the host, where the tokens come from them)."""
         n = len(self._decode_writes(seq_ids, positions))
+        if params is None:
+            params = torch.tensor([sampling_params(temperature=0.0)] * n)
+        if rand is None:
+            rand = torch.zeros(n)
         spec = tg_spec(
             self.config, self.config.decode_width_for(n), self.config.bucket_for(int(positions.max()) + 1)
         )

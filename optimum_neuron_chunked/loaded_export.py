@@ -1,6 +1,6 @@
-"""One export folder as the loader and the vLLM layer both see it: its two configs, what it
-serves (read off the configs, so it is known before any graph loads), its backend and, once
-loaded, the graph runner."""
+"""One export folder before any graph loads: whether it is complete and of this version
+(check_export), and what it serves, read off its two configs (ExportCapabilities). The graphs
+load into a GraphRunner (graph_runner.py)."""
 
 from __future__ import annotations
 
@@ -8,11 +8,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig, PretrainedConfig
+from transformers import PretrainedConfig
 
-from .backends import Backend, get_backend
+from .backends import get_backend
 from .config import CONFIG_NAME, InvalidExportError, NeuronConfig, NeuronConfigError
-from .graph_runner import GraphRunner
 from .graphs import graph_specs
 from .integrity import recorded_files, verify_files
 from .modeling import family_spec, torch_dtype
@@ -85,46 +84,6 @@ class ExportCapabilities:
         """Layers whose cache is a ring of the last positions (sliding-window layers of chunked
         slot exports): there, a finished request's slot no longer holds its whole prompt."""
         return tuple(i for i, n in enumerate(self.kv.cache_lengths) if n < self.sequence_length)
-
-    # Paged exports (KVLayout): what vLLM's KV spec and block pool are built from.
-    @property
-    def paged(self) -> bool:
-        return self.kv.paged
-
-    @property
-    def block_size(self) -> int:
-        return self.kv.block_size
-
-    @property
-    def num_blocks(self) -> int:
-        return self.kv.num_blocks
-
-    @property
-    def bytes_per_block(self) -> int:
-        return self.kv.bytes_per_block
-
-
-@dataclass(frozen=True)
-class LoadedExport:
-    """A checked export with its graphs loaded: every graph bound to one set of weights and one
-    KV cache, called through `runner` (which pads real inputs to the static shapes)."""
-
-    model_dir: Path
-    config: NeuronConfig
-    hf_config: PretrainedConfig
-    capabilities: ExportCapabilities
-    backend: Backend
-    runner: GraphRunner
-
-    @classmethod
-    def load(cls, model_dir: Path, backend: str | None = None, verify_weights: bool = False) -> LoadedExport:
-        """The export in local folder `model_dir`, checked (check_export) then loaded."""
-        config = check_export(model_dir, backend, verify_weights)
-        impl = get_backend(config.backend)
-        hf_config = AutoConfig.from_pretrained(model_dir)
-        runner = GraphRunner(config, impl.load(hf_config, config, graph_specs(config), model_dir))
-        capabilities = ExportCapabilities.of(config, hf_config)
-        return cls(Path(model_dir), config, hf_config, capabilities, impl, runner)
 
 
 def check_export(

@@ -3,6 +3,12 @@ exports, blocks of the shared pool."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
+import torch
+
+PAD_BLOCK = 0  # vLLM's null block: right-pads block-table rows (never read: positions mask it)
+
 
 class NoFreeSlotError(RuntimeError):
     pass
@@ -17,7 +23,8 @@ class SlotPool:
     def num_free(self) -> int:
         return len(self._free)
 
-    def acquire(self) -> int:
+    def acquire(self, positions: int = 0) -> int:
+        """A free slot: it holds a whole sequence, whatever `positions` it will write."""
         if not self._free:
             raise NoFreeSlotError(f"all {self.num_slots} KV-cache slots are in use (compiled batch_size)")
         return self._free.pop(0)
@@ -56,3 +63,13 @@ class BlockPool:
         if any(not 0 < b <= self.num_blocks or b in self._free for b in blocks):
             raise ValueError(f"blocks {list(blocks)} are not all in use")
         self._free = sorted(self._free + list(blocks))
+
+
+def block_table(rows: Sequence[Sequence[int]]) -> torch.Tensor:
+    """[N, M] block ids of N requests, M the longest, right-padded with the null block: THE
+    block-table builder (graph_runner cuts or pads a table to a graph's columns)."""
+    width = max(len(r) for r in rows)
+    table = torch.full((len(rows), width), PAD_BLOCK, dtype=torch.int32)
+    for i, r in enumerate(rows):
+        table[i, : len(r)] = torch.tensor(r, dtype=torch.int32)
+    return table

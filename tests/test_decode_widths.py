@@ -12,6 +12,7 @@ from transformers import AutoModelForCausalLM
 from optimum_neuron_chunked import NeuronModelForCausalLM
 from optimum_neuron_chunked.config import NeuronConfig
 from optimum_neuron_chunked.export.pipeline import export
+from optimum_neuron_chunked.generation import prefill_prompt
 from optimum_neuron_chunked.graph_runner import GraphRunner
 from optimum_neuron_chunked.graphs import graph_specs
 
@@ -62,13 +63,13 @@ def test_narrow_decode_steps_match_transformers(backend, tmp_path):
     prompts = [torch.randint(4, 380, (n,), generator=torch.Generator().manual_seed(n)) for n in (20, 62)]
     seqs = [p.clone() for p in prompts]
     for slot, p in enumerate(prompts):
-        first = model.prefill(p, slot).argmax()
+        first = prefill_prompt(model.runner, p, slot).argmax()
         seqs[slot] = torch.cat([p, first[None]])
     # both rows (the batch's width), then slot 1 alone (width 1) into the second bucket, then both
     for slots in ([0, 1], [1], [1], [0, 1]):
         last = torch.stack([seqs[s][-1] for s in slots])
         positions = torch.tensor([len(seqs[s]) - 1 for s in slots])
-        tokens, logits = model.decode(last, positions, torch.tensor(slots))
+        tokens, logits = model.runner.decode(last, positions, torch.tensor(slots))
         for row, s in enumerate(slots):
             with torch.no_grad():
                 want = hf(seqs[s][None]).logits[0, -1]

@@ -13,6 +13,7 @@ from transformers import AutoModelForCausalLM
 from optimum_neuron_chunked import NeuronModelForCausalLM
 from optimum_neuron_chunked.config import NeuronConfig, NeuronConfigError
 from optimum_neuron_chunked.export.pipeline import export
+from optimum_neuron_chunked.generation import prefill_prompt
 from optimum_neuron_chunked.graph_runner import GraphRunner
 from optimum_neuron_chunked.graphs import graph_specs
 from optimum_neuron_chunked.testing.reference import hf_greedy
@@ -107,7 +108,7 @@ def test_mixed_steps_match_transformers(backend, tmp_path):
     model.runner.graphs = RecordingGraphs(model.runner.graphs)
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     a, b = prompt(40, seed=3), prompt(3 * CHUNK, seed=4)
-    seq = torch.cat([a, model.prefill(a, 0).argmax()[None]])
+    seq = torch.cat([a, prefill_prompt(model.runner, a, 0).argmax()[None]])
     for start in range(0, b.shape[0], CHUNK):
         tokens, logits, chunk_logits = model.runner.decode_with_chunk(
             seq[-1:], torch.tensor([len(seq) - 1]), torch.tensor([0]), torch.ones(1, 3), torch.zeros(1),
@@ -137,8 +138,8 @@ def test_vllm_runs_a_decode_and_each_full_chunk_in_one_call(mixed_export, hf_ref
     from vllm_stepper import Engine
 
     engine = Engine(mixed_export)
-    engine.worker.runner.model.runner.graphs = graphs = RecordingGraphs(
-        engine.worker.runner.model.runner.graphs
+    engine.worker.runner.graph_runner.graphs = graphs = RecordingGraphs(
+        engine.worker.runner.graph_runner.graphs
     )
     a, b = prompt(5, seed=10), prompt(100, seed=11)
     engine.add("a", a, max_tokens=9, **sampling)

@@ -14,9 +14,11 @@ from transformers import AutoConfig
 from optimum_neuron_chunked import NeuronModelForCausalLM
 from optimum_neuron_chunked.backends.cpu.kernels import CpuKernels, KernelChoices
 from optimum_neuron_chunked.config import NeuronConfig
+from optimum_neuron_chunked.generation import prefill_prompt
 from optimum_neuron_chunked.modeling import build_model, model_from_spec
 from optimum_neuron_chunked.modeling.decoder import PartInputs
 from optimum_neuron_chunked.modeling.kernels import Kernels
+from optimum_neuron_chunked.slots import block_table
 
 P, C, S, BUCKETS = 8, 16, 64, (32, 64)  # blocks of 8, chunks of 16: every chunk spans two blocks
 POOL = 4 * (S // P)  # four whole sequences
@@ -58,7 +60,7 @@ def test_interleaved_requests_in_shuffled_blocks_match_transformers(llama_paged,
     # a's third chunk crosses into bucket 64; each request's chunks are interleaved with others'
     for name, start in (("a", 0), ("b", 0), ("a", C), ("c", 0), ("b", C), ("a", 2 * C)):
         ids = prompts[name][start : start + C]
-        token = check(hf, model.prefill_chunk(ids, start, blocks[name]), prompts[name][: start + len(ids)])
+        token = check(hf, model.runner.prefill(ids, start, blocks[name]), prompts[name][: start + len(ids)])
         seqs[name] = torch.cat([prompts[name][: start + len(ids)], torch.tensor([token])])
     # three rows in bucket 64 with whole tables, then two (padded to three) in bucket 32 with
     # tables of the blocks in use only; a crosses into a new block at 40, b at 24
@@ -66,8 +68,8 @@ def test_interleaved_requests_in_shuffled_blocks_match_transformers(llama_paged,
         names = ["a", "b", "c"] if step % 2 == 0 else ["c", "b"]
         positions = torch.tensor([len(seqs[n]) - 1 for n in names])
         used = [blocks[n][: int(p) // P + 1] for n, p in zip(names, positions, strict=True)]
-        tables = torch.tensor([blocks[n] for n in names]) if step % 2 == 0 else model.kv_rows(used)
-        tokens, logits = model.decode(torch.stack([seqs[n][-1] for n in names]), positions, tables)
+        tables = torch.tensor([blocks[n] for n in names]) if step % 2 == 0 else block_table(used)
+        tokens, logits = model.runner.decode(torch.stack([seqs[n][-1] for n in names]), positions, tables)
         for i, name in enumerate(names):
             assert int(tokens[i]) == check(hf, logits[i], seqs[name])
             seqs[name] = torch.cat([seqs[name], tokens[i : i + 1]])
@@ -75,7 +77,7 @@ def test_interleaved_requests_in_shuffled_blocks_match_transformers(llama_paged,
     names = ["a", "b"]
     positions = torch.tensor([len(seqs[n]) - 1 for n in names])
     params, rand = torch.zeros(2, 3), torch.zeros(2)
-    tokens, logits, chunk_logits = model.decode_with_chunk(
+    tokens, logits, chunk_logits = model.runner.decode_with_chunk(
         torch.stack([seqs[n][-1] for n in names]), positions, torch.tensor([blocks[n] for n in names]),
         params, rand, prompts["d"], 0, blocks["d"],
     )  # fmt: skip
@@ -98,33 +100,38 @@ def test_generate_on_a_paged_export_matches_transformers(llama_paged, hf_referen
     output = model.generate(input_ids, attention_mask=attention_mask, max_new_tokens=12)
     expected = hf.generate(input_ids, attention_mask=attention_mask, max_new_tokens=12, do_sample=False)
     assert output.tolist() == expected.tolist()
-    assert model.blocks.num_free == POOL
+    assert model.kv_pool.num_free == POOL
 
 
 def test_the_runner_refuses_what_a_paged_export_cannot_run(llama_paged):
     model, ids = llama_paged, prompt(C)
     with pytest.raises(ValueError, match="block ids, not a slot"):
-        model.prefill_chunk(ids, 0, 1)
+        model.runner.prefill(ids, 0, 1)
     with pytest.raises(ValueError, match="positions up to"):  # 16 positions need two blocks
-        model.prefill_chunk(ids, 0, [5])
+        model.runner.prefill(ids, 0, [5])
     with pytest.raises(ValueError, match="positions up to"):  # position 9 would land in block 0
-        model.decode(ids[:1], torch.tensor([9]), torch.tensor([[5, 0, 0]]))
+        model.runner.decode(ids[:1], torch.tensor([9]), torch.tensor([[5, 0, 0]]))
     with pytest.raises(ValueError, match="distinct"):  # two rows writing one block
-        model.decode(ids[:2], torch.tensor([3, 4]), torch.tensor([[5], [5]]))
+        model.runner.decode(ids[:2], torch.tensor([3, 4]), torch.tensor([[5], [5]]))
     with pytest.raises(ValueError, match="copy graph"):
-        model.copy_prefix(0, 1, C)
+        model.runner.copy_prefix(0, 1, C)
 
 
 def test_sliding_window_layers_keep_every_position_in_blocks(hf_reference):
     """gemma3's sliding layers (window 36) keep no rings in a paged export; the mask slides."""
     model = NeuronModelForCausalLM.from_pretrained(export_with("gemma3_text", "eager", **paged_options()))
-    caps, hf = model.export.capabilities, hf_reference("gemma3_text")
-    assert (caps.paged, caps.ring_layers, caps.num_blocks, caps.block_size) == (True, (), POOL + 1, P)
+    caps, hf = model.runner.capabilities, hf_reference("gemma3_text")
+    assert (caps.kv.paged, caps.ring_layers, caps.kv.num_blocks, caps.kv.block_size) == (
+        True,
+        (),
+        POOL + 1,
+        P,
+    )
     decoder = build_model(model.config, model.neuron_config)
     caches = [getattr(decoder, name) for name in decoder.cache_names()]
-    assert caps.bytes_per_block * caps.num_blocks == sum(c.nbytes for c in caches)
+    assert caps.kv.bytes_per_block * caps.kv.num_blocks == sum(c.nbytes for c in caches)
     ids = prompt(50, seed=4)
-    check(hf, model.prefill(ids, request_blocks(2)), ids)
+    check(hf, prefill_prompt(model.runner, ids, request_blocks(2)), ids)
     expected = hf.generate(ids[None], max_new_tokens=10, do_sample=False)
     assert model.generate(ids[None], max_new_tokens=10).tolist() == expected.tolist()
 
@@ -134,7 +141,9 @@ def test_prompt_logprobs_of_a_paged_export_match_transformers(hf_reference):
     options = paged_options(prompt_logprobs=True)
     model = NeuronModelForCausalLM.from_pretrained(export_with("llama", "eager", **options))
     ids, blocks = prompt(37, seed=5), request_blocks(1)
-    got = torch.cat([model.prefill_positions(ids[s : s + C], s, blocks) for s in range(0, len(ids), C)])
+    got = torch.cat(
+        [model.runner.prefill(ids[s : s + C], s, blocks, every_position=True) for s in range(0, len(ids), C)]
+    )
     with torch.no_grad():
         want = hf_reference("llama")(ids[None]).logits[0]
     torch.testing.assert_close(got, want, atol=LOGITS_TOLERANCE, rtol=0)
@@ -151,13 +160,13 @@ def test_a_cpu_paged_export_compiles_and_matches_transformers(hf_reference):
     for name, start in (("a", 0), ("b", 0), ("a", C)):
         end = min(start + C, len(prompts[name]))
         token = check(
-            hf, model.prefill_chunk(prompts[name][start:end], start, blocks[name]), prompts[name][:end]
+            hf, model.runner.prefill(prompts[name][start:end], start, blocks[name]), prompts[name][:end]
         )
         seqs[name] = torch.cat([prompts[name][:end], torch.tensor([token])])
     for names in (["a", "b"], ["b"], ["a", "b"]):  # ["b"]: padded to two rows
         positions = torch.tensor([len(seqs[n]) - 1 for n in names])
-        tokens, logits = model.decode(
-            torch.stack([seqs[n][-1] for n in names]), positions, model.kv_rows([blocks[n] for n in names])
+        tokens, logits = model.runner.decode(
+            torch.stack([seqs[n][-1] for n in names]), positions, block_table([blocks[n] for n in names])
         )
         for i, name in enumerate(names):
             assert int(tokens[i]) == check(hf, logits[i], seqs[name])

@@ -7,6 +7,8 @@ import torch
 from fixtures.export_models import CHUNK, EXPORTS
 from helpers import export_params, prompt
 
+from optimum_neuron_chunked.generation import prefill_prompt
+
 # 1, C-1, C, C+1 and 3C+5 tokens: single token, partial, exact and overflowing chunks.
 PROMPT_LENGTHS = (1, CHUNK - 1, CHUNK, CHUNK + 1, 3 * CHUNK + 5)
 LOGITS_TOLERANCE = 1e-4  # fp32; observed differences are ~1e-5
@@ -28,7 +30,7 @@ def test_prefill_logits_and_greedy_tokens_match_transformers(export_dir, neuron_
     ids = prompt(length)
     with torch.no_grad():
         expected_logits = hf(ids[None]).logits[0, -1]
-    logits = neuron_model.prefill(ids, seq_id=1)
+    logits = prefill_prompt(neuron_model.runner, ids, 1)
     torch.testing.assert_close(logits, expected_logits, atol=LOGITS_TOLERANCE, rtol=0)
     # logits are peaked enough that greedy does not hinge on rounding
     top2 = expected_logits.topk(2).values
@@ -59,7 +61,7 @@ def test_left_padded_batch_matches_transformers(export_dir, neuron_model, hf_ref
     for row, n in enumerate(lengths):
         alone = neuron_model.generate(input_ids[row : row + 1, width - n :], max_new_tokens=NEW_TOKENS)
         assert output[row, width:].tolist()[: alone.shape[1] - n] == alone[0, n:].tolist()
-    assert neuron_model.slots.num_free == neuron_model.neuron_config.batch_size
+    assert neuron_model.kv_pool.num_free == neuron_model.neuron_config.batch_size
 
 
 def test_gemma3_with_only_local_layers_matches_transformers():

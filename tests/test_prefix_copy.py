@@ -8,6 +8,8 @@ import torch
 from fixtures.export_models import CHUNK
 from helpers import export_params, prompt
 
+from optimum_neuron_chunked.generation import prefill_prompt
+
 EXPORTS = ["llama-2x4x32-eager", "llama-2x4x32-cpu", "qwen3_moe-2x4x32-cpu"]
 
 
@@ -17,18 +19,18 @@ def test_a_copied_prefix_equals_the_computed_one(export_dir, neuron_model, hf_re
     hf = hf_reference(neuron_model.config.model_type)
     shared = prompt(3 * CHUNK + 5, seed=60)
     ids = torch.cat([shared[:hit], prompt(20, seed=61)])
-    neuron_model.prefill(shared, seq_id=0)
-    neuron_model.prefill(prompt(100, seed=62), seq_id=1)  # stale K/V the copy must replace
+    prefill_prompt(neuron_model.runner, shared, 0)
+    prefill_prompt(neuron_model.runner, prompt(100, seed=62), 1)  # stale K/V the copy must replace
     calls = neuron_model.runner.copy_prefix(0, 1, hit)
     assert calls == -(-hit // CHUNK)
     logits = None
     for start in range(hit, len(ids), CHUNK):
-        logits = neuron_model.prefill_chunk(ids[start : start + CHUNK], start, seq_id=1)
+        logits = neuron_model.runner.prefill(ids[start : start + CHUNK], start, seq_id=1)
     with torch.no_grad():
         expected = hf(ids[None]).logits[0, -1].float()
     torch.testing.assert_close(logits, expected, atol=1e-4, rtol=0)
     # and the decode graph reads the copied positions too
-    tokens, _ = neuron_model.decode(
+    tokens, _ = neuron_model.runner.decode(
         torch.tensor([int(logits.argmax())]), torch.tensor([len(ids)]), torch.tensor([1])
     )
     with torch.no_grad():

@@ -91,10 +91,10 @@ class Pair:
         self.device = GraphRunner(config, self.xla.graphs())
 
     def prefill(self, ids: torch.Tensor, start: int, slot: int) -> None:
-        call = "prefill_positions" if self.eager.config.prompt_logprobs else "prefill"
+        every = self.eager.config.prompt_logprobs
         with torch.no_grad():
-            want = getattr(self.eager, call)(ids, start, slot)
-        got = getattr(self.device, call)(ids, start, slot)
+            want = self.eager.prefill(ids, start, slot, every_position=every)
+        got = self.device.prefill(ids, start, slot, every_position=every)
         torch.testing.assert_close(got, want, atol=TOLERANCE, rtol=0)
 
     def decode(self, ids, positions, slots, params, rand) -> None:

@@ -11,12 +11,7 @@ resumed_req_ids`, vllm/v1/core/sched/output.py, both releases) gets its list rep
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
-import torch
-
 BlockIds = tuple[list[int], ...]  # per KV-cache group, as vLLM's SchedulerOutput carries them
-PAD_BLOCK = 0  # vLLM's null block: right-pads block-table rows (never read: positions mask it)
 
 
 def next_block_ids(current: BlockIds, new: BlockIds | None, resumed: bool) -> BlockIds:
@@ -42,12 +37,3 @@ def paged_address(block_ids: BlockIds) -> tuple[int, ...]:
     if not blocks:
         raise RuntimeError("a scheduled request holds no KV block: vLLM allocates before scheduling")
     return tuple(blocks)
-
-
-def block_table(rows: Sequence[tuple[int, ...]]) -> torch.Tensor:
-    """[N, M] block ids of N decode rows, M the longest, right-padded with the null block."""
-    width = max(len(r) for r in rows)
-    table = torch.full((len(rows), width), PAD_BLOCK, dtype=torch.int32)
-    for i, r in enumerate(rows):
-        table[i, : len(r)] = torch.tensor(r, dtype=torch.int32)
-    return table

@@ -14,11 +14,11 @@ from vllm.logger import init_logger
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, LogprobsTensors, ModelRunnerOutput
 
-from ..loader import NeuronModelForCausalLM
+from ..graph_runner import GraphRunner
+from ..slots import block_table
 from .batch import BatchState
 from .compat import host_sampler
 from .connector import PrefixCopies
-from .kv_blocks import block_table
 from .plan import PrefillChunk, StepPlan, describe, fuse_chunk, plan_step
 from .prompt_logprobs import add_chunk
 from .sampling import device_sampling_inputs, host_sample, on_device_eligible
@@ -37,10 +37,10 @@ class StepResult:
 
 
 class StepRunner:
-    def __init__(self, model: NeuronModelForCausalLM, vllm_config: VllmConfig):
-        self.model = model
-        self.config = model.neuron_config
-        self.capabilities = model.export.capabilities
+    def __init__(self, graph_runner: GraphRunner, vllm_config: VllmConfig):
+        self.graph_runner = graph_runner  # the export's engine: one method per graph operation
+        self.config = graph_runner.config
+        self.capabilities = graph_runner.capabilities
         self.paged = self.capabilities.kv.paged
         self.batch = BatchState(vllm_config, paged=self.paged)
         self.logprobs_mode = vllm_config.model_config.logprobs_mode
@@ -70,7 +70,7 @@ class StepRunner:
         logger.debug("step: %s", describe(plan))
         result = StepResult(plan)
         for c in plan.copies:  # before any graph of the step writes a slot
-            self.model.copy_prefix(c.source, c.target, c.length)
+            self.graph_runner.copy_prefix(c.source, c.target, c.length)
         self._run_decodes(result)
         self._run_chunks(result)
         self._pending = (so, result)
@@ -107,11 +107,11 @@ class StepRunner:
         slots = [d.slot for d in decodes]
         rows.append(block_table(slots) if self.paged else torch.tensor(slots))
         if result.plan.fused is None:
-            tokens, logits = self.model.decode(*rows, sampling, rand, need_logits=not on_device)
+            tokens, logits = self.graph_runner.decode(*rows, sampling, rand, need_logits=not on_device)
         else:
             chunk = result.plan.chunks[result.plan.fused]
             chunk_args = (torch.tensor(chunk.token_ids), chunk.start, self._kv(chunk))
-            tokens, logits, chunk_logits = self.model.decode_with_chunk(
+            tokens, logits, chunk_logits = self.graph_runner.decode_with_chunk(
                 *rows, sampling, rand, *chunk_args, not on_device
             )
             if chunk.samples:
@@ -127,9 +127,9 @@ class StepRunner:
             tokens = torch.tensor(chunk.token_ids)
             wanted = self.batch.prompt_logprobs.get(chunk.req_id)
             if wanted is None:
-                logits = self.model.prefill_at(tokens, chunk.start, self._kv(chunk))
+                logits = self.graph_runner.prefill(tokens, chunk.start, self._kv(chunk))
             else:
-                rows = self.model.prefill_positions(tokens, chunk.start, self._kv(chunk))
+                rows = self.graph_runner.prefill(tokens, chunk.start, self._kv(chunk), every_position=True)
                 logits = rows[-1]
                 prompt = self.batch.requests[chunk.req_id].prompt_token_ids
                 done, tensors = add_chunk(wanted, prompt, chunk.start, rows, self.sampler, self.logprobs_mode)

@@ -11,8 +11,8 @@ from vllm.v1.worker.worker_base import WorkerBase
 
 from ..backends import get_backend
 from ..config import NeuronConfig
+from ..graph_runner import GraphRunner
 from ..hub import resolve_export
-from ..loader import NeuronModelForCausalLM
 from .compat import no_compilation_times
 from .plan import describe
 from .platform import data_parallel_rank
@@ -23,7 +23,6 @@ KV_LAYER = "neuron_chunked.kv_cache"  # the static cache, as one vLLM "layer"
 
 
 class NeuronChunkedWorker(WorkerBase):
-    model: NeuronModelForCausalLM
     runner: StepRunner
 
     def init_device(self) -> None:
@@ -40,9 +39,9 @@ class NeuronChunkedWorker(WorkerBase):
 
     def load_model(self, *, load_dummy_weights: bool = False) -> None:
         mc = self.model_config
-        self.model = NeuronModelForCausalLM.from_pretrained(mc.model, revision=mc.revision)
-        self.runner = StepRunner(self.model, self.vllm_config)
-        kv = self.model.export.capabilities.kv
+        graph_runner = GraphRunner.load(resolve_export(mc.model, mc.revision))
+        self.runner = StepRunner(graph_runner, self.vllm_config)
+        kv = graph_runner.capabilities.kv
         unit, size = ("block", kv.bytes_per_block) if kv.paged else ("slot", kv.bytes_per_slot)
         logger.info(
             "loaded %s; KV cache %.3f MiB a %s; torch threads: %d",
@@ -60,7 +59,7 @@ class NeuronChunkedWorker(WorkerBase):
         # count is fixed by the platform, so only the page size matters (determine_available_memory).
         # Paged exports too: one group of P-token blocks, full attention for every layer (their
         # sliding-window layers keep every position), so vLLM's block table is the export's.
-        kv = self.model.export.capabilities.kv
+        kv = self.runner.capabilities.kv
         spec = FullAttentionSpec(
             block_size=self.cache_config.block_size,
             num_kv_heads=kv.num_kv_heads * kv.num_layers,
@@ -80,7 +79,7 @@ class NeuronChunkedWorker(WorkerBase):
 
     def initialize_from_config(self, kv_cache_config: KVCacheConfig) -> None:
         # Nothing to allocate: the export owns its cache (slots or block pool).
-        kv = self.model.export.capabilities.kv
+        kv = self.runner.capabilities.kv
         if kv.paged:
             if kv_cache_config.num_blocks > kv.num_blocks:
                 raise RuntimeError(
@@ -89,10 +88,10 @@ class NeuronChunkedWorker(WorkerBase):
                 )
             return
         slots = kv_cache_config.num_blocks - 1
-        if slots > self.model.neuron_config.batch_size:
+        if slots > self.runner.config.batch_size:
             raise RuntimeError(
                 f"vLLM sized the KV cache for {slots} requests, the export has "
-                f"{self.model.neuron_config.batch_size} slots"
+                f"{self.runner.config.batch_size} slots"
             )
 
     def initialize_cache(self, num_gpu_blocks: int, num_cpu_blocks: int) -> None:
