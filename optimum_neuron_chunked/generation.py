@@ -8,6 +8,7 @@ import torch
 
 from .graph_runner import GraphRunner
 from .modeling.sampler import sample, sampling_params
+from .prompt_lookup import accept_greedy, propose
 from .slots import block_table
 
 logger = logging.getLogger(__name__)
@@ -25,9 +26,12 @@ def generate(
     eos_token_id: int | list[int] | None = None,
     pad_token_id: int | None = None,
     generator: torch.Generator | None = None,
+    prompt_lookup_num_tokens: int | None = None,
 ) -> torch.Tensor:
     """Returns [N, L + new] like transformers: the (left-padded) prompts, then new tokens;
-    rows that finished early are filled with pad_token_id."""
+    rows that finished early are filled with pad_token_id. `prompt_lookup_num_tokens` K
+    (greedy, exports with --speculation-length >= K): each step verifies up to K tokens drafted
+    by prompt lookup (prompt_lookup.py) in one VF call - the same tokens, fewer steps."""
     gen = model.generation_config
     max_new_tokens = max_new_tokens if max_new_tokens is not None else (gen.max_new_tokens or 20)
     eos_ids = _as_list(eos_token_id if eos_token_id is not None else gen.eos_token_id)
@@ -55,7 +59,8 @@ def generate(
             f"batch of {n} prompts exceeds the compiled batch_size {model.neuron_config.batch_size}: "
             "split it or re-export with a larger --batch_size."
         )
-    new_tokens = _generate_tokens(model, prompts, max_new_tokens, row_params, set(eos_ids), generator)
+    lookup = _check_lookup(model.neuron_config, prompt_lookup_num_tokens, do_sample)
+    new_tokens = _generate_tokens(model, prompts, max_new_tokens, row_params, set(eos_ids), generator, lookup)
     steps = max((len(t) for t in new_tokens), default=0)
     out = torch.full((n, steps), pad, dtype=input_ids.dtype)
     for i, tokens in enumerate(new_tokens):
@@ -63,7 +68,22 @@ def generate(
     return torch.cat([input_ids, out], dim=1)
 
 
-def _generate_tokens(model, prompts, max_new_tokens, row_params, eos_ids, generator) -> list[list[int]]:
+def _check_lookup(config, k: int | None, do_sample: bool) -> int:
+    if not k:
+        return 0
+    if do_sample:
+        raise ValueError("prompt_lookup_num_tokens verifies drafts greedily: pass do_sample=False.")
+    if k > config.speculation_length:
+        raise ValueError(
+            f"prompt_lookup_num_tokens={k} exceeds the export's verify graphs (--speculation-length "
+            f"{config.speculation_length}): pass at most that, or re-export with --speculation-length {k}."
+        )
+    return k
+
+
+def _generate_tokens(
+    model, prompts, max_new_tokens, row_params, eos_ids, generator, lookup=0
+) -> list[list[int]]:
     n = len(prompts)
     tokens: list[list[int]] = [[] for _ in range(n)]
     if max_new_tokens == 0:
@@ -81,9 +101,22 @@ def _generate_tokens(model, prompts, max_new_tokens, row_params, eos_ids, genera
             )
         live = [i for i in range(n) if not _finished(tokens[i], eos_ids, max_new_tokens)]
         while live:
+            kvs = [seq_ids[i] for i in live]
+            if lookup:
+                _verify_step(
+                    runner,
+                    [prompts[i].tolist() for i in live],
+                    [tokens[i] for i in live],
+                    kvs,
+                    lookup,
+                    max_new_tokens,
+                )
+                for i in live:
+                    _cut_at_eos(tokens[i], eos_ids)
+                live = [i for i in live if not _finished(tokens[i], eos_ids, max_new_tokens)]
+                continue
             ids = torch.tensor([tokens[i][-1] for i in live])
             positions = torch.tensor([len(prompts[i]) + len(tokens[i]) - 1 for i in live])
-            kvs = [seq_ids[i] for i in live]
             rows = block_table(kvs) if config.paged else torch.tensor(kvs)
             sampled, _ = runner.decode(
                 ids, positions, rows, params[live], _rand(len(live), generator), need_logits=False
@@ -95,6 +128,29 @@ def _generate_tokens(model, prompts, max_new_tokens, row_params, eos_ids, genera
         for seq_id in seq_ids:
             pool.release(seq_id)
     return tokens
+
+
+def _verify_step(runner: GraphRunner, prompts, tokens, kvs, k: int, max_new_tokens: int) -> None:
+    """One VF call: each row's last token and its prompt-lookup drafts (no more than it may
+    still emit); the accepted tokens are appended to `tokens` in place."""
+    drafts = [
+        propose(p + t, min(k, max_new_tokens - len(t) - 1)) if len(t) < max_new_tokens - 1 else []
+        for p, t in zip(prompts, tokens, strict=True)
+    ]
+    rows = [torch.tensor([t[-1], *d]) for t, d in zip(tokens, drafts, strict=True)]
+    positions = torch.tensor([len(p) + len(t) - 1 for p, t in zip(prompts, tokens, strict=True)])
+    seq_ids = block_table(kvs) if runner.config.paged else torch.tensor(kvs)
+    argmax, _ = runner.verify(rows, positions, seq_ids, need_logits=False)
+    for t, d, row in zip(tokens, drafts, argmax.tolist(), strict=True):
+        t.extend(accept_greedy(d, row))
+
+
+def _cut_at_eos(tokens: list[int], eos_ids: set[int]) -> None:
+    """Drop what a verify step accepted past an end-of-sequence token."""
+    for i, token in enumerate(tokens):
+        if token in eos_ids:
+            del tokens[i + 1 :]
+            return
 
 
 def prefill_prompt(runner: GraphRunner, input_ids: torch.Tensor, seq_id) -> torch.Tensor:

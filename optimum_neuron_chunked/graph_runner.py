@@ -16,7 +16,7 @@ from transformers import AutoConfig, PretrainedConfig
 
 from .backends import get_backend
 from .config import NeuronConfig
-from .graphs import COPY, INDEX_DTYPE, ce_spec, cp_spec, graph_specs, mx_spec, tg_spec
+from .graphs import COPY, INDEX_DTYPE, ce_spec, cp_spec, graph_specs, mx_spec, tg_spec, vf_spec
 from .loaded_export import ExportCapabilities, check_export
 from .modeling.sampler import sample, sampling_params
 
@@ -49,8 +49,9 @@ def _chunk_inputs(token_ids: torch.Tensor, start: int, kv: torch.Tensor, width: 
 
 class GraphRunner:
     """The engine of one export: its graphs, what it serves (`capabilities`), and one method per
-    operation - prefill, decode, decode_with_chunk (a mixed step), copy_prefix. Pads real inputs
-    to the static shapes and picks the smallest bucket that covers them.
+    operation - prefill, decode, decode_with_chunk (a mixed step), verify (speculative decoding),
+    copy_prefix. Pads real inputs to the static shapes and picks the smallest bucket that covers
+    them.
 
     `graphs` maps graph names to callables from the backend. Outputs may alias runtime
     buffers, so what is returned is cloned.
@@ -158,7 +159,9 @@ class GraphRunner:
             self.config, self.config.decode_width_for(n), self.config.bucket_for(int(positions.max()) + 1)
         )
         kv = self._fit_tables(seq_ids, spec.window) if self.config.paged else seq_ids
-        rows, sampling, order = self._decode_inputs(spec.batch, token_ids, positions, kv, params, rand)
+        rows, sampling, order = self._decode_inputs(
+            spec.batch, token_ids[:, None], positions[:, None], kv, params, rand
+        )
         outputs = self.graphs[spec.name](*rows, *sampling)
         if not self.config.on_device_sampling:
             outputs = (outputs,)
@@ -190,11 +193,45 @@ class GraphRunner:
             )
         spec = mx_spec(self.config, self.config.bucket_for(max(int(positions.max()) + 1, end)))
         kv = self._fit_tables(seq_ids, spec.window) if self.config.paged else seq_ids
-        rows, sampling, order = self._decode_inputs(spec.batch, token_ids, positions, kv, params, rand)
+        rows, sampling, order = self._decode_inputs(
+            spec.batch, token_ids[:, None], positions[:, None], kv, params, rand
+        )
         chunk = _chunk_inputs(chunk_ids, chunk_start, self._request_kv(chunk_seq_id, spec.window, end), c)
         outputs = self.graphs[spec.name](*rows, *chunk, *sampling)
         tokens, logits = self._decode_outputs(outputs[:-1], order, params, rand, need_logits)
         return tokens, logits, outputs[-1].cpu()[0].clone()
+
+    def verify(
+        self,
+        token_rows: list[torch.Tensor],  # N rows of [1 + d]: a row's last token, then its d <= K drafts
+        positions: torch.Tensor,  # [N]: the position of each row's first token
+        seq_ids: torch.Tensor,  # [N] slots, or block tables [N, M] for paged exports
+        need_logits: bool = True,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One VF call (exports with speculation_length K) -> (argmax [N, K + 1], logits
+        [N, K + 1, V] or None): entry j of a row is what follows its token j. A row with fewer
+        than K drafts is padded by the one rule (its last token and position repeated), so
+        entries past its own length repeat its last one. Logits are fetched only if wanted."""
+        width = self.config.verify_width
+        if not self.config.speculation_length:
+            raise ValueError("this export has no verify graphs: re-export with --speculation-length K")
+        if any(not 1 <= len(r) <= width for r in token_rows):
+            raise ValueError(f"a verify row takes 1 to {width} tokens, got {[len(r) for r in token_rows]}")
+        ids = torch.stack([pad_repeat_last(r.to(INDEX_DTYPE)[None], width, dim=1)[0] for r in token_rows])
+        spans = [
+            torch.arange(int(p), int(p) + len(r), dtype=INDEX_DTYPE)
+            for p, r in zip(positions, token_rows, strict=True)
+        ]
+        pos = torch.stack([pad_repeat_last(s[None], width, dim=1)[0] for s in spans])
+        n = len(self._decode_writes(seq_ids, pos[:, -1]))
+        spec = vf_spec(
+            self.config, self.config.decode_width_for(n), self.config.bucket_for(int(pos.max()) + 1)
+        )
+        kv = self._fit_tables(seq_ids, spec.window) if self.config.paged else seq_ids
+        rows, _, order = self._decode_inputs(spec.batch, ids, pos, kv)
+        argmax, logits = self.graphs[spec.name](*rows)
+        unsort = torch.argsort(order)
+        return argmax.cpu()[unsort].long(), logits.cpu()[unsort] if need_logits else None
 
     def _decode_writes(self, seq_ids: torch.Tensor, positions: torch.Tensor) -> list[int]:
         """Checked decode rows (1 to batch_size, each writing its own slot or block) -> what each
@@ -262,19 +299,18 @@ class GraphRunner:
         tables = tables.to(INDEX_DTYPE)[:, :columns]
         return torch.nn.functional.pad(tables, (0, columns - tables.shape[1])).contiguous()
 
-    def _decode_inputs(self, rows: int, token_ids, positions, seq_ids, params, rand) -> tuple:
-        """Decode rows as a graph of `rows` rows takes them -> (token inputs, sampling inputs,
-        order). Rows go longest context first, so the padding (the one rule: repeat the last
-        row) repeats the shortest: where each row reads only its live context
-        (the cpu backend's per_row_live), a padded row costs the least it can. Integers are INDEX_DTYPE;
-        the sampling inputs are there where the graph samples on device."""
-        order = torch.argsort(positions, descending=True, stable=True)
+    def _decode_inputs(self, rows: int, token_ids, positions, seq_ids, params=None, rand=None) -> tuple:
+        """Decode rows (token ids and positions [N, T]) as a graph of `rows` rows takes them ->
+        (token inputs, sampling inputs, order). Rows go longest context first, so the padding
+        (the one rule: repeat the last row) repeats the shortest: where each row reads only its
+        live context (the cpu backend's per_row_live), a padded row costs the least it can.
+        Integers are INDEX_DTYPE; the sampling inputs are there where the graph samples on device."""
+        order = torch.argsort(positions[:, -1], descending=True, stable=True)
         tokens = [
-            pad_repeat_last(x[order].to(INDEX_DTYPE), rows, dim=0)
-            for x in (token_ids[:, None], positions[:, None], seq_ids)
+            pad_repeat_last(x[order].to(INDEX_DTYPE), rows, dim=0) for x in (token_ids, positions, seq_ids)
         ]
         sampling = []
-        if self.config.on_device_sampling:
+        if params is not None and self.config.on_device_sampling:
             sampling = [pad_repeat_last(x[order].float(), rows, dim=0) for x in (params, rand)]
         return tokens, sampling, order
 

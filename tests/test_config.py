@@ -69,7 +69,13 @@ def test_bucket_for_picks_the_smallest_cover():
         (dict(batch_size=4, sequence_length=128, decode_widths=(0, 4)), "from 1 up to the batch size"),
         (dict(batch_size=1, sequence_length=128, prefill_chunk_size=8, speculation_length=8), "<= 7"),
         (
-            dict(batch_size=1, sequence_length=128, prefill_chunk_size=32, speculation_length=4, mixed_step=True),
+            dict(
+                batch_size=1,
+                sequence_length=128,
+                prefill_chunk_size=32,
+                speculation_length=4,
+                mixed_step=True,
+            ),
             "do not combine",
         ),
     ],

@@ -36,6 +36,9 @@ class Engine:
         self.scheduler = Scheduler(config, kv, StructuredOutputManager(config), block_size=spec.block_size)
         self.block_hasher = block_hasher(config, spec.block_size)
         self.tokens: dict[str, list[int]] = {}
+        self.verified: list[tuple[str, int, int]] = []  # (request, drafts, accepted) per verify row
+        # (request, its tokens so far) -> the drafts to schedule next, instead of the proposer's
+        self.drafts_for = None
 
     def add(
         self, req_id: str, ids: torch.Tensor, max_tokens: int, resumable: bool = False, **sampling
@@ -74,9 +77,21 @@ class Engine:
         self.scheduler.update_from_output(so, out)
         for req_id, index in out.req_id_to_index.items():
             self.tokens[req_id] += out.sampled_token_ids[index]
+        drafts = self.worker.take_draft_token_ids()  # as EngineCore.post_step (v1/engine/core.py)
+        if self.drafts_for is not None:
+            from vllm.v1.outputs import DraftTokenIds
+
+            ids = [r for r, t in self.tokens.items() if t and r in self.scheduler.requests]
+            drafts = DraftTokenIds(ids, [self.drafts_for(r, self.tokens[r]) for r in ids])
+        if drafts is not None:
+            self.scheduler.update_draft_token_ids(drafts)
         if so.total_num_scheduled_tokens == 0:
             return ""
         plan = self.worker.runner.last_plan
+        for d in plan.decodes:
+            if d.drafts:
+                emitted = out.sampled_token_ids[out.req_id_to_index[d.req_id]]
+                self.verified.append((d.req_id, len(d.drafts), len(emitted) - 1))
         decodes = "+".join(d.req_id for d in plan.decodes)
         return f"{decodes} | {describe_chunks(plan)}".strip()
 

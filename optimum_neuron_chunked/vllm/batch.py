@@ -29,6 +29,18 @@ from .plan import KVAddress, ScheduledWork
 from .prompt_logprobs import PromptLogprobs
 
 
+def usable_drafts(drafts) -> list[int]:
+    """A request's scheduled drafts up to the first placeholder: vLLM 0.32 pads a request admitted
+    with one new token with -1 drafts (v1/core/sched/scheduler.py), which its rejection sampler
+    rejects; a row verified without them emits the same one token."""
+    out = []
+    for token in drafts or ():
+        if token < 0:
+            break
+        out.append(token)
+    return out
+
+
 def block_of(block_ids: tuple[list[int], ...]) -> int:
     """The one KV block of a request (one group, one block)."""
     (blocks,) = block_ids
@@ -165,6 +177,8 @@ class BatchState:
             state = self.requests[req_id]
             start = state.num_computed_tokens
             known = state.prompt_token_ids + state.output_token_ids
+            scheduled_drafts = so.scheduled_spec_decode_tokens.get(req_id, ())
+            n -= len(scheduled_drafts)
             work.append(
                 ScheduledWork(
                     req_id=req_id,
@@ -174,17 +188,19 @@ class BatchState:
                     num_prompt_tokens=state.num_prompt_tokens,
                     num_known_tokens=len(known),
                     after_earlier_chunks=self.paged and req_id in admitted,
+                    drafts=tuple(usable_drafts(scheduled_drafts)),
                 )
             )
         return work
 
-    def append_tokens(self, tokens: dict[str, int]) -> None:
-        """Record sampled tokens (output lists are mutated in place: InputBatch holds them)."""
+    def append_tokens(self, tokens: dict[str, list[int]]) -> None:
+        """Record the tokens each request emitted (output lists are mutated in place: InputBatch
+        holds them)."""
         batch = self.input_batch
-        for req_id, token in tokens.items():
-            self.requests[req_id].output_token_ids.append(token)
+        for req_id, emitted in tokens.items():
+            self.requests[req_id].output_token_ids.extend(emitted)
             i = batch.req_id_to_index[req_id]
             end = int(batch.num_tokens_no_spec[i])
-            batch.token_ids_cpu[i, end] = token
-            batch.is_token_ids[i, end] = True
-            batch.num_tokens_no_spec[i] = end + 1
+            batch.token_ids_cpu[i, end : end + len(emitted)] = emitted
+            batch.is_token_ids[i, end : end + len(emitted)] = True
+            batch.num_tokens_no_spec[i] = end + len(emitted)

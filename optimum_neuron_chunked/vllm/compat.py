@@ -130,3 +130,13 @@ def ngram_propose(
     if "num_speculative_tokens" in inspect.signature(proposer.propose).parameters:
         return proposer.propose(k, sampled, num_tokens_no_spec, token_ids_cpu)
     return proposer.propose(sampled, num_tokens_no_spec, token_ids_cpu)
+
+
+def cap_scheduled_tokens(scheduler_config, budget: int) -> None:
+    """The scheduler's per-step token cap. vLLM 0.32 copies max_num_batched_tokens into
+    `max_num_scheduled_tokens` when speculation is configured (VllmConfig._set_max_num_scheduled_tokens,
+    config/vllm.py), before the platform fits the budget to the export, and its scheduler then
+    budgets by that copy (v1/core/sched/scheduler.py); the n-gram proposer needs no extra slots.
+    0.16.0 has no such field."""
+    if getattr(scheduler_config, "max_num_scheduled_tokens", None) is not None:
+        scheduler_config.max_num_scheduled_tokens = budget

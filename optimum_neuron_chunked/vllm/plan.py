@@ -38,6 +38,7 @@ class ScheduledWork:
     # kv_cache_manager.py, 0.16.0 and 0.32): it runs as a chunk, in order, never in the TG call
     # that runs ahead of the step's chunks.
     after_earlier_chunks: bool = False
+    drafts: tuple[int, ...] = ()  # speculative tokens to verify after a decode's token
 
     @property
     def end(self) -> int:
@@ -63,6 +64,7 @@ class DecodeRow:
     slot: KVAddress
     token_id: int
     position: int
+    drafts: tuple[int, ...] = ()  # verified after token_id, at position + 1, ... (a VF call)
 
 
 @dataclass(frozen=True)
@@ -107,7 +109,7 @@ def plan_step(
         if not w.token_ids:
             raise PlanError(f"request {w.req_id} was scheduled with no tokens")
         if w.is_decode:
-            decodes.append(DecodeRow(w.req_id, w.slot, w.token_ids[0], w.start))
+            decodes.append(DecodeRow(w.req_id, w.slot, w.token_ids[0], w.start, w.drafts))
         else:
             chunks.extend(_split_prefill(w, chunk_size))
     if len(decodes) > batch_size:
@@ -181,7 +183,10 @@ def describe_chunks(plan: StepPlan) -> str:
 def describe(plan: StepPlan) -> str:
     """'copy 0->1[0:64] + 2 decodes + a[0:32] b[64:70]' - the runner's debug log line."""
     parts = [f"copy {c.source}->{c.target}[0:{c.length}]" for c in plan.copies]
-    parts += [f"{len(plan.decodes)} decodes"] if plan.decodes else []
+    drafts = sum(len(d.drafts) for d in plan.decodes)
+    parts += (
+        [f"{len(plan.decodes)} decodes" + (f" (+{drafts} drafts)" if drafts else "")] if plan.decodes else []
+    )
     if plan.chunks:
         parts.append(describe_chunks(plan))
     line = " + ".join(parts)

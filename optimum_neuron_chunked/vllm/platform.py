@@ -16,6 +16,7 @@ from ..backends import get_backend
 from ..config import NeuronConfig
 from ..hub import resolve_export
 from ..loader import ExportCapabilities, InvalidExportError, check_export
+from .compat import cap_scheduled_tokens
 from .features import refuse_unsupported
 from .limits import EngineRequest, ServingConfigError, serving_limits
 
@@ -152,6 +153,7 @@ def _fit_engine(vllm_config, limits) -> None:
     vllm_config.model_config.max_model_len = limits.max_model_len
     sched.max_num_seqs = limits.max_num_seqs
     sched.max_num_batched_tokens = limits.max_num_batched_tokens
+    cap_scheduled_tokens(sched, limits.max_num_batched_tokens)
     sched.long_prefill_token_threshold = limits.long_prefill_token_threshold
     sched.enable_chunked_prefill = limits.enable_chunked_prefill
     sched.async_scheduling = False  # the runner needs each step's tokens before the next

@@ -15,6 +15,7 @@ from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, LogprobsTensors, ModelRunnerOutput
 
 from ..graph_runner import GraphRunner
+from ..prompt_lookup import accept_greedy
 from ..slots import block_table
 from .batch import BatchState
 from .compat import host_sampler
@@ -22,6 +23,7 @@ from .connector import PrefixCopies
 from .plan import PrefillChunk, StepPlan, describe, fuse_chunk, plan_step
 from .prompt_logprobs import add_chunk
 from .sampling import device_sampling_inputs, host_sample, on_device_eligible
+from .speculation import Drafter, accept_random, is_greedy, verifiable
 
 logger = init_logger(f"vllm.{__name__}")  # under vLLM's configured logger (VLLM_LOGGING_LEVEL)
 
@@ -33,6 +35,10 @@ class StepResult:
     plan: StepPlan
     host_logits: dict[str, torch.Tensor] = field(default_factory=dict)
     device_tokens: dict[str, int] = field(default_factory=dict)
+    # speculation: tokens a verified row emits (greedy), and the random rows whose drafts are
+    # accepted once their bonus token is sampled on the host: req_id -> (drafts, logits [d, V])
+    verified: dict[str, list[int]] = field(default_factory=dict)
+    to_verify: dict[str, tuple[list[int], torch.Tensor]] = field(default_factory=dict)
     prompt_logprobs: dict[str, LogprobsTensors | None] = field(default_factory=dict)
 
 
@@ -51,6 +57,9 @@ class StepRunner:
         # long-running server holds no per-step state.
         self.last_plan: StepPlan | None = None
         self._pending: tuple[SchedulerOutput, StepResult] | None = None
+        spec = vllm_config.speculative_config
+        self.drafter = Drafter(vllm_config, spec.num_speculative_tokens) if spec is not None else None
+        self._drafts: dict[str, list[int]] = {}  # proposed after the last step, for the scheduler
 
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput | None:
         self.batch.update(so)
@@ -79,23 +88,48 @@ class StepRunner:
     def sample_tokens(self, grammar_output) -> ModelRunnerOutput:
         so, result = self._pending
         self._pending = None
-        tokens, logprobs = dict(result.device_tokens), None
+        tokens = {r: [t] for r, t in result.device_tokens.items()} | result.verified
+        logprobs = None
         if result.host_logits:
             host, logprobs = host_sample(self.batch, self.sampler, result.host_logits, grammar_output)
-            tokens.update(host)
+            for req_id, token in host.items():
+                tokens[req_id] = (
+                    self._accept(req_id, token, result) if req_id in result.to_verify else [token]
+                )
         self.batch.append_tokens(tokens)
         ib = self.batch.input_batch
+        if self.drafter is not None:
+            eligible = lambda r: verifiable(self.batch.requests[r].sampling_params)  # noqa: E731
+            self._drafts = self.drafter.propose(ib, tokens, eligible)
         return ModelRunnerOutput(
             req_ids=list(ib.req_ids),
             req_id_to_index=dict(ib.req_id_to_index),
-            sampled_token_ids=[[tokens[r]] if r in tokens else [] for r in ib.req_ids],
+            sampled_token_ids=[tokens.get(r, []) for r in ib.req_ids],
             logprobs=logprobs,
             prompt_logprobs_dict=result.prompt_logprobs,
         )
 
+    def take_draft_token_ids(self):
+        """The drafts proposed after the last step (vLLM's engine core hands them to the
+        scheduler: EngineCore.post_step, v1/engine/core.py, 0.16.0 and 0.32)."""
+        from vllm.v1.outputs import DraftTokenIds
+
+        if not self._drafts:
+            return None
+        drafts, self._drafts = self._drafts, {}
+        return DraftTokenIds(list(drafts), list(drafts.values()))
+
+    def _accept(self, req_id: str, bonus: int, result: StepResult) -> list[int]:
+        state = self.batch.requests[req_id]
+        drafts, logits = result.to_verify[req_id]
+        return accept_random(drafts, logits, bonus, state.sampling_params, state.generator)
+
     def _run_decodes(self, result: StepResult) -> None:
         decodes = result.plan.decodes
         if not decodes:
+            return
+        if self.drafter is not None:
+            self._run_verify(result)
             return
         params = [self.batch.requests[d.req_id].sampling_params for d in decodes]
         caps = self.capabilities
@@ -121,6 +155,27 @@ class StepRunner:
                 result.device_tokens[d.req_id] = int(tokens[i])
             else:
                 result.host_logits[d.req_id] = logits[i]
+
+    def _run_verify(self, result: StepResult) -> None:
+        """Every decode row through one VF call: its token and drafts scored at once. Greedy rows
+        take the graph's argmax; random rows sample their bonus token on the host, then accept
+        by rejection sampling; rows needing more than that sample their first position only."""
+        decodes = result.plan.decodes
+        params = [self.batch.requests[d.req_id].sampling_params for d in decodes]
+        greedy = [is_greedy(p) and verifiable(p) for p in params]
+        rows = [torch.tensor([d.token_id, *d.drafts]) for d in decodes]
+        positions = torch.tensor([d.position for d in decodes])
+        slots = [d.slot for d in decodes]
+        kv = block_table(slots) if self.paged else torch.tensor(slots)
+        argmax, logits = self.graph_runner.verify(rows, positions, kv, need_logits=not all(greedy))
+        for i, (d, p) in enumerate(zip(decodes, params, strict=True)):
+            if greedy[i]:
+                result.verified[d.req_id] = accept_greedy(list(d.drafts), argmax[i].tolist())
+            elif d.drafts and verifiable(p):
+                result.host_logits[d.req_id] = logits[i, len(d.drafts)]  # the bonus position
+                result.to_verify[d.req_id] = (list(d.drafts), logits[i, : len(d.drafts)])
+            else:
+                result.host_logits[d.req_id] = logits[i, 0]
 
     def _run_chunks(self, result: StepResult) -> None:
         for chunk in result.plan.separate_chunks:

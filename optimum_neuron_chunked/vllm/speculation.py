@@ -31,25 +31,6 @@ def verifiable(params: SamplingParams) -> bool:
     return set(host_fields(params)) <= VERIFIABLE_FIELDS
 
 
-def usable_drafts(drafts: list[int] | None) -> list[int]:
-    """The drafts up to the first placeholder: vLLM 0.32 pads a request admitted with one new
-    token with -1 drafts (v1/core/sched/scheduler.py), which its rejection sampler rejects."""
-    out = []
-    for token in drafts or ():
-        if token < 0:
-            break
-        out.append(token)
-    return out
-
-
-def accept_greedy(drafts: list[int], argmax: list[int]) -> list[int]:
-    """Drafts accepted while they equal the target's argmax, then the argmax after them."""
-    n = 0
-    while n < len(drafts) and drafts[n] == argmax[n]:
-        n += 1
-    return drafts[:n] + [argmax[n]]
-
-
 def processed_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """[T, V] logits as a random request samples from them: temperature, then top-k / top-p
     (vLLM's apply_sampling_constraints, v1/sample/rejection_sampler.py)."""

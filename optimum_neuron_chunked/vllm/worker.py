@@ -111,6 +111,9 @@ class NeuronChunkedWorker(WorkerBase):
     def sample_tokens(self, grammar_output):
         return self.runner.sample_tokens(grammar_output)
 
+    def take_draft_token_ids(self):
+        return self.runner.take_draft_token_ids()
+
     def last_step(self) -> str:
         """What the last step ran, e.g. '3 decodes + long[0:128]' (collective_rpc)."""
         plan = self.runner.last_plan
