@@ -101,30 +101,24 @@ class Kernels:
         cache: KVCache,
         sinks: torch.Tensor | None,  # [Hq] where spec.sinks
     ) -> torch.Tensor:
-        """One part's queries over its slots (or blocks) -> [N, Hq, T, D]."""
-        return reference_attend(spec, part, q, cache, sinks)
+        """One part's queries over its slots (or blocks) -> [N, Hq, T, D]. The reference read:
+        decode rows over views of the cache in slot order, a chunk over its row's gathered
+        window; the masked softmax. A paged cache gathers every row's blocks, decode rows too
+        (a pool has no slot order).
 
-
-def reference_attend(
-    spec: AttentionSpec, part: GraphPart, q: torch.Tensor, cache: KVCache, sinks: torch.Tensor | None
-) -> torch.Tensor:
-    """The reference read: decode rows over views of the cache in slot order, a chunk over its
-    row's gathered window; the masked softmax. A paged cache gathers every row's blocks,
-    decode rows too (a pool has no slot order).
-
-    `part.one_row_per_slot` is the graph kind's choice (TG: N = batch_size rows), never
-    inferred from a shape, so a new graph cannot silently take the other path."""
-    _, live = cache.extent(part.read.window, part.read.live)
-    core = functools.partial(masked_softmax, spec, sinks)
-    if cache.block_size is not None:
-        keys, values = cache.block_windows(part.seq_ids)
-        key_positions = cache.key_positions(part.position_ids, keys.shape[2])
+        `part.one_row_per_slot` is the graph kind's choice (TG: N = batch_size rows), never
+        inferred from a shape, so a new graph cannot silently take the other path."""
+        _, live = cache.extent(part.read.window, part.read.live)
+        core = functools.partial(masked_softmax, spec, sinks)
+        if cache.block_size is not None:
+            keys, values = cache.block_windows(part.seq_ids)
+            key_positions = cache.key_positions(part.position_ids, keys.shape[2])
+            return core(q, keys, values, part.position_ids, key_positions)
+        if part.one_row_per_slot:
+            return attend_in_slot_order(q, cache, part, live, core)
+        keys, values = cache.slot_windows(part.seq_ids, live)
+        key_positions = cache.key_positions(part.position_ids, live)
         return core(q, keys, values, part.position_ids, key_positions)
-    if part.one_row_per_slot:
-        return attend_in_slot_order(q, cache, part, live, core)
-    keys, values = cache.slot_windows(part.seq_ids, live)
-    key_positions = cache.key_positions(part.position_ids, live)
-    return core(q, keys, values, part.position_ids, key_positions)
 
 
 def attend_in_slot_order(q, cache: KVCache, part: GraphPart, live, core: AttentionCore) -> torch.Tensor:
