@@ -21,10 +21,14 @@ Workloads (prefix caching off everywhere; fresh token ids per repeat, seeded):
       more decode rows buy: slot exports run 8 requests at a time, paged 32).
   W4P W4's prompts with 1 token out: the prefill floor. Decode rows change the decode steps
       only, so no export serves W4 in less wall time than this (the ceiling of a decode gain).
+  W5  32 prompts of 64-256 tokens, 128 out, greedy, 8 in flight, on a checkpoint that repeats
+      itself (the bench model with its attention and MLP outputs scaled by 0.05: its next token
+      mostly follows its last, so answers fall into loops, as code edits repeat their input):
+      n-gram speculation (K=4) off and on, ours (an export with --speculation-length 4) and
+      vLLM's native engine: output tok/s, tokens per decode step a row, draft acceptance.
 Each contender runs in its own process (vLLM picks its platform once per process).
 
-    python benchmark/engine_bench.py [--quick] [--repeats 3] [--contenders chunked,native-budget]
-                                     [--workloads w1,w2,w4]
+    python benchmark/engine_bench.py [--quick] [--repeats 3] [--contenders chunked,native-budget] [--workloads w1,w5]
                                      [--buckets 512,...,4096] [--prefill-widths 64,128,256] [--decode-widths 4,8]
 """
 
@@ -64,7 +68,10 @@ from serve_bench import (  # noqa: E402
 from optimum_neuron_chunked.vllm.limits import full_chunk_budget  # noqa: E402
 
 CONTENDERS = ("std", "chunked", "chunked-whole", "paged", "native", "native-budget", "native-paged")
-WORKLOADS = ("w1", "w2", "w4", "w4p")
+WORKLOADS = ("w1", "w2", "w4", "w4p", "w5")
+SPEC_CONTENDERS = ("spec-off", "spec-on", "native-spec-off", "native-spec-on")  # W5's
+K = 4
+NGRAM = {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
 
 
 @dataclass(frozen=True)
@@ -81,10 +88,13 @@ class Loads:
     burst: int  # W4: requests arriving together
     burst_lengths: tuple[int, int]
     burst_tokens: int
+    repeats_lengths: tuple[int, int] = (64, 256)  # W5: 32 prompts of these lengths, 128 out
+    repeats_requests: int = 32
+    repeats_tokens: int = 128
 
 
 FULL_LOADS = Loads(4, 32, 400, 3072, 100, 48, (128, 2048), 64, 8, 64, (64, 512), 128)
-QUICK_LOADS = Loads(3, 16, 120, 384, 30, 8, (32, 256), 8, 4, 24, (16, 128), 16)
+QUICK_LOADS = Loads(3, 16, 120, 384, 30, 8, (32, 256), 8, 4, 24, (16, 128), 16, (16, 64), 8, 24)
 
 
 def engine_args(name: str, model: str, setup: Setup) -> dict:
@@ -97,6 +107,10 @@ def engine_args(name: str, model: str, setup: Setup) -> dict:
         )
     if name.startswith("native"):
         limits |= dict(dtype="float32")
+    if name.endswith("spec-on"):
+        limits |= dict(speculative_config=NGRAM)
+    if name in SPEC_CONTENDERS:
+        limits |= dict(disable_log_stats=False)
     if name == "native-budget":
         limits |= dict(
             max_num_batched_tokens=full_chunk_budget(setup.chunk, setup.batch),
@@ -161,11 +175,30 @@ def w4_prefill(loop: EngineLoop, loads: Loads, seed: int) -> dict:
     return w4(loop, loads, seed, out_tokens=1)
 
 
+def w5(loop: EngineLoop, loads: Loads, seed: int) -> dict:
+    """Greedy answers of a repeating model, 8 in flight: what n-gram speculation buys."""
+    lengths_rng, tokens_rng = random.Random(5), random.Random(seed)
+    lengths = [lengths_rng.randint(*loads.repeats_lengths) for _ in range(loads.repeats_requests)]
+    queue = [(f"s{i}-{seed}", prompt_ids(n, tokens_rng)) for i, n in enumerate(lengths)]
+    before = loop.counters("vllm:spec_decode")
+    started = time.perf_counter()
+    traces = loop.serve(queue, loads.repeats_tokens, loads.in_flight)
+    out = summarize_load(traces, time.perf_counter() - started)
+    spec = {k: v - before.get(k, 0) for k, v in loop.counters("vllm:spec_decode").items()}
+    drafted = spec.get("vllm:spec_decode_num_draft_tokens", 0)
+    accepted = spec.get("vllm:spec_decode_num_accepted_tokens", 0)
+    # tokens a row gets per decode step: arrivals of one trace that share a step's end
+    per_step = [t.tokens[1:].count(x) for t in traces for x in sorted(set(t.tokens[1:]))]
+    return out | {"acceptance": accepted / drafted if drafted else None,
+                  "tokens_per_step": statistics.mean(per_step) if per_step else None}  # fmt: skip
+
+
 WORKLOAD_RUNS = {
     "w1": (w1, 100),
     "w2": (w2, 200),
     "w4": (w4, 400),
     "w4p": (w4_prefill, 400),
+    "w5": (w5, 500),
 }  # (run, first seed)
 
 
@@ -217,6 +250,9 @@ FIGURES = [  # (label, workload, path into a run's summary, scale)
     ("W4 TTFT p50 ms", "w4", ("ttft", "p50"), 1000),
     ("W4 wall s", "w4", ("wall_s",), 1),
     ("W4P wall s (the prompts alone)", "w4p", ("wall_s",), 1),
+    ("W5 output tok/s", "w5", ("output_tok_s",), 1),
+    ("W5 tokens per decode step a row", "w5", ("tokens_per_step",), 1),
+    ("W5 draft acceptance %", "w5", ("acceptance",), 100),
 ]
 # W4 figures of `paged` (and native) over the slot export's, the issue's targets beside them
 RATIOS = [  # (label, workload, path, numerator, denominator, target)
@@ -226,6 +262,8 @@ RATIOS = [  # (label, workload, path, numerator, denominator, target)
     ("W4 TTFT p50", "w4", ("ttft", "p50"), "native", "chunked", ""),
     ("W4 output tok/s", "w4", ("output_tok_s",), "paged", "native-paged", ""),
     ("W4 TTFT p50", "w4", ("ttft", "p50"), "paged", "native-paged", ""),
+    ("W5 output tok/s", "w5", ("output_tok_s",), "spec-on", "spec-off", ""),
+    ("W5 output tok/s", "w5", ("output_tok_s",), "native-spec-on", "native-spec-off", ""),
 ]
 # W1/W2 of `paged` over `chunked`: the issue asks for within 5 %
 PAGED_VS_SLOTS = [(label, load, path) for label, load, path, _ in FIGURES if load in ("w1", "w2")]
@@ -261,7 +299,6 @@ def render(results: dict) -> str:
         num, den = (median(contenders, n, load, path) for n in (a, b))
         if num is not None and den:
             ratio_lines.append(f"| {label}: {a} / {b} | {num / den:.2f} | {target or '-'} |")
-    ratio_lines += w4_ceilings(results)
     if ratio_lines:
         lines += ["", "| ratio (median over median) | value | target |", "|---|---|---|", *ratio_lines]
     for n, r in results["contenders"].items():
@@ -270,33 +307,36 @@ def render(results: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def w4_ceilings(results: dict) -> list[str]:
-    """What bounds W4's paged / chunked output tok/s on this host (table rows):
-    - free decode: no export serves W4 faster than its prompts alone (W4P);
-    - no prefill: the decode steps alone, `rows` times the rows per step at the step cost the
-      ITL p50 shows: (paged rows / chunked rows) x (chunked ITL / paged ITL). Prefill, the same
-      work for both, only pulls the ratio towards 1 from there."""
-    contenders, rows = results["contenders"], results.get("rows", {})
-    lines = []
-    w4_wall, floor = (median(contenders, "chunked", load, ("wall_s",)) for load in ("w4", "w4p"))
-    if w4_wall and floor:
-        lines.append(
-            f"| W4 output tok/s ceiling at free decode: chunked W4 wall / W4P wall | {w4_wall / floor:.2f} | - |"
-        )
-    itl_c, itl_p = (median(contenders, n, "w4", ("itl", "p50")) for n in ("chunked", "paged"))
-    if itl_c and itl_p and rows.get("chunked") and rows.get("paged"):
-        bound = rows["paged"] / rows["chunked"] * itl_c / itl_p
-        lines.append(
-            f"| W4 output tok/s paged / chunked with no prefill: rows {rows['paged']}/{rows['chunked']} "
-            f"x ITL p50 {itl_c * 1000:.1f}/{itl_p * 1000:.1f} ms | {bound:.2f} | - |"
-        )
-    return lines
-
-
 def median(contenders: dict, name: str, load: str, path: tuple) -> float | None:
     runs = contenders.get(name, {})
     values = values_at(runs.get(load, []), *path) if "error" not in runs else []
     return statistics.median(values) if values else None
+
+
+def repeating_export(ckpt: Path, setup: Setup, work: Path) -> tuple[Path, Path]:
+    """W5's checkpoint (the bench model, attention and MLP outputs x 0.05) and its chunked
+    export with verify graphs of K + 1 tokens, cached under `work` by graph code."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from optimum_neuron_chunked.export.pipeline import export
+    from optimum_neuron_chunked.testing.export_cache import code_key
+
+    repeating = work / "checkpoint-repeating"
+    if not (repeating / "model.safetensors").is_file():
+        shutil.copytree(ckpt, repeating, dirs_exist_ok=True)
+        weights = load_file(ckpt / "model.safetensors")
+        scaled = ("o_proj.weight", "down_proj.weight")
+        save_file(
+            {k: v * 0.05 if k.endswith(scaled) else v for k, v in weights.items()},
+            repeating / "model.safetensors",
+        )
+    out = work / f"spec-{setup.batch}x{setup.seq}x{setup.chunk}-k{K}-{setup.backend}-{code_key()}"
+    if not (out / "neuron_config.json").is_file():
+        export(str(repeating), out, batch_size=setup.batch, sequence_length=setup.seq, prefill_chunk_size=setup.chunk,
+               backend=setup.backend, context_buckets=setup.buckets, speculation_length=K, overwrite=True)  # fmt: skip
+    return out, repeating
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -304,7 +344,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="tiny model and loads (a smoke run)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--contenders", default=",".join(CONTENDERS))
-    p.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated: w1, w2, w4, w4p")
+    p.add_argument("--workloads", default="w1,w2,w4,w4p", help="comma-separated: w1, w2, w4, w4p, w5")
     p.add_argument(
         "--w4-contenders",
         help="comma-separated contenders that run W4 only (beside --contenders, which run --workloads)",
@@ -326,14 +366,25 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     work = args.work / ("quick" if args.quick else "full")
     work.mkdir(parents=True, exist_ok=True)
-    runs = {name: workloads for name in args.contenders.split(",")}
+    runs = {name: [w for w in workloads if w != "w5"] for name in args.contenders.split(",")}
+    runs = {name: loads_of for name, loads_of in runs.items() if loads_of}
+    runs |= {name: ["w5"] for name in SPEC_CONTENDERS if "w5" in workloads}
     for name in args.w4_contenders.split(",") if args.w4_contenders else ():
         runs[name] = sorted(set(runs.get(name, [])) | {"w4"})
-    kinds = [kind for kind in ("std", "chunked", "paged") if kind in runs or kind == "chunked"]
+    reads_chunked = any(
+        n not in ("std", "paged", *SPEC_CONTENDERS) and not n.startswith("native") for n in runs
+    )
+    kinds = [
+        kind for kind in ("std", "chunked", "paged") if kind in runs or (kind == "chunked" and reads_chunked)
+    ]
     ckpt, folders, export_info = exports(setup, work, kinds=tuple(kinds))
+    if "w5" in workloads:
+        folders["spec"], folders["repeating"] = repeating_export(ckpt, setup, work)
     contenders = {}
     for name, loads_of in runs.items():
-        model = ckpt if name.startswith("native") else folders.get(name, folders["chunked"])
+        model = ckpt if name.startswith("native") else folders.get(name, folders.get("chunked"))
+        if name in SPEC_CONTENDERS:
+            model = folders["repeating"] if name.startswith("native") else folders["spec"]
         contenders[name] = run_contender(name, model, args.quick, args.repeats, loads_of, work)
         print(f"{name} done", file=sys.stderr, flush=True)
     date = datetime.date.today().isoformat()

@@ -29,7 +29,9 @@ class EngineLoop:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # engine core in this process
         from vllm import EngineArgs, LLMEngine
 
-        self.engine = LLMEngine.from_engine_args(EngineArgs(seed=0, disable_log_stats=True, **engine_args))
+        self.engine = LLMEngine.from_engine_args(
+            EngineArgs(**{"seed": 0, "disable_log_stats": True} | engine_args)
+        )
         self.traces: dict[str, Trace] = {}
         self.steps: list[Step] = []
         self.cached_tokens: dict[str, int] = {}  # prompt tokens a request did not compute (prefix hits)
@@ -90,6 +92,14 @@ class EngineLoop:
     @property
     def busy(self) -> bool:
         return self.engine.has_unfinished_requests()
+
+    def counters(self, prefix: str) -> dict[str, float]:
+        """vLLM's counters named `prefix`... (stats on: disable_log_stats=False)."""
+        return {
+            m.name: m.value
+            for m in self.engine.get_metrics()
+            if m.name.startswith(prefix) and hasattr(m, "value")
+        }
 
     def close(self) -> None:
         self.engine.engine_core.shutdown()
