@@ -1,7 +1,7 @@
 """An export's weights streamed from the checkpoint's safetensors, one tensor at a time.
 
 transformers' from_pretrained holds the whole model, and converting it into the decoder's
-layout made a second copy: ~2.4x the checkpoint's bytes resident (issue 37). Here each
+layout made a second copy: ~2.4x the checkpoint's bytes resident. Here each
 weight of the export is read from the checkpoint files, converted by the same functions
 the in-memory path uses (`split_fused_projections`, `moe_layer_from_hf`, `tp_checkpoint`,
 `rank_shard`), cast, sliced per rank, written (safetensors_io.SafetensorsWriter) and

@@ -58,8 +58,8 @@ def export(
     neuron where the Neuron SDK is importable, cpu elsewhere (said on the console);
     `instance_type` None: this host's.
     `weights` "stream": tensor by tensor from the checkpoint's safetensors (checkpoint_stream);
-    "transformers": through the whole transformers model (the path before issue 37, kept as the
-    reference the streamed exports are tested against, and for checkpoints without safetensors)."""
+    "transformers": through the whole transformers model (the reference the streamed exports are
+    tested against, and the path for checkpoints without safetensors)."""
     check_options(options)
     if weights not in WEIGHT_PATHS:
         raise ExportError(f"weights={weights!r}: choose one of {', '.join(WEIGHT_PATHS)}.")

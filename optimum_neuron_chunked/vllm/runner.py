@@ -99,8 +99,7 @@ class StepRunner:
         self.batch.append_tokens(tokens)
         ib = self.batch.input_batch
         if self.drafter is not None:
-            eligible = lambda r: verifiable(self.batch.requests[r].sampling_params)  # noqa: E731
-            self._drafts = self.drafter.propose(ib, tokens, eligible)
+            self._drafts = self.drafter.propose(ib, tokens, self._verifiable)
         return ModelRunnerOutput(
             req_ids=list(ib.req_ids),
             req_id_to_index=dict(ib.req_id_to_index),
@@ -118,6 +117,9 @@ class StepRunner:
             return None
         drafts, self._drafts = self._drafts, {}
         return DraftTokenIds(list(drafts), list(drafts.values()))
+
+    def _verifiable(self, req_id: str) -> bool:
+        return verifiable(self.batch.requests[req_id].sampling_params)
 
     def _accept(self, req_id: str, bonus: int, result: StepResult) -> list[int]:
         state = self.batch.requests[req_id]

@@ -41,7 +41,7 @@ LINK_FLAGS = ["-fopenmp", "-lmvec"]
 @functools.cache
 def load_op() -> None:
     """Build (once per host ISA and source) and register optimum_neuron_chunked::decode_attention,
-    unless a build of it is registered already (benchmark/decode_op.py registers older sources)."""
+    unless a build of it is registered in this process already."""
     if hasattr(torch.ops.optimum_neuron_chunked, "decode_attention"):
         return
     isa = host_cpu_capability()

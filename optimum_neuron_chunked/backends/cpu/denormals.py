@@ -1,11 +1,11 @@
 """Denormal floats flushed to zero in the threads that call cpu graphs.
 
 x86 computes with denormal operands (magnitudes under 1.2e-38) ~100x slower than with normal
-ones. Softmax weights of long rows land there (exp of scores far below the row's maximum): on
-the bench model a full chunk ending at position 4096 took 649 ms with them and 235 ms flushed
-(docs/performance.md). Flushing changes no value above 1.2e-38. The mode (MXCSR) is per thread, and OpenMP's pool belongs to the thread that starts
-parallel work: each thread that calls graphs sets it once, for itself and its pool
-(denormals.cpp), built on first use like the decode op.
+ones, and softmax weights of long rows land there (exp of scores far below the row's maximum;
+the figure: docs/performance.md). Flushing changes no value above 1.2e-38. The mode (MXCSR) is
+per thread, and OpenMP's pool belongs to the thread that starts parallel work: each thread that
+calls graphs sets it once, for itself and its pool (denormals.cpp), built on first use like the
+decode op.
 """
 
 from __future__ import annotations

@@ -1,72 +1,26 @@
 """The cpu backend's kernel strategy (modeling.kernels.Kernels): how AOTInductor computes the
-shared math faster on a CPU. Each choice was set by measurement: docs/performance.md gives its
-current figure and the command that reproduces it. `KernelChoices()` (every flag off) computes
-exactly the reference; tests turn the flags on one by one against it.
+shared math faster on a CPU. `KernelChoices()` (every flag off) computes exactly the reference;
+tests turn the flags on one by one against it. Each choice's figure and the command that
+reproduces it are in docs/performance.md ("cpu backend kernels"); the choices follow the vector
+ISA of the compiling host (NeuronConfig.cpu_isa).
 
-- sdpa_prefill_from_window / sdpa_decode_from_window: prefill (CP, CE) / decode (TG) graphs
-  whose bucket is at least this many positions compute attention with SDPA, which
-  AOTInductor lowers to a fused CPU kernel that never materialises the [T, W] scores; below
-  it (None: never), the explicit masked softmax with MASK_VALUE (the
-  reference). On the cpu backend SDPA wins for
-  prefill graphs at every bucket; decode graphs (one query row per call) keep the masked
-  softmax, whose setup costs less than the scores SDPA avoids.
-- slot_view: one-row graphs (CP, CE) read their slot id as a scalar and attend over a view
-  of the slot's cache instead of gathering its window (a copy of every layer's K/V window
-  per call); it pays on short chunks at wide windows. Only where the graph compiler keeps a
-  scalar read inside the graph (AOTInductor: an unbacked symbol with bound checks); under XLA
-  it would sync the device, and NxD traces through XLA: the reference gathers.
-- live_window: every graph reads its positions' maximum as a scalar and attends over that
-  many cache positions (CpuCacheRead.live) rather than the whole bucket: a chunk or decode
-  step costs what its live context costs. Same condition as slot_view (a scalar read inside
-  the graph).
-- per_row_live: decode graphs (one row per slot) read each row's slot and position as scalars
-  and attend per row over a view of its slot up to its own position, instead of every slot up
-  to the longest row's: a step reads the sum of the rows' contexts (W2's rows hold 128-2048
-  tokens each). Same condition as slot_view (scalar reads inside the graph); ring layers keep
-  reading whole rings in slot order.
-- expert_selection: a MoE graph of M tokens gathers its selected experts' weights while
-  M * top_k / E < this fraction, else runs every expert densely (the reference: 1.0, NxD's
-  rule, modeling/kernels.py). On CPU the gather copies the weights it selects (and first-touches new pages), so it pays
-  only for small selections: 0.2 sits between the selections where gathering won (1/16, 1/8)
-  and where it lost (1/4).
-- rowwise_linear_rows: linear layers over at most this many rows (decode graphs: one row per
-  slot) compute each output as a dot product, which AOTInductor fuses into one kernel reading
-  each weight row once for all rows (linear.CpuLinear); ATen's GEMM (MKL sgemm) streams a
-  decode step's weights at a fraction of the memory stream (it uses no AVX-512 on AMD CPUs).
-  0: always ATen.
-- onednn_linear: linear layers over more rows (chunks) call oneDNN's matmul
-  (torch.ops.mkldnn._linear_pointwise) on the plain weight instead of ATen's MKL sgemm, which
-  does not use AVX-512 on AMD CPUs. The weight stays the one shared constant (no prepacked
-  copy per graph: AOTInductor's own prepacking needs frozen weights, one copy per graph).
-- onednn_chunk_attention_from_window: one-row prefill graphs (CP, CE) whose bucket is at least
-  this many positions run their causal attention as the custom op
-  chunk_attention.chunk_attention (oneDNN products per query head) instead of SDPA, whose CPU
-  flash kernel runs its products on MKL sgemm. Below it the op's ~60 dispatches a layer cost
-  more than oneDNN saves (break-even near a live width of 1024). Plain causal layers only:
-  sliding windows, rings and sinks keep the choices above. It allocates its score blocks per
-  head, so it pays only with backend.keep_freed_heap. Hosts with AVX-512 only: without
-  it oneDNN's products lose to SDPA at every width.
-- decode_attention_op: decode graphs (one row per slot) run plain causal fp32 layers through the
-  C++ op decode_attention.decode_attention: one call a layer for all rows, each row over its
-  own slot up to its own position (as per_row_live, without the scalar reads), reading every
-  key and value once for the query heads of its group, instead of ATen's bmm with the group's
-  2-4 query heads as its rows; TG graphs also compile without per-row unrolling. Hosts with
-  AVX2 or AVX-512, where it was measured (its AVX2 loops serve both); rings, sliding windows,
-  sinks and other dtypes keep the choices above.
-- paged_decode_op: decode rows of paged exports (--kv-cache-blocks) run plain causal fp32 layers
-  through the same op, reading each row's blocks in place up to its own position, on every ISA:
-  the reference gathers every row's whole bucket window first (a 32-row step took 26x the
-  8-slot step, docs/performance.md). Other paged reads (chunks; decode rows the op does not
-  cover) gather only the blocks holding the live context (live_window), not the bucket's.
-- realize_reused_values: AOTInductor stores every value that more than one operation consumes
-  (inductor config realize_reads_threshold=0) instead of recomputing it inside each consumer.
-  By default it inlines a pointwise producer into its consumers: a decode graph's RMSNorm output
-  feeds q, k and v (gate and up), so each dot-product kernel of layers.CpuLinear recomputed the
-  norm for every weight row it read, and the linears ran compute-bound, not at the memory
-  stream. Chunk graphs gain little: their linears are oneDNN calls, whose inputs are stored.
-
-The choices follow the vector ISA of the host that compiles (an export records it as
-NeuronConfig.cpu_isa).
+- sdpa_*_from_window: attention through SDPA (a fused kernel, no [T, W] scores) from this
+  bucket on; decode graphs keep the masked softmax, whose setup costs less than SDPA saves.
+- slot_view, live_window, per_row_live: read a slot id or positions as scalars inside the graph
+  and attend over a view of the live context instead of gathering the bucket. AOTInductor keeps
+  such reads in the graph (unbacked symbols); XLA would sync the device, so the reference gathers.
+- expert_selection: gather the selected experts only while M * top_k / E is below this (the
+  gather copies weights on CPU; NxD's rule is 1.0).
+- rowwise_linear_rows / onednn_linear: decode-width linears as fused dot products reading each
+  weight row once; wider ones through oneDNN on the plain, shared weight (MKL sgemm uses no
+  AVX-512 on AMD CPUs).
+- onednn_chunk_attention_from_window: one-row prefill graphs of plain causal layers through the
+  oneDNN chunk op (AVX-512 hosts, with keep_freed_heap).
+- decode_attention_op / paged_decode_op: decode rows of plain causal fp32 layers through the C++
+  op, each row over its own slot or blocks up to its own position, every key read once per
+  query group; other paged reads gather only the live blocks.
+- realize_reused_values: store values with several consumers (realize_reads_threshold=0), so a
+  decode graph's RMSNorm is not recomputed inside every dot-product kernel.
 """
 
 from __future__ import annotations
