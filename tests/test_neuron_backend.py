@@ -159,7 +159,7 @@ def nxd_trace_kwargs(module: torch.nn.Module, args: tuple) -> dict[str, torch.Te
 def test_every_config_covers_every_graph_kind():
     specs = [s for config in every_graph_kind().values() for s in graph_specs(config)]
     kinds = {s.kind + "-narrow" * s.narrow for s in specs}
-    assert kinds == {"ce", "cp", "cp-narrow", "tg", "tg-narrow", "mx", "copy"}
+    assert kinds == {"ce", "cp", "cp-narrow", "tg", "tg-narrow", "mx", "vf", "vf-narrow", "copy"}
     counts = {len(example_inputs(s, c)) for c in every_graph_kind().values() for s in graph_specs(c)}
     assert counts == {2, 3, 5, 6, 8}
 

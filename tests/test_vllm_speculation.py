@@ -100,10 +100,11 @@ def test_an_abort_mid_verify_leaves_the_others_exact(slots_export, hf_reference)
     assert engine.free_slots == 2
 
 
-def test_preemption_and_prefix_hits_keep_the_tokens_exact(hf_reference):
+@pytest.mark.parametrize("backend", [pytest.param("eager"), pytest.param("xla", marks=pytest.mark.xla)])
+def test_preemption_and_prefix_hits_keep_the_tokens_exact(backend, hf_reference):
     """Paged: a pool too small for every request preempts and recomputes; a shared prefix is
     read from vLLM's cached blocks."""
-    export_dir = export_with("llama", "eager", **PAGED)
+    export_dir = export_with("llama", backend, **PAGED)
     engine = engine_for(export_dir, num_gpu_blocks_override=9, enable_prefix_caching=True)
     system = repetitive(48, 7)
     prompts = {f"r{i}": torch.cat([system, repetitive(4 + i, 8 + i)]) for i in range(4)}
