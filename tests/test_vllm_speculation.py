@@ -139,3 +139,23 @@ def test_seeded_sampling_with_drafts_is_reproducible(slots_export):
 
     first = sample(1234)
     assert sample(1234) == first and sample(99) != first
+
+
+def test_vllm_serve_with_speculation_equals_transformers(tmp_path, hf_reference):
+    """`vllm serve --speculative-config`: concurrent requests on more than the rows, the
+    tokens transformers' and drafts counted by vLLM; nothing left behind at shutdown."""
+    import json
+
+    from optimum_neuron_chunked.testing.server import Server, concurrent_greedy_tokens
+
+    export_dir = export_with("llama", "eager", **SLOTS)
+    server = Server(export_dir, tmp_path / "serve.log", "--speculative-config", json.dumps(SPEC)).wait_ready()
+    try:
+        prompts = [repetitive(n, 20 + n) for n in (9, 33, 50, 70)]
+        got = concurrent_greedy_tokens(server.url, str(export_dir), [p.tolist() for p in prompts], 16)
+        drafts = server.metrics().get("vllm:spec_decode_num_draft_tokens_total", 0.0)
+    finally:
+        assert server.stop() == [], "processes left behind after SIGTERM"
+    hf = hf_reference("llama")
+    assert got == [hf_greedy(hf, p, 16) for p in prompts]
+    assert drafts > 0
