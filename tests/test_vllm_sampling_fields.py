@@ -74,3 +74,27 @@ def test_greedy_with_min_tokens_and_seed_decode_on_the_host(export_dir, llm):  #
         llm, [prompt(9)], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, seed=3)
     )[0]
     assert seeded.token_ids == plain.token_ids  # greedy: a seed changes nothing, on any path
+
+
+def test_the_grammar_bitmask_row_of_a_request_follows_the_drafts_scheduled_before_it():
+    """The scheduler's bitmask holds a row per token and draft of each structured request (0.32
+    pads an admitted one-token request with -1 drafts): each request is masked by its own first row."""
+    from types import SimpleNamespace
+
+    import numpy as np
+    import torch
+
+    from optimum_neuron_chunked.vllm.sampling import apply_grammar
+
+    allow = {"a": 3, "b": 7}  # the one token each request's first row allows (32-token vocabulary)
+    rows = []
+    for req_id, n_drafts in (("a", 2), ("b", 0)):
+        first = np.zeros(1, dtype=np.int32)
+        first[0] = 1 << allow[req_id]
+        rows += [first] + [np.full(1, -1, dtype=np.int32)] * n_drafts  # draft rows: anything
+    grammar = SimpleNamespace(structured_output_request_ids=["a", "b"], grammar_bitmask=np.stack(rows))
+    logits = torch.zeros(3, 32)
+    apply_grammar(grammar, {"x": 0, "a": 1, "b": 2}, logits, {"a": [-1, -1]})
+    assert logits[0].isfinite().all()  # not a structured request
+    assert [int(logits[i].argmax()) for i in (1, 2)] == [allow["a"], allow["b"]]
+    assert all(int(logits[i].isfinite().sum()) == 1 for i in (1, 2))

@@ -91,7 +91,8 @@ class StepRunner:
         tokens = {r: [t] for r, t in result.device_tokens.items()} | result.verified
         logprobs = None
         if result.host_logits:
-            host, logprobs = host_sample(self.batch, self.sampler, result.host_logits, grammar_output)
+            drafts = so.scheduled_spec_decode_tokens
+            host, logprobs = host_sample(self.batch, self.sampler, result.host_logits, grammar_output, drafts)
             for req_id, token in host.items():
                 tokens[req_id] = (
                     self._accept(req_id, token, result) if req_id in result.to_verify else [token]

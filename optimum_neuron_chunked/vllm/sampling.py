@@ -85,13 +85,14 @@ def device_sampling_inputs(
 
 
 def host_sample(
-    batch: BatchState, sampler: Sampler, logits: dict[str, torch.Tensor], grammar=None
+    batch: BatchState, sampler: Sampler, logits: dict[str, torch.Tensor], grammar=None, drafts=None
 ) -> tuple[dict[str, int], LogprobsLists | None]:
     """Sample the requests in `logits` (req_id -> [V]) with vLLM's sampler.
 
     vLLM's sampling metadata covers the whole InputBatch, so every row is sampled; rows
     without logits this step (partial prefills, on-device rows) are discarded and their
     seeded generators rewound, so a request's random stream only advances when it samples.
+    `drafts`: the step's scheduled drafts by request (the grammar bitmask's layout).
     Returns tokens by request and logprobs rows in InputBatch order.
     """
     ib = batch.input_batch
@@ -100,7 +101,7 @@ def host_sample(
     for req_id, row in logits.items():
         full[ib.req_id_to_index[req_id]] = row[:vocab].float()
     if grammar is not None:
-        apply_grammar(grammar, ib.req_id_to_index, full)
+        apply_grammar(grammar, ib.req_id_to_index, full, drafts or {})
     skipped = [i for i, req_id in enumerate(ib.req_ids) if req_id not in logits]
     states = {i: ib.generators[i].get_state() for i in skipped if i in ib.generators}
     out = sampler(full, ib.sampling_metadata)
@@ -112,17 +113,23 @@ def host_sample(
     return tokens, lists
 
 
-def apply_grammar(grammar, req_id_to_index: dict[str, int], logits: torch.Tensor) -> None:
+def apply_grammar(grammar, req_id_to_index: dict[str, int], logits: torch.Tensor, drafts: dict) -> None:
     """Mask the structured-output requests' rows of `logits` [N, V] (float32, host) to what their
-    grammar allows. `grammar.grammar_bitmask` holds one row per request of
-    `structured_output_request_ids`, in that order (vllm/v1/structured_output, 0.16.0 and 0.32;
-    no speculative tokens here). Our own: vLLM 0.16.0's `apply_grammar_bitmask` pins host memory,
-    which needs a GPU driver."""
+    grammar allows. `grammar.grammar_bitmask` holds, per request of
+    `structured_output_request_ids` in that order, one row for its token and one per draft
+    scheduled (`drafts`; vllm/v1/structured_output/utils.py `apply_grammar_bitmask`, 0.16.0 and
+    0.32). A structured-output request samples its first position only (its drafts, vLLM's
+    placeholders, are never verified): its first row applies. Our own: vLLM 0.16.0's
+    `apply_grammar_bitmask` pins host memory, which needs a GPU driver."""
     import xgrammar as xgr
 
     compact = torch.from_numpy(grammar.grammar_bitmask)
-    rows = [req_id_to_index[r] for r in grammar.structured_output_request_ids]
+    rows, first, at = [], [], 0
+    for req_id in grammar.structured_output_request_ids:
+        rows.append(req_id_to_index[req_id])
+        first.append(at)
+        at += 1 + len(drafts.get(req_id, ()))
     # xgrammar masks logits[i] with bitmask[i] for i in indices: one bitmask row per logits row
     bitmask = torch.full((logits.shape[0], compact.shape[1]), -1, dtype=compact.dtype)
-    bitmask[rows] = compact
+    bitmask[rows] = compact[first]
     xgr.apply_token_bitmask_inplace(logits, bitmask, indices=rows)
