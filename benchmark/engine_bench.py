@@ -22,8 +22,9 @@ Workloads (prefix caching off everywhere; fresh token ids per repeat, seeded):
   W4P W4's prompts with 1 token out: the prefill floor. Decode rows change the decode steps
       only, so no export serves W4 in less wall time than this (the ceiling of a decode gain).
   W5  32 prompts of 64-256 tokens, 128 out, greedy, 8 in flight, on a checkpoint that repeats
-      itself (the bench model with its attention and MLP outputs scaled by 0.05: its next token
-      mostly follows its last, so answers fall into loops, as code edits repeat their input):
+      itself (the bench model with its attention and MLP output projections zeroed: every layer
+      still runs at the same cost, but the next token follows the last one alone, so answers
+      fall into loops, as code edits repeat their input):
       n-gram speculation (K=4) off and on, ours (an export with --speculation-length 4) and
       vLLM's native engine: output tok/s, tokens per decode step a row, draft acceptance.
 Each contender runs in its own process (vLLM picks its platform once per process).
@@ -314,8 +315,8 @@ def median(contenders: dict, name: str, load: str, path: tuple) -> float | None:
 
 
 def repeating_export(ckpt: Path, setup: Setup, work: Path) -> tuple[Path, Path]:
-    """W5's checkpoint (the bench model, attention and MLP outputs x 0.05) and its chunked
-    export with verify graphs of K + 1 tokens, cached under `work` by graph code."""
+    """W5's checkpoint (the bench model, attention and MLP output projections zeroed) and its
+    chunked export with verify graphs of K + 1 tokens, cached under `work` by graph code."""
     import shutil
 
     from safetensors.torch import load_file, save_file
@@ -323,16 +324,16 @@ def repeating_export(ckpt: Path, setup: Setup, work: Path) -> tuple[Path, Path]:
     from optimum_neuron_chunked.export.pipeline import export
     from optimum_neuron_chunked.testing.export_cache import code_key
 
-    repeating = work / "checkpoint-repeating"
+    repeating = work / "checkpoint-repeating-zeroed"
     if not (repeating / "model.safetensors").is_file():
         shutil.copytree(ckpt, repeating, dirs_exist_ok=True)
         weights = load_file(ckpt / "model.safetensors")
         scaled = ("o_proj.weight", "down_proj.weight")
         save_file(
-            {k: v * 0.05 if k.endswith(scaled) else v for k, v in weights.items()},
+            {k: v * 0 if k.endswith(scaled) else v for k, v in weights.items()},
             repeating / "model.safetensors",
         )
-    out = work / f"spec-{setup.batch}x{setup.seq}x{setup.chunk}-k{K}-{setup.backend}-{code_key()}"
+    out = work / f"spec-zeroed-{setup.batch}x{setup.seq}x{setup.chunk}-k{K}-{setup.backend}-{code_key()}"
     if not (out / "neuron_config.json").is_file():
         export(str(repeating), out, batch_size=setup.batch, sequence_length=setup.seq, prefill_chunk_size=setup.chunk,
                backend=setup.backend, context_buckets=setup.buckets, speculation_length=K, overwrite=True)  # fmt: skip

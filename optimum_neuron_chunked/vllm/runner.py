@@ -131,7 +131,7 @@ class StepRunner:
         decodes = result.plan.decodes
         if not decodes:
             return
-        if self.drafter is not None:
+        if any(d.drafts for d in decodes):  # else the TG graph: a step with no drafts costs no more
             self._run_verify(result)
             return
         params = [self.batch.requests[d.req_id].sampling_params for d in decodes]
