@@ -61,3 +61,17 @@ def test_engine_quick_mode_produces_the_report(tmp_path):
         assert w1["long_ttft_s"] > 0 and w1["decode_step_ms_before"] > 0
         assert w2["failed"] == 0 and w2["requests"] == 8
     assert "W2 output tok/s" in (tmp_path / report.name.replace(".json", ".md")).read_text()
+
+
+@pytest.mark.slow
+def test_engine_quick_w5_reports_speculation_off_and_on(tmp_path):
+    from engine_bench import SPEC_CONTENDERS, main
+
+    assert main(["--quick", "--repeats", "1", "--workloads", "w5", "--results", str(tmp_path)]) == 0
+    (report,) = tmp_path.glob("engine-*-quick.json")
+    contenders = json.loads(report.read_text())["contenders"]
+    assert set(contenders) == set(SPEC_CONTENDERS)
+    for name, result in contenders.items():
+        (w5,) = result["w5"]
+        assert w5["failed"] == 0 and w5["tokens_per_step"] >= 1
+        assert (w5["acceptance"] is None) == name.endswith("off")
