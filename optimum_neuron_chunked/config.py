@@ -271,16 +271,16 @@ class NeuronConfig:
 
     def _validate_paged(self) -> None:
         blocks, size = self.kv_cache_blocks, self.kv_block_size
-        if blocks < 0 or size < 0 or (blocks > 0) != (size > 0):
+        if min(blocks, size) < 0 or (blocks > 0) != (size > 0):
             raise NeuronConfigError(
                 f"--kv-cache-blocks ({blocks}) and --kv-block-size ({size}) go together: pass both "
                 "(a pool of N blocks of P positions), or neither (one slot per batch row)."
             )
-        if self.paged and not self.chunked:
+        if blocks and not self.chunked:
             raise NeuronConfigError(
                 "--kv-cache-blocks pages the KV cache of chunked exports only: pass --prefill-chunk-size too."
             )
-        if self.paged and any(bucket % size for bucket in self.context_buckets):
+        if any(bucket % size for bucket in self.context_buckets if size):
             raise NeuronConfigError(
                 f"--kv-block-size {size} must divide every context bucket {list(self.context_buckets)} "
                 f"and --sequence_length {self.sequence_length}: pick a divisor of them."
@@ -296,14 +296,32 @@ class NeuronConfig:
         return self.speculation_length + 1
 
     @property
-    def paged(self) -> bool:
-        """The KV cache is a pool of blocks shared by all requests (graphs take block tables)."""
-        return self.kv_cache_blocks > 0
+    def kv_pool_blocks(self) -> int:
+        """Blocks in the KV pool that every export's cache is: --kv-cache-blocks, else one block
+        per batch row (a slot)."""
+        return self.kv_cache_blocks or self.batch_size
 
     @property
-    def blocks_per_sequence(self) -> int:
-        """Blocks that hold a whole sequence (paged exports)."""
-        return self.sequence_length // self.kv_block_size if self.paged else 0
+    def kv_block_positions(self) -> int:
+        """Positions per KV block, P: --kv-block-size, else a whole sequence (a block is a slot).
+        A layer's block is P positions, or its ring where that is shorter (kv_cache.py)."""
+        return self.kv_block_size or self.sequence_length
+
+    @property
+    def one_block_per_row(self) -> bool:
+        """A block holds a whole sequence: rows read their block in place (no gather), sliding
+        layers keep rings, and prefix caching copies positions between blocks (the copy graph)."""
+        return self.kv_block_positions == self.sequence_length
+
+    def table_columns(self, window: int) -> int:
+        """Columns of the block tables a graph of context bucket `window` takes: ceil(W / P)."""
+        return -(-window // self.kv_block_positions)
+
+    @property
+    def ring_width(self) -> int | None:
+        """The most positions one call writes into a sliding layer's ring (kv_cache.ring_length):
+        the chunk, where blocks hold whole sequences; None: no rings (vLLM's shared blocks know none)."""
+        return self.prefill_width if self.one_block_per_row else None
 
     @property
     def prefill_width(self) -> int | None:

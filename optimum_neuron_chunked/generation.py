@@ -90,7 +90,7 @@ def _generate_tokens(
         return tokens
     params = torch.tensor([row_params] * n)
     runner, config, pool = model.runner, model.neuron_config, model.kv_pool
-    seq_ids = []  # slots, or block ids of paged exports
+    seq_ids = []  # each request's KV blocks
     try:
         for prompt in prompts:
             seq_ids.append(pool.acquire(len(prompt) + max_new_tokens))
@@ -117,7 +117,7 @@ def _generate_tokens(
                 continue
             ids = torch.tensor([tokens[i][-1] for i in live])
             positions = torch.tensor([len(prompts[i]) + len(tokens[i]) - 1 for i in live])
-            rows = block_table(kvs) if config.paged else torch.tensor(kvs)
+            rows = block_table(kvs)
             sampled, _ = runner.decode(
                 ids, positions, rows, params[live], _rand(len(live), generator), need_logits=False
             )
@@ -139,8 +139,7 @@ def _verify_step(runner: GraphRunner, prompts, tokens, kvs, k: int, max_new_toke
     ]
     rows = [torch.tensor([t[-1], *d]) for t, d in zip(tokens, drafts, strict=True)]
     positions = torch.tensor([len(p) + len(t) - 1 for p, t in zip(prompts, tokens, strict=True)])
-    seq_ids = block_table(kvs) if runner.config.paged else torch.tensor(kvs)
-    argmax, _ = runner.verify(rows, positions, seq_ids, need_logits=False)
+    argmax, _ = runner.verify(rows, positions, block_table(kvs), need_logits=False)
     for t, d, row in zip(tokens, drafts, argmax.tolist(), strict=True):
         t.extend(accept_greedy(d, row))
 
@@ -153,8 +152,8 @@ def _cut_at_eos(tokens: list[int], eos_ids: set[int]) -> None:
             return
 
 
-def prefill_prompt(runner: GraphRunner, input_ids: torch.Tensor, seq_id) -> torch.Tensor:
-    """A whole prompt into slot seq_id (or block ids for paged exports), chunk by chunk or
+def prefill_prompt(runner: GraphRunner, input_ids: torch.Tensor, blocks: tuple[int, ...]) -> torch.Tensor:
+    """A whole prompt into KV blocks `blocks`, chunk by chunk or
     through CE, whichever the export has -> logits [V] after its last token."""
     config, n = runner.config, input_ids.shape[0]
     if not 0 < n <= config.sequence_length:
@@ -163,7 +162,7 @@ def prefill_prompt(runner: GraphRunner, input_ids: torch.Tensor, seq_id) -> torc
         )
     chunk = config.prefill_chunk_size or n
     for start in range(0, n, chunk):
-        logits = runner.prefill(input_ids[start : start + chunk], start, seq_id)
+        logits = runner.prefill(input_ids[start : start + chunk], start, blocks)
     return logits
 
 

@@ -1,10 +1,11 @@
 """The runtime side of the graph set: real inputs padded to the graphs' static shapes by the
 one padding rule, in the bucket and width that hold them (graphs.py describes the set).
 
-A request's KV is its slot (an int) or, in a paged export, its block ids (a list, tuple or 1-D
-tensor, at least one block per P positions it writes; longer is fine); several requests' KV
-is a tensor of slots [N] or of block tables [N, M] right-padded with the null block 0. Each
-graph gets the tables cut or padded (with 0) to its bucket's W // P columns."""
+A request's KV address is its pool blocks in position order (a sequence of ints, at least one
+block per P positions it writes; longer is fine): one block, its slot, where a block is a
+whole sequence. Several requests' KV is a tensor of block tables [N, M] (slots.block_table).
+Each graph gets the tables cut or padded by the one rule to its bucket's ceil(W / P) columns
+(modeling/kv_cache.py)."""
 
 from __future__ import annotations
 
@@ -19,8 +20,6 @@ from .config import NeuronConfig
 from .graphs import COPY, INDEX_DTYPE, ce_spec, cp_spec, graph_specs, mx_spec, tg_spec, vf_spec
 from .loaded_export import ExportCapabilities, check_export
 from .modeling.sampler import sample, sampling_params
-
-SlotOrBlocks = int | Sequence[int] | torch.Tensor
 
 
 def pad_repeat_last(x: torch.Tensor, length: int, dim: int) -> torch.Tensor:
@@ -39,12 +38,12 @@ def pad_repeat_last(x: torch.Tensor, length: int, dim: int) -> torch.Tensor:
     return torch.cat([x, last.expand(*[missing if d == dim else -1 for d in range(x.dim())])], dim=dim)
 
 
-def _chunk_inputs(token_ids: torch.Tensor, start: int, kv: torch.Tensor, width: int) -> list[torch.Tensor]:
-    """A prefill chunk's graph inputs: tokens [1, width] at positions start.. [1, width] of
-    `kv` (slot [1] or block table [1, W // P]), padded by the one rule, integers INDEX_DTYPE."""
+def _chunk_inputs(token_ids: torch.Tensor, start: int, table: torch.Tensor, width: int) -> list[torch.Tensor]:
+    """A prefill chunk's graph inputs: tokens [1, width] at positions start.. [1, width] of the
+    request with block table [1, ceil(W / P)], padded by the one rule, integers INDEX_DTYPE."""
     positions = torch.arange(start, start + token_ids.shape[0], dtype=INDEX_DTYPE)
     ids = pad_repeat_last(token_ids.to(INDEX_DTYPE)[None], width, dim=1)
-    return [ids, pad_repeat_last(positions[None], width, dim=1), kv]
+    return [ids, pad_repeat_last(positions[None], width, dim=1), table]
 
 
 class GraphRunner:
@@ -81,10 +80,9 @@ class GraphRunner:
         return cls(config, graphs, hf_config)
 
     def prefill(
-        self, token_ids: torch.Tensor, start: int, seq_id: SlotOrBlocks, every_position: bool = False
+        self, token_ids: torch.Tensor, start: int, blocks: Sequence[int], every_position: bool = False
     ) -> torch.Tensor:
-        """Tokens [T] at positions start.. of slot seq_id (or block ids for paged exports) ->
-        logits [V] after the last one, or [T, V] after every one if `every_position` (exports
+        """Tokens [T] at positions start.. of the request with KV blocks `blocks` -> logits [V] after the last one, or [T, V] after every one if `every_position` (exports
         with prompt_logprobs).
 
         Chunked exports take T <= prefill_chunk_size; standard ones take a whole prompt.
@@ -93,13 +91,13 @@ class GraphRunner:
             raise ValueError(
                 "this export returns the last position's logits only: re-export with --prompt-logprobs"
             )
-        logits = self._prefill(token_ids, start, seq_id)
+        logits = self._prefill(token_ids, start, blocks)
         if every_position:
             return logits[0, : token_ids.shape[0]].clone()
         last = logits[0, token_ids.shape[0] - 1] if self.config.prompt_logprobs else logits[0]
         return last.clone()
 
-    def _prefill(self, token_ids: torch.Tensor, start: int, seq_id: SlotOrBlocks) -> torch.Tensor:
+    def _prefill(self, token_ids: torch.Tensor, start: int, blocks: Sequence[int]) -> torch.Tensor:
         t = token_ids.shape[0]
         end = start + t
         window = self.config.bucket_for(end)
@@ -112,27 +110,28 @@ class GraphRunner:
             spec = cp_spec(self.config, self.config.width_for(t), window)
         else:
             spec = ce_spec(window)
-        kv = self._request_kv(seq_id, window, end)
+        table = self._request_table(blocks, window, end)
         # callers clone what they keep
-        return self.graphs[spec.name](*_chunk_inputs(token_ids, start, kv, spec.width))
+        return self.graphs[spec.name](*_chunk_inputs(token_ids, start, table, spec.width))
 
-    def copy_prefix(self, src_slot: int, dst_slot: int, length: int) -> int:
-        """Copy positions [0, length) of every layer's K/V from one slot to another, in calls of
-        the copy graph's width (the last padded by the one rule). Returns the calls made."""
-        if not self.config.chunked or self.config.paged:
+    def copy_prefix(self, src_block: int, dst_block: int, length: int) -> int:
+        """Copy positions [0, length) of every layer's K/V from one whole-sequence block to
+        another, in calls of the copy graph's width (the last padded by the one rule). Returns
+        the calls made."""
+        if COPY not in self.graphs:
             raise ValueError(
-                "only chunked slot exports have the copy graph (paged exports share blocks instead)"
+                "only chunked exports without --kv-block-size have the copy graph (smaller blocks are shared instead)"
             )
-        if src_slot == dst_slot or length <= 0:
+        if src_block == dst_block or length <= 0:
             return 0
         if length > self.config.sequence_length:
             raise ValueError(f"{length} positions exceed sequence_length {self.config.sequence_length}")
         width = self.config.prefill_chunk_size
-        slots = torch.tensor([src_slot, dst_slot], dtype=INDEX_DTYPE)
+        blocks = torch.tensor([src_block, dst_block], dtype=INDEX_DTYPE)
         calls = 0
         for start in range(0, length, width):
             positions = torch.arange(start, min(start + width, length), dtype=INDEX_DTYPE)
-            self.graphs[COPY](pad_repeat_last(positions[None], width, dim=1), slots)
+            self.graphs[COPY](pad_repeat_last(positions[None], width, dim=1), blocks)
             calls += 1
         return calls
 
@@ -140,17 +139,17 @@ class GraphRunner:
         self,
         token_ids: torch.Tensor,  # [N]
         positions: torch.Tensor,  # [N]
-        seq_ids: torch.Tensor,  # [N] slots, or block tables [N, M] for paged exports
+        tables: torch.Tensor,  # [N, M] block tables
         params: torch.Tensor | None = None,  # [N, 3] (sampling.sampling_params rows); greedy
         rand: torch.Tensor | None = None,  # [N]
         need_logits: bool = True,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """One TG step for N <= batch_size slots (paged: requests) -> (tokens [N], logits [N, V]
-        or None), in the narrowest TG graph that holds N rows.
+        """One TG step for N <= batch_size rows -> (tokens [N], logits [N, V] or None), in the
+        narrowest TG graph that holds N rows.
 
         Logits are fetched from the graph's outputs only if `need_logits` (or if the export
         samples on the host, where the tokens come from them)."""
-        n = len(self._decode_writes(seq_ids, positions))
+        n = len(self._decode_writes(tables, positions))
         if params is None:
             params = torch.tensor([sampling_params(temperature=0.0)] * n)
         if rand is None:
@@ -158,9 +157,13 @@ class GraphRunner:
         spec = tg_spec(
             self.config, self.config.decode_width_for(n), self.config.bucket_for(int(positions.max()) + 1)
         )
-        kv = self._fit_tables(seq_ids, spec.window) if self.config.paged else seq_ids
         rows, sampling, order = self._decode_inputs(
-            spec.batch, token_ids[:, None], positions[:, None], kv, params, rand
+            spec.batch,
+            token_ids[:, None],
+            positions[:, None],
+            self._fit_tables(tables, spec.window),
+            params,
+            rand,
         )
         outputs = self.graphs[spec.name](*rows, *sampling)
         if not self.config.on_device_sampling:
@@ -171,32 +174,36 @@ class GraphRunner:
         self,
         token_ids: torch.Tensor,  # [N]
         positions: torch.Tensor,  # [N]
-        seq_ids: torch.Tensor,  # [N] slots, or block tables [N, M] for paged exports
+        tables: torch.Tensor,  # [N, M] block tables
         params: torch.Tensor,  # [N, 3]
         rand: torch.Tensor,  # [N]
         chunk_ids: torch.Tensor,  # [C]: a full chunk
         chunk_start: int,
-        chunk_seq_id: SlotOrBlocks,  # slot, or block ids for paged exports
+        chunk_blocks: Sequence[int],
         need_logits: bool = True,
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-        """A decode step and a full prefill chunk of another slot in one MX call (mixed_step
+        """A decode step and a full prefill chunk of another request in one MX call (mixed_step
         exports) -> (tokens [N], decode logits [N, V] or None, the chunk's last logits [V])."""
-        decode_writes = self._decode_writes(seq_ids, positions)
+        decode_writes = self._decode_writes(tables, positions)
         c = self.config.prefill_chunk_size
         end = chunk_start + c
-        chunk_writes = self._chunk_writes(chunk_seq_id, chunk_start, end) if self.config.mixed_step else []
+        chunk_writes = self._chunk_writes(chunk_blocks, chunk_start, end)
         if not self.config.mixed_step or chunk_ids.shape[0] != c or set(chunk_writes) & set(decode_writes):
             raise ValueError(
-                f"a mixed step takes decode rows and a full chunk of {c} tokens of another slot "
-                f"(mixed_step exports): got {chunk_ids.shape[0]} tokens in slot {chunk_seq_id}, "
-                f"decoding slots {seq_ids.tolist()}, mixed_step={self.config.mixed_step}"
+                f"a mixed step takes decode rows and a full chunk of {c} tokens writing other blocks "
+                f"(mixed_step exports): got {chunk_ids.shape[0]} tokens in blocks {list(chunk_blocks)}, "
+                f"decoding with block tables {tables.tolist()}, mixed_step={self.config.mixed_step}"
             )
         spec = mx_spec(self.config, self.config.bucket_for(max(int(positions.max()) + 1, end)))
-        kv = self._fit_tables(seq_ids, spec.window) if self.config.paged else seq_ids
         rows, sampling, order = self._decode_inputs(
-            spec.batch, token_ids[:, None], positions[:, None], kv, params, rand
+            spec.batch,
+            token_ids[:, None],
+            positions[:, None],
+            self._fit_tables(tables, spec.window),
+            params,
+            rand,
         )
-        chunk = _chunk_inputs(chunk_ids, chunk_start, self._request_kv(chunk_seq_id, spec.window, end), c)
+        chunk = _chunk_inputs(chunk_ids, chunk_start, self._request_table(chunk_blocks, spec.window, end), c)
         outputs = self.graphs[spec.name](*rows, *chunk, *sampling)
         tokens, logits = self._decode_outputs(outputs[:-1], order, params, rand, need_logits)
         return tokens, logits, outputs[-1].cpu()[0].clone()
@@ -205,7 +212,7 @@ class GraphRunner:
         self,
         token_rows: list[torch.Tensor],  # N rows of [1 + d]: a row's last token, then its d <= K drafts
         positions: torch.Tensor,  # [N]: the position of each row's first token
-        seq_ids: torch.Tensor,  # [N] slots, or block tables [N, M] for paged exports
+        tables: torch.Tensor,  # [N, M] block tables
         need_logits: bool = True,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One VF call (exports with speculation_length K) -> (argmax [N, K + 1], logits
@@ -223,83 +230,65 @@ class GraphRunner:
             for p, r in zip(positions, token_rows, strict=True)
         ]
         pos = torch.stack([pad_repeat_last(s[None], width, dim=1)[0] for s in spans])
-        n = len(self._decode_writes(seq_ids, pos[:, -1]))
+        n = len(self._decode_writes(tables, pos[:, -1]))
         spec = vf_spec(
             self.config, self.config.decode_width_for(n), self.config.bucket_for(int(pos.max()) + 1)
         )
-        kv = self._fit_tables(seq_ids, spec.window) if self.config.paged else seq_ids
-        rows, _, order = self._decode_inputs(spec.batch, ids, pos, kv)
+        rows, _, order = self._decode_inputs(spec.batch, ids, pos, self._fit_tables(tables, spec.window))
         argmax, logits = self.graphs[spec.name](*rows)
         unsort = torch.argsort(order)
         return argmax.cpu()[unsort].long(), logits.cpu()[unsort] if need_logits else None
 
-    def _decode_writes(self, seq_ids: torch.Tensor, positions: torch.Tensor) -> list[int]:
-        """Checked decode rows (1 to batch_size, each writing its own slot or block) -> what each
-        row writes: its slot, or (paged) the block of its position."""
-        n, batch = seq_ids.shape[0], self.config.batch_size
+    def _decode_writes(self, tables: torch.Tensor, positions: torch.Tensor) -> list[int]:
+        """Checked decode rows (1 to batch_size, each writing a block of its own) -> the block
+        each row writes: the one holding its position."""
+        n, batch = tables.shape[0], self.config.batch_size
         if not 0 < n <= batch:
             raise ValueError(f"a decode step takes 1 to {batch} rows, got {n}")
-        if seq_ids.dim() != (2 if self.config.paged else 1):
-            raise ValueError(
-                f"decode rows take slots [N] (paged exports: block tables [N, M]), got {tuple(seq_ids.shape)}"
-            )
-        writes = seq_ids.tolist()
-        if self.config.paged:
-            self._check_tables(seq_ids, positions)
-            column = torch.div(positions.long(), self.config.kv_block_size, rounding_mode="floor")
-            writes = seq_ids.long().gather(1, column[:, None])[:, 0].tolist()
+        self._check_tables(tables, positions)
+        column = torch.div(positions.long(), self.config.kv_block_positions, rounding_mode="floor")
+        writes = tables.long().gather(1, column[:, None])[:, 0].tolist()
         if len(set(writes)) != n:
-            # two rows of one slot would write the same cache row; one would get the other's result
+            # two rows writing one block: one would overwrite the other's positions
             raise ValueError(
-                f"a decode step takes distinct slots (paged: rows writing distinct blocks), got {seq_ids.tolist()}"
+                f"a decode step takes rows writing distinct blocks, got block tables {tables.tolist()}"
             )
         return writes
 
-    def _request_kv(self, seq_id: SlotOrBlocks, window: int, end: int) -> torch.Tensor:
-        """One request's KV input to a graph of bucket `window` writing positions below `end`:
-        its slot [1], or (paged) its block table [1, window // P]."""
-        if not self.config.paged:
-            if isinstance(seq_id, list | tuple):
-                raise ValueError(f"a slot export takes a request's slot, not block ids ({seq_id})")
-            return torch.tensor([seq_id], dtype=INDEX_DTYPE)
-        table = self._block_ids(seq_id)[None]
+    def _request_table(self, blocks: Sequence[int], window: int, end: int) -> torch.Tensor:
+        """One request's block table [1, ceil(window / P)] for a graph writing positions below `end`."""
+        table = self._block_ids(blocks)[None]
         self._check_tables(table, torch.tensor([end - 1]))
         return self._fit_tables(table, window)
 
-    def _chunk_writes(self, seq_id: SlotOrBlocks, start: int, end: int) -> list[int]:
-        """What a chunk at positions start..end-1 writes: its slot, or (paged) its blocks."""
-        if not self.config.paged:
-            return [seq_id]
-        size = self.config.kv_block_size
-        return self._block_ids(seq_id)[start // size : (end - 1) // size + 1].tolist()
+    def _chunk_writes(self, blocks: Sequence[int], start: int, end: int) -> list[int]:
+        """The blocks a chunk at positions start..end-1 writes."""
+        size = self.config.kv_block_positions
+        return self._block_ids(blocks)[start // size : (end - 1) // size + 1].tolist()
 
-    def _block_ids(self, seq_id: SlotOrBlocks) -> torch.Tensor:
-        if isinstance(seq_id, int):
-            raise ValueError(f"a paged export takes a request's block ids, not a slot ({seq_id})")
-        return torch.as_tensor(seq_id).long().reshape(-1)
+    def _block_ids(self, blocks: Sequence[int]) -> torch.Tensor:
+        if not isinstance(blocks, Sequence | torch.Tensor):
+            raise ValueError(f"a request's KV address is its block ids, a sequence of ints (got {blocks!r})")
+        return torch.as_tensor(blocks).long().reshape(-1)
 
     def _check_tables(self, tables: torch.Tensor, last_positions: torch.Tensor) -> None:
-        """Each row [N, M] holds pool blocks (1..kv_cache_blocks, then 0 padding) for every
-        position up to its last: block 0 is never written (modeling/kv_cache.py)."""
-        size, pool = self.config.kv_block_size, self.config.kv_cache_blocks
+        """Each row [N, M] holds pool blocks (0..kv_pool_blocks - 1) for every position up to its last."""
+        size, pool = self.config.kv_block_positions, self.config.kv_pool_blocks
         if tables.dim() != 2 or tables.shape[0] != last_positions.shape[0]:
             raise ValueError(f"block tables are [rows, blocks], got {tuple(tables.shape)}")
-        needed = torch.div(last_positions.long(), size, rounding_mode="floor") + 1
-        in_use = torch.arange(tables.shape[1]) < needed[:, None]
-        out_of_pool = bool(((tables < 0) | (tables > pool)).any())
-        if int(needed.max()) > tables.shape[1] or out_of_pool or bool(((tables == 0) & in_use).any()):
+        needed = int(last_positions.long().max()) // size + 1
+        if needed > tables.shape[1] or bool(((tables < 0) | (tables >= pool)).any()):
             raise ValueError(
-                f"block tables {tables.tolist()} must hold pool blocks 1..{pool} for positions up to "
-                f"{last_positions.tolist()} ({size} positions a block), padded with 0"
+                f"block tables {tables.tolist()} must hold pool blocks 0..{pool - 1} for positions up to "
+                f"{last_positions.tolist()} ({size} positions a block)"
             )
 
     def _fit_tables(self, tables: torch.Tensor, window: int) -> torch.Tensor:
-        """Block tables [N, M] cut or right-padded with block 0 to window // P columns."""
-        columns = window // self.config.kv_block_size
-        tables = tables.to(INDEX_DTYPE)[:, :columns]
-        return torch.nn.functional.pad(tables, (0, columns - tables.shape[1])).contiguous()
+        """Block tables [N, M] cut, or padded by the one rule, to ceil(window / P) columns."""
+        columns = self.config.table_columns(window)
+        return pad_repeat_last(tables.to(INDEX_DTYPE)[:, :columns], columns, dim=1).contiguous()
 
-    def _decode_inputs(self, rows: int, token_ids, positions, seq_ids, params=None, rand=None) -> tuple:
+    def _decode_inputs(self, rows: int, token_ids, positions, tables, params=None, rand=None) -> tuple:
         """Decode rows (token ids and positions [N, T]) as a graph of `rows` rows takes them ->
         (token inputs, sampling inputs, order). Rows go longest context first, so the padding
         (the one rule: repeat the last row) repeats the shortest: where each row reads only its
@@ -307,7 +296,7 @@ class GraphRunner:
         Integers are INDEX_DTYPE; the sampling inputs are there where the graph samples on device."""
         order = torch.argsort(positions[:, -1], descending=True, stable=True)
         tokens = [
-            pad_repeat_last(x[order].to(INDEX_DTYPE), rows, dim=0) for x in (token_ids, positions, seq_ids)
+            pad_repeat_last(x[order].to(INDEX_DTYPE), rows, dim=0) for x in (token_ids, positions, tables)
         ]
         sampling = []
         if params is not None and self.config.on_device_sampling:

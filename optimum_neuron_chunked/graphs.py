@@ -4,18 +4,20 @@
   ce_w{P}  [1, P]  context encoding of a whole prompt (standard exports), P = prompt bucket
   cp_w{W}  [1, C]  one prefill chunk attending over context bucket W (chunked exports)
   cp_w{W}_c{N}  [1, N]  the same for chunks of at most N < C tokens (`prefill_widths`)
-  tg_w{W}  [B, 1]  one decode step for up to B slots attending over context bucket W
+  tg_w{W}  [B, 1]  one decode step for up to B rows attending over context bucket W
   tg_w{W}_r{N}  [N, 1]  the same for steps of at most N < B rows (`decode_widths`)
   mx_w{W}  [B, 1] + [1, C]  a mixed step: decode rows and one full chunk in one call
                    (`mixed_step`): projections and MLP once over B + C rows, attention per part
   vf_w{W}  [B, K+1]  verify: each decode row's last token and up to K drafts (`speculation_length`),
                    padded by repeating the row's last position -> every position's argmax and logits
   vf_w{W}_r{N}  [N, K+1]  the same for steps of at most N < B rows (`decode_widths`)
-  copy     [1, C]  copies C positions' K/V from one slot to another, every layer (chunked
-                   exports: prefix caching puts a cached prefix into a new request's slot)
+  copy     [1, C]  copies C positions' K/V from one block to another, every layer (chunked
+                   exports of whole-sequence blocks: prefix caching puts a cached prefix into a
+                   new request's block; smaller blocks are shared instead)
 
-Paged exports (`kv_cache_blocks`) have the same graphs but copy: where a graph takes slots
-[N], it takes block tables [N, W // P] (row r's position p in block table[r, p // P]).
+Every row of every graph (copy aside) comes with its block table, [N, ceil(W / P)] int32
+(row r's position p in block table[r, p // P], modeling/kv_cache.py): one column where a
+block is a whole sequence (the default: a slot per batch row), W / P with --kv-block-size.
 
 Prefill graphs return the logits of the last real token (host sampling), or of every
 position when the export serves prompt logprobs (`prompt_logprobs`); TG graphs sample
@@ -25,7 +27,7 @@ device until `.cpu()` (the neuron backend runs TG asynchronously): a step sample
 fetches its tokens only, never the [B, V] logits - one TG graph per bucket serves both cases,
 at no extra graph or compile time.
 
-Integer inputs (token ids, positions, slots) are `INDEX_DTYPE` on every backend: the Neuron
+Integer inputs (token ids, positions, block tables) are `INDEX_DTYPE` on every backend: the Neuron
 runtime takes int32, and one input signature for all backends keeps the cpu and eager tests
 on the path Neuron compiles. The decoder widens them once (DecoderModel.hidden_states).
 """
@@ -113,7 +115,7 @@ def graph_specs(config: NeuronConfig) -> list[GraphSpec]:
             specs.append(mx_spec(config, window))
         if config.speculation_length:
             specs += [vf_spec(config, rows, window) for rows in config.decode_widths]
-    if config.chunked and not config.paged:  # paged: prefix caching shares blocks, copies nothing
+    if config.chunked and config.one_block_per_row:  # smaller blocks are shared, never copied
         specs.append(GraphSpec(GraphKind.COPY, 1, config.prefill_chunk_size, 0))
     return specs
 
@@ -126,8 +128,8 @@ class PrefillGraph(nn.Module):
         super().__init__()
         self.model, self.window, self.all_positions = model, window, all_positions
 
-    def forward(self, input_ids, position_ids, seq_ids):
-        hidden = self.model.hidden_states(input_ids, position_ids, seq_ids, self.window)
+    def forward(self, input_ids, position_ids, tables):
+        hidden = self.model.hidden_states(input_ids, position_ids, tables, self.window)
         if self.all_positions:
             return self.model.logits(hidden)
         # Padding repeats the last real position, so the first argmax is the last real token.
@@ -144,11 +146,8 @@ class DecodeGraph(nn.Module):
         self.model, self.window = model, window
         self.on_device_sampling, self.max_topk = on_device_sampling, max_topk
 
-    def forward(self, input_ids, position_ids, seq_ids, sampling_params=None, rand=None):
-        # B rows, one per slot: attention reads the cache in slot order (no gather)
-        hidden = self.model.hidden_states(
-            input_ids, position_ids, seq_ids, self.window, one_row_per_slot=True
-        )
+    def forward(self, input_ids, position_ids, tables, sampling_params=None, rand=None):
+        hidden = self.model.hidden_states(input_ids, position_ids, tables, self.window, decode_rows=True)
         logits = self.model.logits(hidden[:, 0])
         if not self.on_device_sampling:
             return logits
@@ -165,16 +164,14 @@ class VerifyGraph(nn.Module):
         super().__init__()
         self.model, self.window = model, window
 
-    def forward(self, input_ids, position_ids, seq_ids):
-        hidden = self.model.hidden_states(
-            input_ids, position_ids, seq_ids, self.window, one_row_per_slot=True
-        )
+    def forward(self, input_ids, position_ids, tables):
+        hidden = self.model.hidden_states(input_ids, position_ids, tables, self.window, decode_rows=True)
         logits = self.model.logits(hidden)
         return torch.argmax(logits, dim=-1).to(INDEX_DTYPE), logits
 
 
 class MixedGraph(nn.Module):
-    """MX: decode rows [B, 1] and a chunk [1, C] of another slot in one call ->
+    """MX: decode rows [B, 1] and a chunk [1, C] of another request in one call ->
     (sampled tokens [B], decode logits [B, V], chunk logits [1, V]) or the two logits alone
     without ODS. The chunk's logits are its last real token's, as PrefillGraph's."""
 
@@ -187,17 +184,17 @@ class MixedGraph(nn.Module):
         self,
         input_ids,
         position_ids,
-        seq_ids,
+        tables,
         chunk_ids,
         chunk_positions,
-        chunk_seq_ids,
+        chunk_tables,
         sampling_params=None,
         rand=None,
     ):
         decode, chunk = self.model.parts_hidden_states(
             (
-                PartInputs(input_ids, position_ids, seq_ids, one_row_per_slot=True),
-                PartInputs(chunk_ids, chunk_positions, chunk_seq_ids, one_row_per_slot=False),
+                PartInputs(input_ids, position_ids, tables, decode_rows=True),
+                PartInputs(chunk_ids, chunk_positions, chunk_tables, decode_rows=False),
             ),
             self.window,
         )
@@ -210,14 +207,14 @@ class MixedGraph(nn.Module):
 
 
 class CopyGraph(nn.Module):
-    """copy: positions [1, C] of slot seq_ids[0] -> the same positions of slot seq_ids[1]."""
+    """copy: positions [1, C] of block blocks[0] -> the same positions of block blocks[1]."""
 
     def __init__(self, model: DecoderModel):
         super().__init__()
         self.model = model
 
-    def forward(self, position_ids, seq_ids):
-        self.model.copy_positions(position_ids, seq_ids)
+    def forward(self, position_ids, blocks):
+        self.model.copy_positions(position_ids, blocks)
         # an output of its own: graph compilers drop graphs (and runtimes calls) with none
         return position_ids.max(dim=1).values.to(INDEX_DTYPE)
 
@@ -240,11 +237,9 @@ def example_inputs(spec: GraphSpec, config: NeuronConfig) -> tuple[torch.Tensor,
         return torch.arange(spec.width, dtype=INDEX_DTYPE)[None], torch.arange(2, dtype=INDEX_DTYPE)
 
     def rows(n: int, width: int) -> tuple[torch.Tensor, ...]:
-        if config.paged:
-            return _token_inputs(n, width, example_block_tables(config, n, spec.window))
-        return _token_inputs(n, width, torch.arange(n, dtype=INDEX_DTYPE))
+        return _token_inputs(n, width, example_block_tables(config, n, spec.window))
 
-    if spec.kind == GraphKind.MX:  # decode rows in slots 0..B-1, the chunk in slot 0 (shapes only)
+    if spec.kind == GraphKind.MX:  # decode rows and the chunk in blocks of their own (shapes only)
         inputs = rows(spec.batch, 1) + rows(1, spec.width)
     else:
         inputs = rows(spec.batch, spec.width)
@@ -254,13 +249,13 @@ def example_inputs(spec: GraphSpec, config: NeuronConfig) -> tuple[torch.Tensor,
 
 
 def example_block_tables(config: NeuronConfig, rows: int, window: int) -> torch.Tensor:
-    """[rows, window // P] block tables of distinct pool blocks (shapes only), never block 0."""
-    columns = window // config.kv_block_size
-    blocks = torch.arange(rows * columns, dtype=INDEX_DTYPE) % config.kv_cache_blocks + 1
+    """[rows, ceil(window / P)] block tables of distinct pool blocks (shapes only)."""
+    columns = config.table_columns(window)
+    blocks = torch.arange(rows * columns, dtype=INDEX_DTYPE) % config.kv_pool_blocks
     return blocks.view(rows, columns)
 
 
-def _token_inputs(rows: int, width: int, kv: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """(token ids, positions [rows, width], kv: slots [rows] or block tables [rows, W // P])"""
+def _token_inputs(rows: int, width: int, tables: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """(token ids, positions [rows, width], block tables [rows, ceil(W / P)])"""
     positions = torch.arange(width, dtype=INDEX_DTYPE)[None].expand(rows, -1).contiguous()
-    return torch.zeros(rows, width, dtype=INDEX_DTYPE), positions, kv
+    return torch.zeros(rows, width, dtype=INDEX_DTYPE), positions, tables

@@ -21,36 +21,31 @@ from .version import __version__
 
 @dataclass(frozen=True)
 class KVLayout:
-    """One slot of the static KV cache (`[kv_heads, length, head_dim]` per layer, K and V), with
-    the checkpoint's KV heads: tensor parallelism may replicate them on the device.
-
-    Paged exports: a pool of `num_blocks` blocks of `block_size` positions (vLLM's
-    num_gpu_blocks: block 0 is its null block, so kv_cache_blocks + 1); block ids index the
-    pool directly. Slot exports: block_size and num_blocks 0."""
+    """The KV pool (modeling/kv_cache.py): `num_blocks` blocks of `block_size` positions, a
+    layer's block that or its ring where shorter, with the checkpoint's KV heads (tensor
+    parallelism may replicate them on the device). By default a block is a whole sequence,
+    one per batch row."""
 
     num_kv_heads: int  # per layer
     head_dim: int
     dtype: torch.dtype
-    cache_lengths: tuple[int, ...]  # per layer: the positions a slot keeps (modeling/kv_cache.py)
-    block_size: int = 0
-    num_blocks: int = 0
+    cache_lengths: tuple[int, ...]  # per layer: the positions a sequence keeps (modeling/kv_cache.py)
+    block_size: int
+    num_blocks: int
 
     @property
-    def paged(self) -> bool:
-        return self.num_blocks > 0
+    def one_block_per_row(self) -> bool:
+        return self.block_size >= max(self.cache_lengths)
 
     @property
     def bytes_per_block(self) -> int:
-        """K and V of one block, every layer (0 for slot exports)."""
-        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * self.dtype.itemsize
+        """K and V of one block, every layer."""
+        positions = sum(min(self.block_size, n) for n in self.cache_lengths)
+        return 2 * positions * self.num_kv_heads * self.head_dim * self.dtype.itemsize
 
     @property
     def num_layers(self) -> int:
         return len(self.cache_lengths)
-
-    @property
-    def bytes_per_slot(self) -> int:
-        return 2 * sum(self.cache_lengths) * self.num_kv_heads * self.head_dim * self.dtype.itemsize
 
 
 @dataclass(frozen=True)
@@ -68,12 +63,14 @@ class ExportCapabilities:
     def of(cls, config: NeuronConfig, hf_config: PretrainedConfig) -> ExportCapabilities:
         spec = family_spec(hf_config)
         # the decoder's own rule (DecoderModel.cache_lengths), so the two cannot disagree
-        lengths = cache_lengths(
-            spec.sliding_windows, config.sequence_length, config.prefill_width, config.paged
-        )
-        blocks = config.kv_cache_blocks + 1 if config.paged else 0
+        lengths = cache_lengths(spec.sliding_windows, config.sequence_length, config.ring_width)
         kv = KVLayout(
-            spec.num_kv_heads, spec.head_dim, torch_dtype(config), lengths, config.kv_block_size, blocks
+            spec.num_kv_heads,
+            spec.head_dim,
+            torch_dtype(config),
+            lengths,
+            config.kv_block_positions,
+            config.kv_pool_blocks,
         )
         return cls(
             config.sequence_length, kv, config.prompt_logprobs, config.on_device_sampling, config.max_topk
@@ -82,7 +79,8 @@ class ExportCapabilities:
     @property
     def ring_layers(self) -> tuple[int, ...]:
         """Layers whose cache is a ring of the last positions (sliding-window layers of chunked
-        slot exports): there, a finished request's slot no longer holds its whole prompt."""
+        exports of whole-sequence blocks): there, a finished request's block no longer holds its
+        whole prompt."""
         return tuple(i for i, n in enumerate(self.kv.cache_lengths) if n < self.sequence_length)
 
 

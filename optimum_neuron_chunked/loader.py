@@ -12,7 +12,7 @@ from .graph_runner import GraphRunner
 from .hub import resolve_export
 from .loaded_export import ExportCapabilities, check_export
 from .modeling.sampler import sampling_params
-from .slots import BlockPool, SlotPool
+from .slots import BlockPool
 
 __all__ = [
     "ExportCapabilities",
@@ -26,8 +26,7 @@ __all__ = [
 class NeuronModelForCausalLM:
     """One loaded export as transformers users know a model: `from_pretrained`, `generate`,
     `config` (the HF config). Its graphs are called through `runner` (GraphRunner: prefill,
-    decode, decode_with_chunk, copy_prefix), which addresses KV-cache slots or block ids
-    explicitly; `generate` acquires and releases them from `kv_pool` itself."""
+    decode, decode_with_chunk, copy_prefix), which addresses KV blocks explicitly; `generate` acquires and releases them from `kv_pool` itself."""
 
     def __init__(self, runner: GraphRunner, model_dir: Path, generation_config: GenerationConfig):
         self.runner = runner
@@ -35,11 +34,7 @@ class NeuronModelForCausalLM:
         self.config = runner.hf_config  # transformers' name for the HF config
         self.neuron_config = runner.config
         self.generation_config = generation_config
-        config = runner.config
-        paged = config.paged
-        self.kv_pool = (
-            BlockPool(config.kv_cache_blocks, config.kv_block_size) if paged else SlotPool(config.batch_size)
-        )
+        self.kv_pool = BlockPool(runner.config.kv_pool_blocks, runner.config.kv_block_positions)
 
     @classmethod
     def from_pretrained(

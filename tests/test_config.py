@@ -241,7 +241,11 @@ def test_paged_kv_options():
         with pytest.raises(NeuronConfigError, match=message):
             NeuronConfig(**(shapes | fields))
     paged = NeuronConfig(**shapes, kv_cache_blocks=8, kv_block_size=8, mixed_step=True)
-    assert paged.paged and paged.blocks_per_sequence == 8
+    assert (paged.kv_pool_blocks, paged.kv_block_positions, paged.one_block_per_row) == (8, 8, False)
+    assert [paged.table_columns(w) for w in paged.context_buckets] == [4, 8]
+    slots = NeuronConfig(**shapes)  # the pool of one whole-sequence block per batch row
+    assert (slots.kv_pool_blocks, slots.kv_block_positions, slots.one_block_per_row) == (2, 64, True)
+    assert [slots.table_columns(w) for w in slots.context_buckets] == [1, 1]
     assert [s.name for s in graph_specs(paged)] == [
         "cp_w32",
         "tg_w32",

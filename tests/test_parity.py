@@ -30,7 +30,7 @@ def test_prefill_logits_and_greedy_tokens_match_transformers(export_dir, neuron_
     ids = prompt(length)
     with torch.no_grad():
         expected_logits = hf(ids[None]).logits[0, -1]
-    logits = prefill_prompt(neuron_model.runner, ids, 1)
+    logits = prefill_prompt(neuron_model.runner, ids, (1,))
     torch.testing.assert_close(logits, expected_logits, atol=LOGITS_TOLERANCE, rtol=0)
     # logits are peaked enough that greedy does not hinge on rounding
     top2 = expected_logits.topk(2).values
@@ -89,5 +89,5 @@ def test_gemma3_with_only_local_layers_matches_transformers():
     model.load_weights(model.weights_from_hf(hf))
     ids = prompt(50)[None]
     with torch.no_grad():
-        logits = model.logits(model.hidden_states(ids, torch.arange(50)[None], torch.tensor([0]), 64))
+        logits = model.logits(model.hidden_states(ids, torch.arange(50)[None], torch.tensor([[0]]), 64))
         torch.testing.assert_close(logits, hf(ids).logits, atol=LOGITS_TOLERANCE, rtol=0)

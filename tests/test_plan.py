@@ -7,15 +7,15 @@ import pytest
 from optimum_neuron_chunked.vllm.plan import PlanError, ScheduledWork, plan_step
 
 
-def work(req_id, slot, start, n, prompt, known=None, first=100):
-    return ScheduledWork(req_id, slot, start, tuple(range(first, first + n)), prompt, known or prompt)
+def work(req_id, block, start, n, prompt, known=None, first=100):
+    return ScheduledWork(req_id, (block,), start, tuple(range(first, first + n)), prompt, known or prompt)
 
 
 def test_decodes_and_a_partial_chunk():
     plan = plan_step(
         [work("a", 0, 10, 1, prompt=8, known=11), work("b", 1, 0, 20, prompt=50)], chunk_size=32, batch_size=4
     )
-    assert [(d.req_id, d.slot, d.position) for d in plan.decodes] == [("a", 0, 10)]
+    assert [(d.req_id, d.blocks, d.position) for d in plan.decodes] == [("a", (0,), 10)]
     assert [(c.req_id, c.start, len(c.token_ids), c.samples) for c in plan.chunks] == [("b", 0, 20, False)]
     assert plan.sampling_req_ids == ("a",)
     assert plan.order == ("a", "b")
@@ -55,8 +55,8 @@ def test_standard_export_takes_whole_prompts_only():
         plan_step([work("a", 0, 0, 40, prompt=90)], chunk_size=0, batch_size=4)
 
 
-def test_refuses_shared_slots_and_oversized_decode_batches():
-    with pytest.raises(PlanError, match="share a KV-cache slot"):
+def test_refuses_shared_blocks_and_oversized_decode_batches():
+    with pytest.raises(PlanError, match="share KV blocks"):
         plan_step([work("a", 0, 9, 1, 8, 10), work("b", 0, 9, 1, 8, 10)], chunk_size=32, batch_size=4)
     decodes = [work(str(i), i, 9, 1, 8, 10) for i in range(3)]
     with pytest.raises(PlanError, match="batch_size 2"):

@@ -42,10 +42,10 @@ def model_from_spec(
             torch_dtype(config),
             layers,
             functional_cache,
-            prefill_width=config.prefill_chunk_size or None,
+            ring_width=config.ring_width,
             kernels=kernels,
-            kv_blocks=config.kv_cache_blocks,
-            kv_block_size=config.kv_block_size,
+            kv_blocks=config.kv_pool_blocks,
+            kv_block_size=config.kv_block_positions,
         )
 
 

@@ -64,7 +64,7 @@ class Attention(nn.Module):
         """-> (output [1, R, H], the cache written, in place or anew).
 
         The projections run once over all R tokens. Every part writes its K/V before any part
-        reads: parts hold distinct slots, so the order does not change what is read, and a
+        reads: parts write distinct blocks, so the order does not change what is read, and a
         write after a read of the same buffer would make AOTInductor copy the whole cache."""
         q, k, v = self.q_proj(x)[0], self.k_proj(x)[0], self.v_proj(x)[0]
         queries, offset = [], 0
@@ -95,4 +95,4 @@ class Attention(nn.Module):
         if self.use_rope:
             cos_sin = part.rotaries[1] if self.local_rope else part.rotaries[0]
             q, k = apply_rotary(q, *cos_sin), apply_rotary(k, *cos_sin)
-        return q, cache.write(part.seq_ids, part.position_ids, k.transpose(1, 2), v)
+        return q, cache.write(part.tables, part.position_ids, k.transpose(1, 2), v)

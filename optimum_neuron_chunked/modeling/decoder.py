@@ -22,8 +22,8 @@ class PartInputs(NamedTuple):
 
     input_ids: torch.Tensor  # [N, T]
     position_ids: torch.Tensor  # [N, T]
-    seq_ids: torch.Tensor  # [N] slots; paged models: [N, window // P] block tables
-    one_row_per_slot: bool  # decode rows (TG), the graph kind's choice
+    tables: torch.Tensor  # [N, ceil(window / P)] block tables (kv_cache.py)
+    decode_rows: bool  # TG, VF, MX's decode part: the graph kind's choice
 
 
 class DecoderLayer(nn.Module):
@@ -106,21 +106,18 @@ class DecoderBody(nn.Module):
 class DecoderModel(nn.Module):
     """Weights (named as in the HF checkpoint) plus the KV cache buffers.
 
-    KV cache: per layer k/v of shape [batch_size, kv_heads, sequence_length, head_dim]; a
-    request owns one row (its slot, `seq_id`) for its whole life. Under tensor parallelism
-    this is one rank's model: its weight shards and the KV heads it holds.
-
-    `kv_blocks`, `kv_block_size` (paged): per layer k/v of shape [kv_blocks + 1, kv_heads,
-    kv_block_size, head_dim] instead, one pool of blocks (block 0: the null block, see
-    attention.py); graphs take block tables [N, W // P] where they take slots [N]. Every
-    layer keeps every position (no rings).
+    KV cache: per layer a pool of k/v blocks [kv_blocks, kv_heads, block, head_dim], block
+    = min(kv_block_size, the layer's length); graphs address it by block tables [N, ceil(W /
+    P)] (kv_cache.py). By default a block is a whole sequence, one per batch row (a slot).
+    Under tensor parallelism this is one rank's model: its weight shards and the KV heads it
+    holds.
 
     `functional_cache`: graphs write the cache into new tensors and reassign the buffers
     (XLA tracing) instead of updating them in place (torch backends).
 
-    `prefill_width`: the most positions one graph call writes per row (the chunk of a chunked
-    export). Sliding-window layers then keep a ring of window + prefill_width positions where
-    that is shorter than sequence_length (kv_cache.ring_length); None: no rings.
+    `ring_width`: the most positions one graph call writes per row (NeuronConfig.ring_width).
+    Sliding-window layers then keep a ring of window + ring_width positions where that is
+    shorter than sequence_length (kv_cache.ring_length); None: no rings.
 
     `kernels`: how linear layers, attention and experts compute (modeling/kernels.py: the
     reference unless a backend supplies its own, Backend.kernels).
@@ -134,10 +131,10 @@ class DecoderModel(nn.Module):
         dtype: torch.dtype,
         layers=None,
         functional_cache: bool = False,
-        prefill_width: int | None = None,
+        ring_width: int | None = None,
         kernels: Kernels | None = None,
-        kv_blocks: int = 0,
-        kv_block_size: int = 0,
+        kv_blocks: int | None = None,
+        kv_block_size: int | None = None,
     ):
         super().__init__()
         self.kernels = kernels or Kernels()
@@ -145,9 +142,9 @@ class DecoderModel(nn.Module):
         self.spec = spec
         self.layout = ShardLayout.of(spec, layers.tp_degree)
         self.functional_cache = functional_cache
-        self.block_size = kv_block_size if kv_blocks else None
-        paged = self.block_size is not None
-        self.cache_lengths = cache_lengths(spec.sliding_windows, sequence_length, prefill_width, paged)
+        kv_blocks, kv_block_size = kv_blocks or batch_size, kv_block_size or sequence_length
+        self.one_block_per_row = kv_block_size == sequence_length
+        self.cache_lengths = cache_lengths(spec.sliding_windows, sequence_length, ring_width)
         self.rings = tuple(n if n < sequence_length else None for n in self.cache_lengths)
         self.model = DecoderBody(spec, self.layout, layers, self.rings, self.kernels)
         self.lm_head = layers.column(
@@ -158,8 +155,12 @@ class DecoderModel(nn.Module):
         if self.tied:
             self.lm_head.weight = self.model.embed_tokens.weight
         for i, length in enumerate(self.cache_lengths):
-            entries, positions = (kv_blocks + 1, kv_block_size) if self.block_size else (batch_size, length)
-            cache_shape = (entries, self.layout.kv_heads_per_rank, positions, spec.head_dim)
+            cache_shape = (
+                kv_blocks,
+                self.layout.kv_heads_per_rank,
+                min(kv_block_size, length),
+                spec.head_dim,
+            )
             self.register_buffer(f"k_cache_{i}", torch.zeros(cache_shape, dtype=dtype), persistent=False)
             self.register_buffer(f"v_cache_{i}", torch.zeros(cache_shape, dtype=dtype), persistent=False)
         self.to(dtype)
@@ -214,14 +215,14 @@ class DecoderModel(nn.Module):
         self,
         input_ids: torch.Tensor,
         position_ids: torch.Tensor,
-        seq_ids: torch.Tensor,
+        tables: torch.Tensor,
         window: int,
-        one_row_per_slot: bool = False,
+        decode_rows: bool = False,
     ) -> torch.Tensor:
-        """[N, T] tokens at [N, T] positions of slots [N] (paged: block tables [N, window // P])
+        """[N, T] tokens at [N, T] positions of rows with block tables [N, ceil(window / P)]
         -> final-norm hidden states [N, T, H]."""
         (hidden,) = self.parts_hidden_states(
-            (PartInputs(input_ids, position_ids, seq_ids, one_row_per_slot),), window
+            (PartInputs(input_ids, position_ids, tables, decode_rows),), window
         )
         return hidden
 
@@ -235,7 +236,7 @@ class DecoderModel(nn.Module):
         S64 of torch.arange (the head index of the functional cache write).
         """
         parts = [
-            PartInputs(p.input_ids.long(), p.position_ids.long(), p.seq_ids.long(), p.one_row_per_slot)
+            PartInputs(p.input_ids.long(), p.position_ids.long(), p.tables.long(), p.decode_rows)
             for p in parts
         ]
         x = self.model.embed_tokens(torch.cat([p.input_ids.reshape(-1) for p in parts])[None])  # [1, R, H]
@@ -244,9 +245,9 @@ class DecoderModel(nn.Module):
         graph_parts = tuple(
             GraphPart(
                 p.position_ids,
-                p.seq_ids,
-                self.kernels.cache_read(p.position_ids, p.seq_ids, window, p.one_row_per_slot),
-                p.one_row_per_slot,
+                p.tables,
+                self.kernels.cache_read(p.position_ids, p.tables, window, p.decode_rows),
+                p.decode_rows,
                 self.model.rotaries(p.position_ids, x.dtype),
             )
             for p in parts
@@ -265,18 +266,17 @@ class DecoderModel(nn.Module):
     def layer_cache(self, i: int) -> KVCache:
         """Layer i's cache buffers with their addressing (the buffers keep their export names)."""
         k, v = getattr(self, f"k_cache_{i}"), getattr(self, f"v_cache_{i}")
-        return KVCache(k, v, self.rings[i], self.block_size, self.functional_cache)
+        return KVCache(k, v, self.rings[i], self.one_block_per_row, self.functional_cache)
 
-    def copy_positions(self, position_ids: torch.Tensor, seq_ids: torch.Tensor) -> None:
-        """Copy the K/V of `position_ids` [1, T] from slot seq_ids[0] to slot seq_ids[1], every
-        layer (prefix caching: a cached prefix enters a new request's slot). A ring layer holds
-        position p at p % length; a full layer's positions are below its length already.
-        Padding repeats the last position (graph_runner.pad_repeat_last): the same entry copied twice.
-        Paged models share blocks instead (vLLM's prefix caching): they have no copy graph."""
-        if self.block_size:
-            raise ValueError("a paged KV cache has no slots to copy between: prefix caching shares blocks")
-        position_ids, seq_ids = position_ids.long(), seq_ids.long()
-        src, dst = seq_ids[:1], seq_ids[1:]
+    def copy_positions(self, position_ids: torch.Tensor, blocks: torch.Tensor) -> None:
+        """Copy the K/V of `position_ids` [1, T] from block blocks[0] to block blocks[1], every
+        layer (prefix caching of a pool of whole-sequence blocks: a cached prefix enters a new
+        request's block; pools of smaller blocks share them instead and have no copy graph). A
+        ring layer holds position p at p % length; a full layer's positions are below its
+        length already. Padding repeats the last position (graph_runner.pad_repeat_last): the
+        same entry copied twice."""
+        position_ids, blocks = position_ids.long(), blocks.long()
+        src, dst = blocks[:1], blocks[1:]
         for i, length in enumerate(self.cache_lengths):
             index = torch.remainder(position_ids, length)  # [1, T]
             for kv in ("k", "v"):

@@ -1,8 +1,8 @@
 """How a backend computes the shared math: the one interface between the model and a backend's
 tuning, with the types it speaks in. `Kernels` itself is the reference - what eager, XLA and
 Neuron compute, and what every other strategy is tested against: plain linear layers,
-attention as the masked softmax over each row's gathered bucket window (decode rows: over
-views of the cache in slot order), and experts gathered by neuronx-distributed's rule.
+attention as the masked softmax over each row's gathered bucket window (decode rows of a pool
+of whole-sequence blocks: over views of the pool in block order), and experts gathered by neuronx-distributed's rule.
 
 A backend whose compiler can do better subclasses it (backends/cpu/kernels.py) and hands its
 instance to the model (Backend.kernels); the model calls only these methods. Attention reaches
@@ -46,7 +46,7 @@ class CacheRead:
     (Kernels.cache_read).
 
     window: the graph's context bucket (static: a backend may pick its kernel by it).
-    live: positions read from each slot: the window, or fewer where a backend reads the live
+    live: positions read from each row: the window, or fewer where a backend reads the live
       context only (backends/cpu/kernels.py).
     """
 
@@ -57,15 +57,14 @@ class CacheRead:
 @dataclass(frozen=True)
 class GraphPart:
     """Rows of one graph call that attend alike: a prefill chunk ([1, T]) or decode rows
-    ([B, 1], one row per slot). A graph call is one part (CE, CP, TG) or a mixed step's two
+    ([N, T], `decode_rows`). A graph call is one part (CE, CP, TG, VF) or a mixed step's two
     (decode rows, then a chunk): the projections and the MLP run once over every part's
-    tokens, each part attends over its own slots (Attention.forward). A paged model's parts
-    carry block tables where slot models carry slots (the model's construction says which)."""
+    tokens, each part attends over its own blocks (Attention.forward)."""
 
     position_ids: torch.Tensor  # [N, T]
-    seq_ids: torch.Tensor  # [N] slots; paged models: [N, W // P] block tables
+    tables: torch.Tensor  # [N, ceil(W / P)] block tables (kv_cache.py)
     read: CacheRead
-    one_row_per_slot: bool
+    decode_rows: bool  # the graph kind's choice (TG, VF, MX's decode part), never a shape's
     rotaries: tuple  # (cos, sin) of the global rotary, and of the local one or None
 
     @property
@@ -88,7 +87,7 @@ class Kernels:
         return nn.Linear(in_features, out_features, bias=bias)
 
     def cache_read(
-        self, position_ids: torch.Tensor, seq_ids: torch.Tensor, window: int, one_row_per_slot: bool
+        self, position_ids: torch.Tensor, tables: torch.Tensor, window: int, decode_rows: bool
     ) -> CacheRead:
         """What every layer reads of its cache in one call: the whole context bucket."""
         return CacheRead(window, window)
@@ -101,37 +100,29 @@ class Kernels:
         cache: KVCache,
         sinks: torch.Tensor | None,  # [Hq] where spec.sinks
     ) -> torch.Tensor:
-        """One part's queries over its slots (or blocks) -> [N, Hq, T, D]. The reference read:
-        decode rows over views of the cache in slot order, a chunk over its row's gathered
-        window; the masked softmax. A paged cache gathers every row's blocks, decode rows too
-        (a pool has no slot order).
-
-        `part.one_row_per_slot` is the graph kind's choice (TG: N = batch_size rows), never
-        inferred from a shape, so a new graph cannot silently take the other path."""
+        """One part's queries over its blocks -> [N, Hq, T, D]. The reference read: decode rows
+        of a pool of whole-sequence blocks over views of the pool in block order, every other
+        part over its rows' windows (a gather); the masked softmax."""
         _, live = cache.extent(part.read.window, part.read.live)
         core = functools.partial(masked_softmax, spec, sinks)
-        if cache.block_size is not None:
-            keys, values = cache.block_windows(part.seq_ids)
-            key_positions = cache.key_positions(part.position_ids, keys.shape[2])
-            return core(q, keys, values, part.position_ids, key_positions)
-        if part.one_row_per_slot:
-            return attend_in_slot_order(q, cache, part, live, core)
-        keys, values = cache.slot_windows(part.seq_ids, live)
-        key_positions = cache.key_positions(part.position_ids, live)
+        if part.decode_rows and cache.one_block_per_row:
+            return attend_in_pool_order(q, cache, part, live, core)
+        keys, values = cache.windows(part.tables, live)
+        key_positions = cache.key_positions(part.position_ids, keys.shape[2])
         return core(q, keys, values, part.position_ids, key_positions)
 
 
-def attend_in_slot_order(q, cache: KVCache, part: GraphPart, live, core: AttentionCore) -> torch.Tensor:
-    """A step with one row per slot (TG) attends over views of the cache: gathering every
-    row's window would copy the whole live cache each step. Rows are moved to their slots
-    and back; a slot with no row attends to whatever it holds, and the result is dropped.
-    Padded rows repeat a real row, so duplicate seq_ids copy identical values."""
-    seq_ids, position_ids, slots = part.seq_ids, part.position_ids, cache.keys.shape[0]
-    q_slots = q.new_zeros(slots, *q.shape[1:]).index_copy(0, seq_ids, q)
-    pos_slots = position_ids.new_zeros(slots, position_ids.shape[1]).index_copy(0, seq_ids, position_ids)
-    keys, values = cache.every_slot(live)
-    key_positions = cache.key_positions(pos_slots, live)
-    return core(q_slots, keys, values, pos_slots, key_positions).index_select(0, seq_ids)
+def attend_in_pool_order(q, cache: KVCache, part: GraphPart, live, core: AttentionCore) -> torch.Tensor:
+    """Decode rows over a pool of whole-sequence blocks attend over views of the pool:
+    gathering every row's window would copy the whole live cache each step. Rows are moved to
+    their blocks and back; a block with no row attends to whatever it holds, and the result is
+    dropped. Padded rows repeat a real row, so duplicate blocks copy identical values."""
+    rows, position_ids, blocks = part.tables[:, 0], part.position_ids, cache.keys.shape[0]
+    q_pool = q.new_zeros(blocks, *q.shape[1:]).index_copy(0, rows, q)
+    pos_pool = position_ids.new_zeros(blocks, position_ids.shape[1]).index_copy(0, rows, position_ids)
+    keys, values = cache.pool_view(live)
+    key_positions = cache.key_positions(pos_pool, live)
+    return core(q_pool, keys, values, pos_pool, key_positions).index_select(0, rows)
 
 
 def attention_mask(

@@ -1,22 +1,22 @@
 """One layer's static KV cache and the rules that address it (in the spirit of gpt-fast's
 `KVCache.update(input_pos, k, v)`, model.py).
 
-Slot caches are [batch_size, Hkv, length, D]: a request owns one row (its slot) for its whole
-life; position p lives at index p, or at p % length in a ring (sliding layers of chunked
-exports, ring_length). Paged caches are one pool [blocks + 1, Hkv, P, D]: a row's position p
-lives in block table[p // P] at offset p % P.
+Every cache is a pool of blocks [blocks, Hkv, P, D], and every graph addresses it through
+block tables [N, ceil(W / P)]: row r's position p lives in block table[r, p // P] at offset
+p % P. An export without --kv-cache-blocks is the pool whose block is a whole sequence, one
+block per batch row (a slot): its tables have one column, read in place (no gather), and a
+sliding layer's block is a ring of ring_length positions holding position p at p % length.
 
 Padding invariant: a padded token repeats the last real token *and its position*. It computes
 the same K/V as that token (same input, same position, same visible keys), so the
 duplicate-index scatter writes identical values - a true no-op whatever the write order.
 Keys are masked by absolute position (key_pos <= query_pos), so stale entries a previous
-request left in the slot beyond the live context are never read.
+request left beyond the live context are never read.
 
-Block 0 of a pool is vLLM's null block (BlockPool takes block id 0 off its free list as
-`null_block` and never hands it to a request: vllm/v1/core/block_pool.py, 0.32 and 0.16.0) and
-pads block tables; it is never written, since padding repeats real tokens and rows, so it holds
-zeros. Positions it stands for lie past the row's live context: masked, they get probability
-exactly 0, and 0 times its zeros (or any stale finite value) adds nothing.
+Block tables are padded by the same rule: a row's columns past its blocks repeat its last block
+(graph_runner.pad_repeat_last). Those columns stand for positions past the row's live context:
+only read, never written, masked, they get probability exactly 0, and 0 times any finite value
+adds nothing.
 """
 
 from __future__ import annotations
@@ -37,15 +37,11 @@ def ring_length(sliding_window: int | None, sequence_length: int, prefill_width:
 
 
 def cache_lengths(
-    sliding_windows: tuple[int | None, ...],
-    sequence_length: int,
-    prefill_width: int | None,
-    paged: bool = False,
+    sliding_windows: tuple[int | None, ...], sequence_length: int, ring_width: int | None
 ) -> tuple[int, ...]:
-    """Per layer, the cache positions a slot (paged: a sequence) keeps; prefill_width None or a
-    paged cache: no rings, blocks are shared and freed by vLLM, which knows no rings."""
-    width = sequence_length if paged else prefill_width or sequence_length
-    return tuple(ring_length(w, sequence_length, width) for w in sliding_windows)
+    """Per layer, the positions a sequence keeps: rings of window + ring_width where that is
+    shorter (NeuronConfig.ring_width; None: no rings, every layer keeps every position)."""
+    return tuple(ring_length(w, sequence_length, ring_width or sequence_length) for w in sliding_windows)
 
 
 def ring_positions(last_positions: torch.Tensor, length: int) -> torch.Tensor:
@@ -99,33 +95,38 @@ class KVCache:
     """One layer's K and V and how positions address them. `write` returns the cache with a
     part's K/V in it (the same tensors, or new ones under `functional` XLA tracing).
 
-    `rows` of a read or write: slots [N], or a paged cache's block tables [N, W // P]."""
+    `one_block_per_row`: a block holds a row's whole sequence (or ring), so a table has one
+    column and a row's block is read in place; else blocks of P positions are gathered."""
 
-    keys: torch.Tensor  # [B, Hkv, S, D] slots x positions, or [blocks + 1, Hkv, P, D]
+    keys: torch.Tensor  # [blocks, Hkv, P, D]
     values: torch.Tensor  # same shape
     ring: int | None  # cache length of a ring layer (ring_length); None: position-indexed
-    block_size: int | None  # positions per block of a pool; None: slots
+    one_block_per_row: bool
     functional: bool
+
+    @property
+    def block_size(self) -> int:
+        return self.keys.shape[2]
 
     def write(
         self,
-        rows: torch.Tensor,  # [N] slots or [N, M] block tables
+        tables: torch.Tensor,  # [N, M] block tables
         position_ids: torch.Tensor,  # [N, T]
         k: torch.Tensor,  # [N, T, Hkv, D]
         v: torch.Tensor,  # [N, T, Hkv, D]
     ) -> KVCache:
         """The cache with k, v written at each row's positions."""
-        if self.block_size is not None:
-            rows, index = block_positions(rows, position_ids, self.block_size)
-        else:
-            rows = rows[:, None]
+        if self.one_block_per_row:  # the column is static: no gather of the table
+            rows = tables[:, :1]
             index = position_ids if self.ring is None else torch.remainder(position_ids, self.ring)
+        else:
+            rows, index = block_positions(tables, position_ids, self.block_size)
         keys = scatter_cache(self.keys, rows, index, k, self.functional)
         values = scatter_cache(self.values, rows, index, v, self.functional)
         return replace(self, keys=keys, values=values)
 
     def extent(self, window: int, live: int | torch.SymInt) -> tuple[int, int | torch.SymInt]:
-        """(window, live) this layer reads of each slot: a ring layer reads its whole ring."""
+        """(window, live) this layer reads of each row: a ring layer reads its whole ring."""
         return (window, live) if self.ring is None else (self.ring, self.ring)
 
     def key_positions(self, position_ids: torch.Tensor, width: int) -> torch.Tensor:
@@ -135,19 +136,19 @@ class KVCache:
             return torch.arange(width, device=position_ids.device)[None]
         return ring_positions(position_ids[:, -1], self.ring)
 
-    def slot_windows(self, slots: torch.Tensor, live) -> tuple[torch.Tensor, torch.Tensor]:
-        """The first `live` positions of each slot [N]: keys, values [N, Hkv, live, D] (a gather)."""
-        return self.keys[slots, :, :live], self.values[slots, :, :live]
-
-    def slot_view(self, slot, live) -> tuple[torch.Tensor, torch.Tensor]:
-        """The first `live` positions of one slot (a scalar) as views: [1, Hkv, live, D]."""
-        torch._check(slot < self.keys.shape[0])
-        return self.keys[slot, :, :live][None], self.values[slot, :, :live][None]
-
-    def every_slot(self, live) -> tuple[torch.Tensor, torch.Tensor]:
-        """The first `live` positions of every slot, in slot order, as views [B, Hkv, live, D]."""
-        return self.keys[:, :, :live], self.values[:, :, :live]
-
-    def block_windows(self, tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Each row's blocks [N, M] gathered: keys, values [N, Hkv, M * P, D] (a copy)."""
+    def windows(self, tables: torch.Tensor, live) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each row's first positions, keys and values [N, Hkv, R, D] (a copy): its one block
+        cut to `live` positions, or its M blocks gathered (R = M * P)."""
+        if self.one_block_per_row:
+            rows = tables[:, 0]
+            return self.keys[rows, :, :live], self.values[rows, :, :live]
         return gather_blocks(self.keys, tables), gather_blocks(self.values, tables)
+
+    def block_view(self, block, live) -> tuple[torch.Tensor, torch.Tensor]:
+        """The first `live` positions of one block (a scalar) as views: [1, Hkv, live, D]."""
+        torch._check(block < self.keys.shape[0])
+        return self.keys[block, :, :live][None], self.values[block, :, :live][None]
+
+    def pool_view(self, live) -> tuple[torch.Tensor, torch.Tensor]:
+        """The first `live` positions of every block, in pool order, as views [blocks, Hkv, live, D]."""
+        return self.keys[:, :, :live], self.values[:, :, :live]

@@ -24,7 +24,7 @@ from vllm.v1.worker.gpu_input_batch import CachedRequestState, InputBatch
 
 from .compat import input_batch_args
 from .connector import PrefixCopies, is_prefix_cache_connector
-from .kv_blocks import dropped, next_block_ids, paged_address
+from .kv_blocks import dropped, next_block_ids, request_blocks
 from .plan import KVAddress, ScheduledWork
 from .prompt_logprobs import PromptLogprobs
 
@@ -41,21 +41,11 @@ def usable_drafts(drafts) -> list[int]:
     return out
 
 
-def block_of(block_ids: tuple[list[int], ...]) -> int:
-    """The one KV block of a request (one group, one block)."""
-    (blocks,) = block_ids
-    if len(blocks) != 1:
-        raise RuntimeError(
-            f"expected one KV block per request, got {blocks}: check the platform's block_size"
-        )
-    return blocks[0]
-
-
 class BatchState:
     """The running requests (`CachedRequestState`) and vLLM's `InputBatch` over them."""
 
-    def __init__(self, vllm_config: VllmConfig, paged: bool = False):
-        self.paged = paged
+    def __init__(self, vllm_config: VllmConfig, shared_blocks: bool = False):
+        self.shared_blocks = shared_blocks  # vLLM's prefix cache: admitted requests may hit blocks
         mc, sc = vllm_config.model_config, vllm_config.scheduler_config
         block_size = vllm_config.cache_config.block_size
         cpu = torch.device("cpu")
@@ -73,28 +63,32 @@ class BatchState:
             **input_batch_args(block_size),
         )
         self.requests: dict[str, CachedRequestState] = {}
-        # block id -> slot, as the prefix-cache connector assigned them; None: slot = block - 1
-        self.block_slots: dict[int, int] | None = (
+        # vLLM block id -> pool block, as the prefix-copy connector assigned them; None: b - 1
+        self.assigned: dict[int, int] | None = (
             {} if is_prefix_cache_connector(vllm_config.kv_transfer_config) else None
         )
         # Requests whose prompt logprobs are still to come.
         self.prompt_logprobs: dict[str, PromptLogprobs] = {}
 
-    def slot_of(self, block_ids: tuple[list[int], ...]) -> KVAddress:
-        """Where the request's K/V lives: its slot, or (paged exports) its block ids."""
-        if self.paged:
-            return paged_address(block_ids)
-        block = block_of(block_ids)
-        if self.block_slots is None:
+    def address(self, block_ids: tuple[list[int], ...]) -> KVAddress:
+        """The request's pool blocks, in position order (one KV-cache group): vLLM's block b is
+        the pool's block b - 1 (vLLM keeps block 0 as its null block: kv_blocks.py), unless the
+        prefix-copy connector assigned it (slot_assignment.py)."""
+        return tuple(self._pool_block(b) for b in request_blocks(block_ids))
+
+    def _pool_block(self, block: int) -> int:
+        if self.assigned is None:
             return block - 1
-        if block not in self.block_slots:
-            raise RuntimeError(f"block {block} was allocated without a slot from the prefix-cache connector")
-        return self.block_slots[block]
+        if block not in self.assigned:
+            raise RuntimeError(
+                f"block {block} was allocated without a pool block from the prefix-copy connector"
+            )
+        return self.assigned[block]
 
     def update(self, so: SchedulerOutput) -> None:
         """Apply what the scheduler changed since the last step (finished, new, advanced)."""
         if isinstance(so.kv_connector_metadata, PrefixCopies):
-            self.block_slots.update(so.kv_connector_metadata.slots)
+            self.assigned.update(so.kv_connector_metadata.slots)
         batch = self.input_batch
         for req_id in so.finished_req_ids:
             self.requests.pop(req_id, None)
@@ -182,12 +176,12 @@ class BatchState:
             work.append(
                 ScheduledWork(
                     req_id=req_id,
-                    slot=self.slot_of(state.block_ids),
+                    blocks=self.address(state.block_ids),
                     start=start,
                     token_ids=tuple(known[start : start + n]),
                     num_prompt_tokens=state.num_prompt_tokens,
                     num_known_tokens=len(known),
-                    after_earlier_chunks=self.paged and req_id in admitted,
+                    after_earlier_chunks=self.shared_blocks and req_id in admitted,
                     drafts=tuple(usable_drafts(scheduled_drafts)),
                 )
             )

@@ -1,9 +1,9 @@
 """A request's KV blocks as vLLM's scheduler hands them out, and what the graphs take (pure).
 
-Slot exports: one `max_model_len`-token block per request, its slot (batch.py). Paged exports:
-vLLM's KV cache manager allocates the export's blocks of P tokens (block 0 is its null block),
-shares prefix-cached ones between requests and frees them; a request's block ids are its KV
-address. The runner follows vLLM's GPU runner (`GPUModelRunner._update_states`,
+vLLM's KV cache manager allocates the export's blocks of P tokens (one per request where a
+block is a whole sequence), shares prefix-cached ones between requests and frees them. vLLM
+keeps block 0 as its null block (`BlockPool`, vllm/v1/core/block_pool.py, 0.16.0 and 0.32),
+so vLLM's block b is the export's pool block b - 1 (batch.py). The runner follows vLLM's GPU runner (`GPUModelRunner._update_states`,
 vllm/v1/worker/gpu_model_runner.py, same rule in 0.16.0 and 0.32): a running request's
 `new_block_ids` are appended, a request resumed after preemption (`CachedRequestData.
 resumed_req_ids`, vllm/v1/core/sched/output.py, both releases) gets its list replaced.
@@ -31,9 +31,9 @@ def dropped(block_ids: BlockIds) -> BlockIds:
     return tuple([] for _ in block_ids)
 
 
-def paged_address(block_ids: BlockIds) -> tuple[int, ...]:
-    """The block ids of a request of a paged export (one KV-cache group for every layer)."""
+def request_blocks(block_ids: BlockIds) -> list[int]:
+    """A request's vLLM block ids (one KV-cache group for every layer)."""
     (blocks,) = block_ids
     if not blocks:
         raise RuntimeError("a scheduled request holds no KV block: vLLM allocates before scheduling")
-    return tuple(blocks)
+    return blocks

@@ -3,14 +3,14 @@ scheduler settings derived from them. Pure, so every refusal is unit-tested.
 
 Derived settings (each overridable by its usual vLLM flag):
   --max-model-len            sequence_length (the compiled KV-cache length)
-  --max-num-seqs             batch_size (a KV-cache slot, or a paged export's decode row, per request)
+  --max-num-seqs             batch_size (a decode row per request)
   --max-num-batched-tokens   chunked: full_chunk_budget (every slot's decode plus a full chunk,
                              rounded up to whole chunks). Standard: max_model_len + max_num_seqs,
                              so a whole prompt always fits (standard exports cannot split prompts).
   --long-prefill-token-threshold   chunked: prefill_chunk_size, so one request's share of a
                              step stays one chunk if the budget is raised
-The KV cache is presented to vLLM as one group of max_model_len-token blocks, one per slot;
-a paged export's as its pool of P-token blocks (--num-gpu-blocks-override may shrink it).
+The KV cache is presented to vLLM as one group: the export's pool of P-token blocks, P a whole
+sequence by default (--num-gpu-blocks-override may shrink it).
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ class EngineRequest:
     max_num_batched_tokens: int | None
     long_prefill_token_threshold: int  # 0 = unset
     dtype: str
-    num_gpu_blocks_override: int | None = None  # read by paged exports only
+    num_gpu_blocks_override: int | None = None
     speculative_method: str | None = None  # --speculative-config's method (None: no speculation)
     speculative_tokens: int = 0  # its num_speculative_tokens
 
@@ -45,8 +45,8 @@ class ServingLimits:
     max_num_batched_tokens: int
     long_prefill_token_threshold: int
     enable_chunked_prefill: bool
-    block_size: int  # max_model_len (one block per request), or a paged export's P
-    num_blocks: int  # one per slot (or the pool's blocks) + vLLM's null block
+    block_size: int  # the export's P (kv_block_positions)
+    num_blocks: int  # the pool's blocks + vLLM's null block
 
 
 def full_chunk_budget(chunk: int, max_num_seqs: int, tokens_per_decode: int = 1) -> int:
@@ -139,12 +139,10 @@ def serving_limits(config: NeuronConfig, request: EngineRequest) -> ServingLimit
 def kv_blocks(
     config: NeuronConfig, max_model_len: int, max_num_seqs: int, override: int | None
 ) -> tuple[int, int]:
-    """(block_size, num_blocks) of vLLM's one KV-cache group; block 0 is vLLM's null block
-    (vllm/v1/core/block_pool.py, 0.16.0 and 0.32), so num_blocks counts it. Slot exports: one
-    `max_model_len` block per request. Paged exports: the pool, or fewer blocks if asked."""
-    if not config.paged:
-        return max_model_len, max_num_seqs + 1
-    size, pool = config.kv_block_size, config.kv_cache_blocks + 1
+    """(block_size, num_blocks) of vLLM's one KV-cache group: the export's pool (a whole
+    sequence a block by default), or fewer blocks if asked, plus vLLM's null block 0
+    (vllm/v1/core/block_pool.py, 0.16.0 and 0.32), which num_blocks counts."""
+    size, pool = config.kv_block_positions, config.kv_pool_blocks + 1
     blocks = pool if override is None else override
     if not 2 <= blocks <= pool:
         raise ServingConfigError(

@@ -1,4 +1,4 @@
-"""Plan one engine step: which slots decode through TG, which prefill chunks run through CP/CE.
+"""Plan one engine step: which requests decode through TG, which prefill chunks run through CP/CE.
 
 Pure functions over frozen dataclasses, so the scheduler interplay is unit-tested without a
 model. The runner converts vLLM's SchedulerOutput into `ScheduledWork` and executes the plan.
@@ -11,8 +11,8 @@ from dataclasses import dataclass
 
 from .prefix_index import SlotCopy
 
-# Where a request's K/V lives: its slot, or (paged exports) its block ids in position order.
-KVAddress = int | tuple[int, ...]
+# Where a request's K/V lives: its pool blocks in position order (graph_runner.py).
+KVAddress = tuple[int, ...]
 
 
 class PlanError(RuntimeError):
@@ -28,12 +28,12 @@ class ScheduledWork:
     """
 
     req_id: str
-    slot: KVAddress
+    blocks: KVAddress
     start: int
     token_ids: tuple[int, ...]
     num_prompt_tokens: int
     num_known_tokens: int
-    # Paged exports: a request admitted this step may hit blocks that vLLM cached when it
+    # With vLLM's prefix cache: a request admitted this step may hit blocks that vLLM cached when it
     # allocated them to chunks scheduled before it (KVCacheManager.allocate_slots, vllm/v1/core/
     # kv_cache_manager.py, 0.16.0 and 0.32): it runs as a chunk, in order, never in the TG call
     # that runs ahead of the step's chunks.
@@ -61,7 +61,7 @@ class ScheduledWork:
 @dataclass(frozen=True)
 class DecodeRow:
     req_id: str
-    slot: KVAddress
+    blocks: KVAddress
     token_id: int
     position: int
     drafts: tuple[int, ...] = ()  # verified after token_id, at position + 1, ... (a VF call)
@@ -72,7 +72,7 @@ class PrefillChunk:
     """A graph call's worth of prompt: at most C tokens (chunked) or a whole prompt (standard)."""
 
     req_id: str
-    slot: KVAddress
+    blocks: KVAddress
     start: int
     token_ids: tuple[int, ...]
     samples: bool  # the last chunk of the request's prefill: its logits are sampled
@@ -83,7 +83,7 @@ class StepPlan:
     decodes: tuple[DecodeRow, ...]
     chunks: tuple[PrefillChunk, ...]
     order: tuple[str, ...]  # every scheduled request, in the scheduler's order
-    copies: tuple[SlotCopy, ...] = ()  # cached prefixes into new requests' slots, run first
+    copies: tuple[SlotCopy, ...] = ()  # cached prefixes into new requests' blocks, run first
     fused: int | None = None  # index of the chunk that runs with the decodes in one MX call
 
     @property
@@ -109,13 +109,13 @@ def plan_step(
         if not w.token_ids:
             raise PlanError(f"request {w.req_id} was scheduled with no tokens")
         if w.is_decode:
-            decodes.append(DecodeRow(w.req_id, w.slot, w.token_ids[0], w.start, w.drafts))
+            decodes.append(DecodeRow(w.req_id, w.blocks, w.token_ids[0], w.start, w.drafts))
         else:
             chunks.extend(_split_prefill(w, chunk_size))
     if len(decodes) > batch_size:
         raise PlanError(f"{len(decodes)} decodes in one step exceed the compiled batch_size {batch_size}")
-    if len({w.slot for w in work}) != len(work):
-        raise PlanError(f"two requests share a KV-cache slot: {[(w.req_id, w.slot) for w in work]}")
+    if len({w.blocks for w in work}) != len(work):
+        raise PlanError(f"two requests share KV blocks: {[(w.req_id, w.blocks) for w in work]}")
     _check_copies(copies, work)
     return StepPlan(tuple(decodes), tuple(chunks), tuple(w.req_id for w in work), tuple(copies))
 
@@ -134,7 +134,7 @@ def fuse_chunk(
     its narrower CP graph, fewer decodes their narrower TG graph. A request in `apart` (prompt
     logprobs: every position's logits, which MX does not return) keeps CP.
 
-    `in_order` (paged exports): a chunk may read blocks that an earlier chunk of the step
+    `in_order` (vLLM's prefix cache on): a chunk may read blocks that an earlier chunk of the step
     writes - vLLM caches a block for prefix hits when it allocates it for a scheduled chunk
     (`KVCacheManager.allocate_slots`, vllm/v1/core/kv_cache_manager.py, 0.16.0 and 0.32) - so
     only the first chunk may run ahead of the others, with the decodes."""
@@ -149,12 +149,12 @@ def fuse_chunk(
 
 def _check_copies(copies: tuple[SlotCopy, ...], work: list[ScheduledWork]) -> None:
     """A copy fills a request admitted this step with its prefix: its prefill starts right after."""
-    starts = {w.slot: w.start for w in work}
+    starts = {w.blocks: w.start for w in work}
     for c in copies:
-        if starts.get(c.target) != c.length:
+        if starts.get((c.target,)) != c.length:
             raise PlanError(
-                f"prefix copy of {c.length} tokens into slot {c.target}, but that slot's work starts at "
-                f"{starts.get(c.target)}"
+                f"prefix copy of {c.length} tokens into block {c.target}, but that block's work starts at "
+                f"{starts.get((c.target,))}"
             )
 
 
@@ -166,12 +166,12 @@ def _split_prefill(w: ScheduledWork, chunk_size: int) -> list[PrefillChunk]:
                 f"positions {w.start}..{w.end} of {w.num_known_tokens}; serve a chunked export for "
                 "chunked prefill."
             )
-        return [PrefillChunk(w.req_id, w.slot, 0, w.token_ids, True)]
+        return [PrefillChunk(w.req_id, w.blocks, 0, w.token_ids, True)]
     pieces = []
     for offset in range(0, len(w.token_ids), chunk_size):
         ids = w.token_ids[offset : offset + chunk_size]
         last = offset + len(ids) == len(w.token_ids)
-        pieces.append(PrefillChunk(w.req_id, w.slot, w.start + offset, ids, last and w.samples))
+        pieces.append(PrefillChunk(w.req_id, w.blocks, w.start + offset, ids, last and w.samples))
     return pieces
 
 

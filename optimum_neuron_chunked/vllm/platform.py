@@ -258,7 +258,7 @@ def _set_prefix_caching(vllm_config, export: NeuronConfig) -> str:
 
     cache = vllm_config.cache_config
     ours = is_platform_connector(vllm_config.kv_transfer_config)
-    if ExportCapabilities.of(export, vllm_config.model_config.hf_config).kv.paged:
+    if not ExportCapabilities.of(export, vllm_config.model_config.hf_config).kv.one_block_per_row:
         if not cache.enable_prefix_caching:
             if ours:
                 vllm_config.kv_transfer_config = None
@@ -307,6 +307,5 @@ def prefix_caching_unsupported(export: NeuronConfig, hf_config) -> str | None:
 
 def _describe(config: NeuronConfig) -> str:
     kind = f"chunked C={config.prefill_chunk_size}" if config.chunked else "standard"
-    if config.paged:
-        kind += f", paged KV {config.kv_cache_blocks} blocks of {config.kv_block_size}"
-    return f"{kind}, B={config.batch_size}, S={config.sequence_length}, backend={config.backend}"
+    kv = f"KV {config.kv_pool_blocks} blocks of {config.kv_block_positions}"
+    return f"{kind}, B={config.batch_size}, S={config.sequence_length}, {kv}, backend={config.backend}"

@@ -20,7 +20,7 @@ from ..slots import block_table
 from .batch import BatchState
 from .compat import host_sampler
 from .connector import PrefixCopies
-from .plan import PrefillChunk, StepPlan, describe, fuse_chunk, plan_step
+from .plan import StepPlan, describe, fuse_chunk, plan_step
 from .prompt_logprobs import add_chunk
 from .sampling import device_sampling_inputs, host_sample, on_device_eligible
 from .speculation import Drafter, accept_random, is_greedy, verifiable
@@ -47,8 +47,9 @@ class StepRunner:
         self.graph_runner = graph_runner  # the export's engine: one method per graph operation
         self.config = graph_runner.config
         self.capabilities = graph_runner.capabilities
-        self.paged = self.capabilities.kv.paged
-        self.batch = BatchState(vllm_config, paged=self.paged)
+        # vLLM's prefix cache shares blocks between requests (platform.configure_prefix_caching)
+        self.shared_blocks = vllm_config.cache_config.enable_prefix_caching
+        self.batch = BatchState(vllm_config, self.shared_blocks)
         self.logprobs_mode = vllm_config.model_config.logprobs_mode
         self.sampler = host_sampler(self.logprobs_mode)
         self.vocab_size = vllm_config.model_config.get_vocab_size()
@@ -73,12 +74,16 @@ class StepRunner:
         if self.config.mixed_step:
             apart = frozenset(self.batch.prompt_logprobs)
             plan = fuse_chunk(
-                plan, self.config.prefill_chunk_size, self.config.decode_widths, apart, in_order=self.paged
+                plan,
+                self.config.prefill_chunk_size,
+                self.config.decode_widths,
+                apart,
+                in_order=self.shared_blocks,
             )
         self.last_plan = plan
         logger.debug("step: %s", describe(plan))
         result = StepResult(plan)
-        for c in plan.copies:  # before any graph of the step writes a slot
+        for c in plan.copies:  # before any graph of the step writes their blocks
             self.graph_runner.copy_prefix(c.source, c.target, c.length)
         self._run_decodes(result)
         self._run_chunks(result)
@@ -141,13 +146,12 @@ class StepRunner:
         )
         sampling, rand = device_sampling_inputs(params, self.rng)
         rows = [torch.tensor([getattr(d, f) for d in decodes]) for f in ("token_id", "position")]
-        slots = [d.slot for d in decodes]
-        rows.append(block_table(slots) if self.paged else torch.tensor(slots))
+        rows.append(block_table([d.blocks for d in decodes]))
         if result.plan.fused is None:
             tokens, logits = self.graph_runner.decode(*rows, sampling, rand, need_logits=not on_device)
         else:
             chunk = result.plan.chunks[result.plan.fused]
-            chunk_args = (torch.tensor(chunk.token_ids), chunk.start, self._kv(chunk))
+            chunk_args = (torch.tensor(chunk.token_ids), chunk.start, chunk.blocks)
             tokens, logits, chunk_logits = self.graph_runner.decode_with_chunk(
                 *rows, sampling, rand, *chunk_args, not on_device
             )
@@ -168,9 +172,8 @@ class StepRunner:
         greedy = [is_greedy(p) and verifiable(p) for p in params]
         rows = [torch.tensor([d.token_id, *d.drafts]) for d in decodes]
         positions = torch.tensor([d.position for d in decodes])
-        slots = [d.slot for d in decodes]
-        kv = block_table(slots) if self.paged else torch.tensor(slots)
-        argmax, logits = self.graph_runner.verify(rows, positions, kv, need_logits=not all(greedy))
+        tables = block_table([d.blocks for d in decodes])
+        argmax, logits = self.graph_runner.verify(rows, positions, tables, need_logits=not all(greedy))
         for i, (d, p) in enumerate(zip(decodes, params, strict=True)):
             if greedy[i]:
                 result.verified[d.req_id] = accept_greedy(list(d.drafts), argmax[i].tolist())
@@ -185,9 +188,9 @@ class StepRunner:
             tokens = torch.tensor(chunk.token_ids)
             wanted = self.batch.prompt_logprobs.get(chunk.req_id)
             if wanted is None:
-                logits = self.graph_runner.prefill(tokens, chunk.start, self._kv(chunk))
+                logits = self.graph_runner.prefill(tokens, chunk.start, chunk.blocks)
             else:
-                rows = self.graph_runner.prefill(tokens, chunk.start, self._kv(chunk), every_position=True)
+                rows = self.graph_runner.prefill(tokens, chunk.start, chunk.blocks, every_position=True)
                 logits = rows[-1]
                 prompt = self.batch.requests[chunk.req_id].prompt_token_ids
                 done, tensors = add_chunk(wanted, prompt, chunk.start, rows, self.sampler, self.logprobs_mode)
@@ -196,7 +199,3 @@ class StepRunner:
                     del self.batch.prompt_logprobs[chunk.req_id]
             if chunk.samples:
                 result.host_logits[chunk.req_id] = logits
-
-    def _kv(self, chunk: PrefillChunk) -> int | list[int]:
-        """A prefill call's `seq_id`: the slot, or (paged exports) the request's block ids."""
-        return list(chunk.slot) if self.paged else chunk.slot

@@ -42,12 +42,12 @@ class NeuronChunkedWorker(WorkerBase):
         graph_runner = GraphRunner.load(resolve_export(mc.model, mc.revision))
         self.runner = StepRunner(graph_runner, self.vllm_config)
         kv = graph_runner.capabilities.kv
-        unit, size = ("block", kv.bytes_per_block) if kv.paged else ("slot", kv.bytes_per_slot)
         logger.info(
-            "loaded %s; KV cache %.3f MiB a %s; torch threads: %d",
+            "loaded %s; KV cache %d blocks of %d positions, %.3f MiB a block; torch threads: %d",
             self.model_config.model,
-            size / 2**20,
-            unit,
+            kv.num_blocks,
+            kv.block_size,
+            kv.bytes_per_block / 2**20,
             torch.get_num_threads(),
         )
 
@@ -57,8 +57,8 @@ class NeuronChunkedWorker(WorkerBase):
     def get_kv_cache_spec(self) -> dict[str, KVCacheSpec]:
         # vLLM accounts the static cache as one layer of every layer's KV heads: its block
         # count is fixed by the platform, so only the page size matters (determine_available_memory).
-        # Paged exports too: one group of P-token blocks, full attention for every layer (their
-        # sliding-window layers keep every position), so vLLM's block table is the export's.
+        # One group of P-token blocks, full attention for every layer (sliding-window layers keep
+        # every position, or a ring in a whole-sequence block), so vLLM's block table is the export's.
         kv = self.runner.capabilities.kv
         spec = FullAttentionSpec(
             block_size=self.cache_config.block_size,
@@ -78,20 +78,13 @@ class NeuronChunkedWorker(WorkerBase):
         return spec.page_size_bytes * self.cache_config.num_gpu_blocks_override
 
     def initialize_from_config(self, kv_cache_config: KVCacheConfig) -> None:
-        # Nothing to allocate: the export owns its cache (slots or block pool).
-        kv = self.runner.capabilities.kv
-        if kv.paged:
-            if kv_cache_config.num_blocks > kv.num_blocks:
-                raise RuntimeError(
-                    f"vLLM sized the KV cache at {kv_cache_config.num_blocks} blocks, the export's "
-                    f"pool has {kv.num_blocks} (with vLLM's null block)"
-                )
-            return
-        slots = kv_cache_config.num_blocks - 1
-        if slots > self.runner.config.batch_size:
+        # Nothing to allocate: the export owns its pool; vLLM's block b is its block b - 1
+        # (vLLM keeps block 0 as its null block: kv_blocks.py).
+        pool = self.runner.capabilities.kv.num_blocks
+        if kv_cache_config.num_blocks > pool + 1:
             raise RuntimeError(
-                f"vLLM sized the KV cache for {slots} requests, the export has "
-                f"{self.runner.config.batch_size} slots"
+                f"vLLM sized the KV cache at {kv_cache_config.num_blocks} blocks, the export's "
+                f"pool has {pool} (plus vLLM's null block)"
             )
 
     def initialize_cache(self, num_gpu_blocks: int, num_cpu_blocks: int) -> None:

@@ -1,8 +1,8 @@
 """The cpu backend's attention paths (kernels.KernelChoices): where they differ from the
 reference (modeling/kernels.py) is only in what they read and which core computes - views of
-a slot (or a row's blocks) up to its live length instead of gathered bucket windows, and SDPA
-or a custom op instead of the masked softmax. Each falls back to the reference's pieces where
-it does not apply (rings, sliding windows, sinks, other dtypes)."""
+a block (or a row's live blocks) up to its live length instead of gathered bucket windows, and
+SDPA or a custom op instead of the masked softmax. Each falls back to the reference's pieces
+where it does not apply (rings, sliding windows, sinks, other dtypes)."""
 
 from __future__ import annotations
 
@@ -11,52 +11,39 @@ import functools
 import torch
 from torch import nn
 
-from ...modeling.kernels import AttentionSpec, GraphPart, attend_in_slot_order, attention_mask, masked_softmax
+from ...modeling.kernels import AttentionSpec, GraphPart, attend_in_pool_order, attention_mask, masked_softmax
 from ...modeling.kv_cache import KVCache
 from .chunk_attention import chunk_attention
 from .decode_attention import decode_attention
 
 
-def attend(choices, spec: AttentionSpec, part: GraphPart, q, cache: KVCache, sinks) -> torch.Tensor:
-    """One part's queries [N, Hq, T, D] over its slots -> [N, Hq, T, D] (Kernels.attend)."""
-    if _op_decodes(choices.decode_attention_op, spec, part, q):
+def attend(choices, decode_op: bool, spec: AttentionSpec, part: GraphPart, q, cache: KVCache, sinks):
+    """One part's queries [N, Hq, T, D] over its blocks -> [N, Hq, T, D] (Kernels.attend)."""
+    if decode_op and part.decode_rows and part.position_ids.shape[1] == 1 and _plain_fp32(spec, q):
         return _decode_op(spec, part, q, cache)
-    position_ids, read = part.position_ids, part.read
+    read = part.read
     live = cache.extent(read.window, read.live)[1]
-    if part.one_row_per_slot:
-        core = _core(choices, spec, part, cache, sinks)
-        if read.rows is not None and cache.ring is None:
-            return _attend_per_row(q, cache, position_ids, read.rows, core)
-        return attend_in_slot_order(q, cache, part, live, core)
-    if read.slot is not None:  # a graph of one row reads its slot (CpuCacheRead.slot) as a view
-        keys, values = cache.slot_view(read.slot, live)
-    else:
-        keys, values = cache.slot_windows(part.seq_ids, live)
+    if cache.one_block_per_row:
+        if part.decode_rows:
+            core = _core(choices, spec, part, cache, sinks)
+            if read.rows is not None and cache.ring is None:
+                return _attend_per_row(q, cache, part.position_ids, read.rows, core)
+            return attend_in_pool_order(q, cache, part, live, core)
+        if read.block is not None:  # a graph of one row reads its block (CpuCacheRead.block) as a view
+            keys, values = cache.block_view(read.block, live)
+        else:
+            keys, values = cache.windows(part.tables, live)
+    else:  # the blocks holding the live context (read.live: every row's, with live_window)
+        blocks = (read.live + cache.block_size - 1) // cache.block_size
+        torch._check(blocks <= part.tables.shape[1])
+        keys, values = cache.windows(part.tables[:, :blocks], live)
     return _attend_windows(choices, spec, part, q, cache, sinks, keys, values)
-
-
-def attend_paged(choices, spec: AttentionSpec, part: GraphPart, q, cache: KVCache, sinks) -> torch.Tensor:
-    """Kernels.attend of a paged model (part.seq_ids: block tables [N, W / P]): decode rows
-    through the decode op, reading blocks in place; other reads gather the blocks holding the
-    live context (read.live positions: every row's with live_window), not the bucket's."""
-    if _op_decodes(choices.paged_decode_op, spec, part, q):
-        return _decode_op(spec, part, q, cache)
-    blocks = (part.read.live + cache.block_size - 1) // cache.block_size
-    torch._check(blocks <= part.seq_ids.shape[1])
-    keys, values = cache.block_windows(part.seq_ids[:, :blocks])
-    return _attend_windows(choices, spec, part, q, cache, sinks, keys, values)
-
-
-def _op_decodes(chosen: bool, spec: AttentionSpec, part: GraphPart, q: torch.Tensor) -> bool:
-    """Whether the C++ decode op computes this part: one token per row (its slot or its block
-    table in part.seq_ids), in a plain causal fp32 layer, where the choice turns it on."""
-    return chosen and part.one_row_per_slot and part.position_ids.shape[1] == 1 and _plain_fp32(spec, q)
 
 
 def _decode_op(spec: AttentionSpec, part: GraphPart, q, cache: KVCache) -> torch.Tensor:
     """Each row over its positions 0..its own, read in place: [N, Hq, 1, D]."""
     lengths = part.position_ids[:, 0] + 1
-    out = decode_attention(q[:, :, 0], cache.keys, cache.values, part.seq_ids, lengths, spec.scale)
+    out = decode_attention(q[:, :, 0], cache.keys, cache.values, part.tables, lengths, spec.scale)
     return out[:, :, None]
 
 
@@ -69,7 +56,7 @@ def _core(choices, spec: AttentionSpec, part: GraphPart, cache: KVCache, sinks):
     """SDPA from the choice's window on (none for gpt-oss: its sinks join the softmax, where
     SDPA has no place for them), else the reference's masked softmax."""
     window = cache.extent(part.read.window, part.read.live)[0]
-    sdpa_from = choices.sdpa_decode_from_window if part.one_row_per_slot else choices.sdpa_prefill_from_window
+    sdpa_from = choices.sdpa_decode_from_window if part.decode_rows else choices.sdpa_prefill_from_window
     use_sdpa = not spec.sinks and sdpa_from is not None and window >= sdpa_from
     return _sdpa(spec) if use_sdpa else functools.partial(masked_softmax, spec, sinks)
 
@@ -80,7 +67,7 @@ def _attend_windows(choices, spec: AttentionSpec, part: GraphPart, q, cache: KVC
     the part's core."""
     position_ids, window = part.position_ids, cache.extent(part.read.window, part.read.live)[0]
     onednn_from = choices.onednn_chunk_attention_from_window if spec.plain_causal else None
-    if not part.one_row_per_slot and onednn_from is not None and window >= onednn_from and q.shape[0] == 1:
+    if not part.decode_rows and onednn_from is not None and window >= onednn_from and q.shape[0] == 1:
         return chunk_attention(q[0], keys[0], values[0], position_ids[0], spec.scale)[None]
     core = _core(choices, spec, part, cache, sinks)
     return core(q, keys, values, position_ids, cache.key_positions(position_ids, keys.shape[2]))
@@ -101,12 +88,12 @@ def _sdpa(spec: AttentionSpec):
 
 
 def _attend_per_row(q, cache: KVCache, position_ids, rows, core) -> torch.Tensor:
-    """A step with one row per slot (TG) where each row reads its own slot and live length
+    """Decode rows where each row reads its own block and live length
     (CpuCacheRead.rows): the step reads the sum of the rows' contexts, not rows x the longest.
     Padded rows repeat a real row: the same result, computed twice."""
     outs = []
-    for i, (slot, live) in enumerate(rows):
-        keys, values = cache.slot_view(slot, live)
+    for i, (block, live) in enumerate(rows):
+        keys, values = cache.block_view(block, live)
         row_positions = position_ids[i : i + 1]
         key_positions = cache.key_positions(row_positions, live)
         outs.append(core(q[i : i + 1], keys, values, row_positions, key_positions))

@@ -86,7 +86,7 @@ class CpuBackend(Backend):
         return empty_but_inlined(decoder, out_dir / WEIGHTS_NAME)
 
     def kernels(self, config: NeuronConfig) -> CpuKernels:
-        return CpuKernels(kernel_choices(config.cpu_isa or None), paged=config.paged)
+        return CpuKernels(kernel_choices(config.cpu_isa or None), config.one_block_per_row)
 
     def graph_files(self, specs: list[GraphSpec]) -> list[str]:
         return [f"{GRAPHS_DIR}/{spec.name}.pt2" for spec in specs]

@@ -6,8 +6,9 @@ ISA of the compiling host (NeuronConfig.cpu_isa).
 
 - sdpa_*_from_window: attention through SDPA (a fused kernel, no [T, W] scores) from this
   bucket on; decode graphs keep the masked softmax, whose setup costs less than SDPA saves.
-- slot_view, live_window, per_row_live: read a slot id or positions as scalars inside the graph
-  and attend over a view of the live context instead of gathering the bucket. AOTInductor keeps
+- slot_view, live_window, per_row_live: read a row's block (of a pool of whole-sequence blocks)
+  or positions as scalars inside the graph and attend over a view of the live context instead
+  of gathering the bucket. AOTInductor keeps
   such reads in the graph (unbacked symbols); XLA would sync the device, so the reference gathers.
 - expert_selection: gather the selected experts only while M * top_k / E is below this (the
   gather copies weights on CPU; NxD's rule is 1.0).
@@ -17,8 +18,8 @@ ISA of the compiling host (NeuronConfig.cpu_isa).
 - onednn_chunk_attention_from_window: one-row prefill graphs of plain causal layers through the
   oneDNN chunk op (AVX-512 hosts, with keep_freed_heap).
 - decode_attention_op / paged_decode_op: decode rows of plain causal fp32 layers through the C++
-  op, each row over its own slot or blocks up to its own position, every key read once per
-  query group; other paged reads gather only the live blocks.
+  op, each row over its own blocks up to its own position, every key read once per query group
+  (whole-sequence blocks / smaller blocks); other reads of smaller blocks gather the live ones.
 - realize_reused_values: store values with several consumers (realize_reads_threshold=0), so a
   decode graph's RMSNorm is not recomputed inside every dot-product kernel.
 """
@@ -32,7 +33,7 @@ from torch import nn
 
 from ...modeling.kernels import AttentionSpec, CacheRead, GraphPart, Kernels
 from ...modeling.kv_cache import KVCache
-from .attention import attend, attend_paged
+from .attention import attend
 from .host import host_cpu_capability
 from .linear import CpuLinear
 
@@ -89,30 +90,27 @@ def kernel_choices(cpu_capability: str | None = None) -> KernelChoices:
 
 @dataclass(frozen=True)
 class CpuCacheRead(CacheRead):
-    """CacheRead with the scalars read inside the graph:
-    slot: a one-row graph's slot (slot_view: attend over a view of it), else None (gather);
-    rows: a one-row-per-slot graph's (slot, live) per row (per_row_live: each row attends over
-      its own live context in a view of its slot), else None."""
+    """CacheRead with the scalars read inside the graph (pools of whole-sequence blocks):
+    block: a one-row graph's block (slot_view: attend over a view of it), else None (gather);
+    rows: decode rows' (block, live) per row (per_row_live: each row attends over its own live
+      context in a view of its block), else None."""
 
-    slot: int | torch.SymInt | None = None
+    block: int | torch.SymInt | None = None
     rows: tuple[tuple[int | torch.SymInt, int | torch.SymInt], ...] | None = None
 
 
 class CpuKernels(Kernels):
     """The model's kernel strategy on the cpu backend, from its KernelChoices.
 
-    `paged`: the model's cache is a pool of blocks, read through block tables (attend_paged):
-    slot views and per-row slot reads do not apply; linears and experts follow the choices."""
+    `one_block_per_row`: the export's blocks are whole sequences (NeuronConfig.one_block_per_row),
+    so rows read views of their block; smaller blocks are gathered up to the live context."""
 
-    def __init__(self, choices: KernelChoices, paged: bool = False):
+    def __init__(self, choices: KernelChoices, one_block_per_row: bool = True):
         self.choices = choices
         self.expert_selection = choices.expert_selection
-        self.paged = paged
-
-    @property
-    def calls_decode_op(self) -> bool:
+        self.one_block_per_row = one_block_per_row
+        self.calls_decode_op = choices.decode_attention_op if one_block_per_row else choices.paged_decode_op
         """Whether decode graphs may call decode_attention.decode_attention (load it first)."""
-        return self.choices.paged_decode_op if self.paged else self.choices.decode_attention_op
 
     def linear(self, in_features: int, out_features: int, bias: bool) -> nn.Module:
         choices = self.choices
@@ -123,23 +121,21 @@ class CpuKernels(Kernels):
         return super().linear(in_features, out_features, bias)
 
     def cache_read(
-        self, position_ids: torch.Tensor, seq_ids: torch.Tensor, window: int, one_row_per_slot: bool
+        self, position_ids: torch.Tensor, tables: torch.Tensor, window: int, decode_rows: bool
     ) -> CpuCacheRead:
         """The scalar reads become unbacked symbols with bound checks under torch.export; padded
         rows/tokens repeat real ones, so the maximum is a real position."""
-        live, slot, rows = window, None, None
+        live, block, rows = window, None, None
         if self.choices.live_window:
             live = position_ids.max().item() + 1
             torch._check(live >= 1)
             torch._check(live <= window)
-        if self.paged:
-            return CpuCacheRead(window, live)
-        if self.choices.slot_view and not one_row_per_slot and seq_ids.shape[0] == 1:
-            slot = seq_ids[0].item()
-            torch._check(slot >= 0)
-        if self.choices.per_row_live and one_row_per_slot:
-            rows = tuple(_row_read(seq_ids[i], position_ids[i], window) for i in range(seq_ids.shape[0]))
-        return CpuCacheRead(window, live, slot, rows)
+        if self.choices.slot_view and self.one_block_per_row and not decode_rows and tables.shape[0] == 1:
+            block = tables[0, 0].item()
+            torch._check(block >= 0)
+        if self.choices.per_row_live and self.one_block_per_row and decode_rows:
+            rows = tuple(_row_read(tables[i, 0], position_ids[i], window) for i in range(tables.shape[0]))
+        return CpuCacheRead(window, live, block, rows)
 
     def attend(
         self,
@@ -149,15 +145,13 @@ class CpuKernels(Kernels):
         cache: KVCache,
         sinks: torch.Tensor | None,
     ) -> torch.Tensor:
-        if self.paged:
-            return attend_paged(self.choices, spec, part, q, cache, sinks)
-        return attend(self.choices, spec, part, q, cache, sinks)
+        return attend(self.choices, self.calls_decode_op, spec, part, q, cache, sinks)
 
 
-def _row_read(slot_id: torch.Tensor, positions: torch.Tensor, window: int) -> tuple:
-    """(slot, live) of one row as scalars, with the bounds torch.export needs."""
-    slot, live = slot_id.item(), positions.max().item() + 1
-    torch._check(slot >= 0)
+def _row_read(block_id: torch.Tensor, positions: torch.Tensor, window: int) -> tuple:
+    """(block, live) of one row as scalars, with the bounds torch.export needs."""
+    block, live = block_id.item(), positions.max().item() + 1
+    torch._check(block >= 0)
     torch._check(live >= 1)
     torch._check(live <= window)
-    return slot, live
+    return block, live
