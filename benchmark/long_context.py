@@ -70,17 +70,17 @@ def run_figures(out: Path) -> dict:
     rss0 = psutil.Process().memory_info().rss
     with PeakSampler() as peak:
         started = time.perf_counter()
-        prefill_prompt(model.runner, ids, 0)
+        prefill_prompt(model.runner, ids, (0,))
         prefill_s = time.perf_counter() - started
     prefill_extra_mib = (peak.rss - rss0) / 2**20
     decode, spread = {}, {}
     for ctx in sorted({seq // 8, seq // 2, seq - 2}):
         pos = torch.full((BATCH,), ctx)
-        model.runner.decode(torch.full((BATCH,), 5), pos, torch.arange(BATCH))  # warm
+        model.runner.decode(torch.full((BATCH,), 5), pos, torch.arange(BATCH)[:, None])  # warm
         times = []
         for _ in range(DECODE_CALLS):
             started = time.perf_counter()
-            model.runner.decode(torch.full((BATCH,), 5), pos, torch.arange(BATCH))
+            model.runner.decode(torch.full((BATCH,), 5), pos, torch.arange(BATCH)[:, None])
             times.append(time.perf_counter() - started)
         decode[ctx], spread[ctx] = statistics.median(times), (min(times), max(times))
     hf = model.config

@@ -29,6 +29,7 @@ from optimum_neuron_chunked.graph_runner import GraphRunner  # noqa: E402
 from optimum_neuron_chunked.graphs import example_inputs, graph_module, graph_specs, tg_spec  # noqa: E402
 from optimum_neuron_chunked.modeling import build_model  # noqa: E402
 from optimum_neuron_chunked.modeling.sampler import sampling_params  # noqa: E402
+from optimum_neuron_chunked.slots import block_table  # noqa: E402
 from optimum_neuron_chunked.testing.checkpoints import FAMILIES  # noqa: E402
 
 pytestmark = pytest.mark.xla
@@ -92,22 +93,22 @@ class Pair:
         self.eager = GraphRunner(config, eager_graphs)
         self.device = GraphRunner(config, self.xla.graphs())
 
-    def prefill(self, ids: torch.Tensor, start: int, slot: int) -> None:
+    def prefill(self, ids: torch.Tensor, start: int, blocks: tuple[int, ...]) -> None:
         every = self.eager.config.prompt_logprobs
         with torch.no_grad():
-            want = self.eager.prefill(ids, start, slot, every_position=every)
-        got = self.device.prefill(ids, start, slot, every_position=every)
+            want = self.eager.prefill(ids, start, blocks, every_position=every)
+        got = self.device.prefill(ids, start, blocks, every_position=every)
         torch.testing.assert_close(got, want, atol=TOLERANCE, rtol=0)
 
-    def decode(self, ids, positions, slots, params, rand) -> None:
+    def decode(self, ids, positions, tables, params, rand) -> None:
         with torch.no_grad():
-            want_tokens, want_logits = self.eager.decode(ids, positions, slots, params, rand)
-        got_tokens, got_logits = self.device.decode(ids, positions, slots, params, rand)
+            want_tokens, want_logits = self.eager.decode(ids, positions, tables, params, rand)
+        got_tokens, got_logits = self.device.decode(ids, positions, tables, params, rand)
         torch.testing.assert_close(got_logits, want_logits, atol=TOLERANCE, rtol=0)
         assert got_tokens.tolist() == want_tokens.tolist()
 
-    def decode_with_chunk(self, ids, positions, slots, params, rand, chunk, start, chunk_slot) -> None:
-        args = (ids, positions, slots, params, rand, chunk, start, chunk_slot)
+    def decode_with_chunk(self, ids, positions, tables, params, rand, chunk, start, chunk_blocks) -> None:
+        args = (ids, positions, tables, params, rand, chunk, start, chunk_blocks)
         with torch.no_grad():
             want_tokens, want_logits, want_chunk = self.eager.decode_with_chunk(*args)
         got_tokens, got_logits, got_chunk = self.device.decode_with_chunk(*args)
@@ -115,10 +116,10 @@ class Pair:
         torch.testing.assert_close(got_chunk, want_chunk, atol=TOLERANCE, rtol=0)
         assert got_tokens.tolist() == want_tokens.tolist()
 
-    def verify(self, rows, positions, seq_ids) -> None:
+    def verify(self, rows, positions, tables) -> None:
         with torch.no_grad():
-            want_argmax, want_logits = self.eager.verify(rows, positions, seq_ids)
-        got_argmax, got_logits = self.device.verify(rows, positions, seq_ids)
+            want_argmax, want_logits = self.eager.verify(rows, positions, tables)
+        got_argmax, got_logits = self.device.verify(rows, positions, tables)
         torch.testing.assert_close(got_logits, want_logits, atol=TOLERANCE, rtol=0)
         assert got_argmax.tolist() == want_argmax.tolist()
 
@@ -144,16 +145,18 @@ def test_chunked_graphs_on_xla_equal_eager(family):
     pair = Pair(family, export_config(chunked=True))
     reset_counters()
     a, b = tokens(3 * CHUNK - 10, seed=1), tokens(CHUNK - 12, seed=2)
-    pair.prefill(a[:CHUNK], 0, slot=0)  # a full chunk, bucket 64
-    pair.prefill(a[CHUNK : 2 * CHUNK], CHUNK, slot=0)  # the second chunk reads the first from the cache
-    pair.prefill(a[2 * CHUNK :], 2 * CHUNK, slot=0)  # a partial chunk crossing into bucket 128
+    pair.prefill(a[:CHUNK], 0, (0,))  # a full chunk, bucket 64
+    pair.prefill(a[CHUNK : 2 * CHUNK], CHUNK, (0,))  # the second chunk reads the first from the cache
+    pair.prefill(a[2 * CHUNK :], 2 * CHUNK, (0,))  # a partial chunk crossing into bucket 128
     pair.copy_prefix(0, 1, 2 * CHUNK + 5)  # prefix caching: three calls, the last one padded
     pair.assert_caches_equal()
-    pair.prefill(b, 0, slot=1)  # another slot, over part of the copied prefix
+    pair.prefill(b, 0, (1,))  # another slot, over part of the copied prefix
     # TG: a greedy row and a top-k/top-p/temperature row, sampled on device
-    pair.decode(torch.tensor([7, 9]), torch.tensor([len(a), len(b)]), torch.tensor([0, 1]), SAMPLING, RAND)
+    pair.decode(
+        torch.tensor([7, 9]), torch.tensor([len(a), len(b)]), torch.tensor([[0], [1]]), SAMPLING, RAND
+    )
     # TG with one real row, padded to the batch by repeating it
-    pair.decode(torch.tensor([11]), torch.tensor([len(b) + 1]), torch.tensor([1]), SAMPLING[1:], RAND[1:])
+    pair.decode(torch.tensor([11]), torch.tensor([len(b) + 1]), torch.tensor([[1]]), SAMPLING[1:], RAND[1:])
     pair.assert_caches_equal()
     assert fallback_ops() == []
     check_hlo(pair, family, "chunked")
@@ -166,10 +169,10 @@ def test_narrow_prefill_graphs_on_xla_equal_eager():
     a = tokens(CHUNK + 5 + CHUNK + 3, seed=6)
     ends = (CHUNK, CHUNK + 5, 2 * CHUNK + 5, len(a))  # widths 32, 8 (bucket 64), 32, 8 (bucket 128)
     for start, end in zip((0, *ends[:-1]), ends, strict=True):
-        pair.prefill(a[start:end], start, slot=1)
+        pair.prefill(a[start:end], start, (1,))
     pair.copy_prefix(1, 0, CHUNK)
-    pair.decode(torch.tensor([7, 9]), torch.tensor([CHUNK, len(a)]), torch.tensor([0, 1]), SAMPLING, RAND)
-    pair.decode(torch.tensor([5]), torch.tensor([CHUNK + 1]), torch.tensor([0]), SAMPLING[:1], RAND[:1])
+    pair.decode(torch.tensor([7, 9]), torch.tensor([CHUNK, len(a)]), torch.tensor([[0], [1]]), SAMPLING, RAND)
+    pair.decode(torch.tensor([5]), torch.tensor([CHUNK + 1]), torch.tensor([[0]]), SAMPLING[:1], RAND[:1])
     pair.assert_caches_equal()
     assert fallback_ops() == []
     check_hlo(pair, "llama", "narrow-chunked")
@@ -181,15 +184,15 @@ def test_narrow_decode_graphs_on_xla_equal_eager():
     pair = Pair("llama", export_config(chunked=True, decode_widths=(1, 2)))
     reset_counters()
     a, b = tokens(2 * CHUNK - 2, seed=7), tokens(CHUNK - 2, seed=8)
-    pair.prefill(a[:CHUNK], 0, slot=1)
-    pair.prefill(a[CHUNK:], CHUNK, slot=1)
-    pair.prefill(b, 0, slot=0)
+    pair.prefill(a[:CHUNK], 0, (1,))
+    pair.prefill(a[CHUNK:], CHUNK, (1,))
+    pair.prefill(b, 0, (0,))
     # (slots, positions): one row in bucket 64, two rows, one row, one row crossing into 128, two
     steps = (([1], [62]), ([0, 1], [30, 63]), ([0], [31]), ([1], [64]), ([0, 1], [32, 65]))
     for i, (slots, positions) in enumerate(steps):
         n = len(slots)
         ids = tokens(n, seed=20 + i)
-        pair.decode(ids, torch.tensor(positions), torch.tensor(slots), SAMPLING[-n:], RAND[-n:])
+        pair.decode(ids, torch.tensor(positions), torch.tensor(slots)[:, None], SAMPLING[-n:], RAND[-n:])
     pair.assert_caches_equal()
     assert fallback_ops() == []
     ran = {"cp_w64", "tg_w64", "tg_w64_r1", "tg_w128", "tg_w128_r1"}
@@ -207,12 +210,12 @@ def test_mixed_graphs_on_xla_equal_eager(family):
     pair = Pair(family, export_config(chunked=True, mixed_step=True))
     reset_counters()
     a, b = tokens(CHUNK - 7, seed=9), tokens(3 * CHUNK, seed=10)
-    pair.prefill(a, 0, slot=0)
+    pair.prefill(a, 0, (0,))
     for i, start in enumerate(range(0, 2 * CHUNK + 1, CHUNK)):  # buckets 64, 64, 128
-        row = (torch.tensor([5 + i]), torch.tensor([len(a) + i]), torch.tensor([0]), SAMPLING[1:], RAND[1:])
-        pair.decode_with_chunk(*row, b[start : start + CHUNK], start, 1)
+        row = (torch.tensor([5 + i]), torch.tensor([len(a) + i]), torch.tensor([[0]]), SAMPLING[1:], RAND[1:])
+        pair.decode_with_chunk(*row, b[start : start + CHUNK], start, (1,))
     pair.decode(
-        torch.tensor([7, 9]), torch.tensor([len(a) + 3, len(b)]), torch.tensor([0, 1]), SAMPLING, RAND
+        torch.tensor([7, 9]), torch.tensor([len(a) + 3, len(b)]), torch.tensor([[0], [1]]), SAMPLING, RAND
     )
     pair.assert_caches_equal()
     assert fallback_ops() == []
@@ -234,13 +237,14 @@ def test_verify_graphs_on_xla_equal_eager(family, paged):
     pair = Pair(family, export_config(chunked=True, decode_widths=(1, 2), speculation_length=4, **layout))
     reset_counters()
     a, b = tokens(2 * CHUNK - 4, seed=14), tokens(CHUNK - 3, seed=15)
-    kv = ([3, 7, 1, 12, 9, 5, 16, 2], [11, 4, 8, 6]) if paged else (0, 1)
+    kv = ([2, 6, 0, 11, 8, 4, 15, 1], [10, 3, 7, 5]) if paged else ([0], [1])
     pair.prefill(a[:CHUNK], 0, kv[0])
     pair.prefill(a[CHUNK:], CHUNK, kv[0])
     pair.prefill(b, 0, kv[1])
-    table = (
-        (lambda rows: torch.tensor([kv[r] + [0] * (8 - len(kv[r])) for r in rows])) if paged else torch.tensor
-    )
+
+    def table(rows):
+        return block_table([kv[r] for r in rows])
+
     rows = [torch.tensor([5, 6, 7]), torch.tensor([9, 10, 11, 12, 13])]  # 2 and 4 drafts
     pair.verify(rows, torch.tensor([len(a), len(b)]), table([0, 1]))
     pair.verify([torch.tensor([8, 21, 22, 23, 24])], torch.tensor([len(a) + 1]), table([0]))  # 61..65
@@ -263,20 +267,20 @@ def test_paged_graphs_on_xla_equal_eager():
     and MX in both buckets; the pools stay equal and every graph lowers to static HLO."""
     pair = Pair("llama", export_config(chunked=True, mixed_step=True, kv_cache_blocks=20, kv_block_size=16))
     reset_counters()
-    blocks = ([9, 3, 14, 1, 12, 6, 17, 20], [5, 11, 2], [4, 13, 8, 10, 19])
+    blocks = ([8, 2, 13, 0, 11, 5, 16, 19], [4, 10, 1], [3, 12, 7, 9, 18])
     a, b, c = tokens(3 * CHUNK - 10, seed=11), tokens(CHUNK - 12, seed=12), tokens(2 * CHUNK, seed=13)
     pair.prefill(a[:CHUNK], 0, blocks[0])  # bucket 64
     pair.prefill(b, 0, blocks[1])
     pair.prefill(a[CHUNK : 2 * CHUNK], CHUNK, blocks[0])
     pair.prefill(a[2 * CHUNK :], 2 * CHUNK, blocks[0])  # crosses into bucket 128
-    tables = torch.tensor([blocks[0], blocks[1] + [0] * 5])
+    tables = block_table(blocks[:2])
     pair.decode(torch.tensor([7, 9]), torch.tensor([len(a), len(b)]), tables, SAMPLING, RAND)
     pair.decode(
-        torch.tensor([11]), torch.tensor([len(b) + 1]), torch.tensor([blocks[1]]), SAMPLING[1:], RAND[1:]
+        torch.tensor([11]), torch.tensor([len(b) + 1]), block_table(blocks[1:2]), SAMPLING[1:], RAND[1:]
     )
-    row = (torch.tensor([5]), torch.tensor([len(b) + 2]), torch.tensor([blocks[1]]), SAMPLING[1:], RAND[1:])
+    row = (torch.tensor([5]), torch.tensor([len(b) + 2]), block_table(blocks[1:2]), SAMPLING[1:], RAND[1:])
     pair.decode_with_chunk(*row, c[:CHUNK], 0, blocks[2])  # mx_w64
-    row = (torch.tensor([6]), torch.tensor([len(a) + 1]), torch.tensor([blocks[0]]), SAMPLING[:1], RAND[:1])
+    row = (torch.tensor([6]), torch.tensor([len(a) + 1]), block_table(blocks[:1]), SAMPLING[:1], RAND[:1])
     pair.decode_with_chunk(*row, c[CHUNK:], CHUNK, blocks[2])  # mx_w128: a's row is past 64
     pair.assert_caches_equal()
     assert fallback_ops() == []
@@ -290,11 +294,11 @@ def test_prompt_logits_graphs_on_xla_equal_eager(chunked):
     reset_counters()
     a = tokens(CHUNK + 20, seed=5)
     if chunked:
-        pair.prefill(a[:CHUNK], 0, slot=0)
-        pair.prefill(a[CHUNK:], CHUNK, slot=0)
+        pair.prefill(a[:CHUNK], 0, (0,))
+        pair.prefill(a[CHUNK:], CHUNK, (0,))
     else:
-        pair.prefill(a, 0, slot=0)
-    pair.decode(torch.tensor([7]), torch.tensor([len(a)]), torch.tensor([0]), SAMPLING[:1], RAND[:1])
+        pair.prefill(a, 0, (0,))
+    pair.decode(torch.tensor([7]), torch.tensor([len(a)]), torch.tensor([[0]]), SAMPLING[:1], RAND[:1])
     pair.assert_caches_equal()
     assert fallback_ops() == []
     ran = {f"{'cp' if chunked else 'ce'}_w64", "tg_w64"}
@@ -309,11 +313,13 @@ def test_standard_graphs_on_xla_equal_eager(family):
     pair = Pair(family, export_config(chunked=False))
     reset_counters()
     a, b = tokens(40, seed=3), tokens(100, seed=4)
-    pair.prefill(a, 0, slot=1)  # CE over bucket 64
-    pair.prefill(b, 0, slot=0)  # CE over bucket 128
-    pair.decode(torch.tensor([5, 6]), torch.tensor([len(b), len(a)]), torch.tensor([0, 1]), SAMPLING, RAND)
+    pair.prefill(a, 0, (1,))  # CE over bucket 64
+    pair.prefill(b, 0, (0,))  # CE over bucket 128
+    pair.decode(
+        torch.tensor([5, 6]), torch.tensor([len(b), len(a)]), torch.tensor([[0], [1]]), SAMPLING, RAND
+    )
     # TG over bucket 64: one real row (slot 1) padded to the batch
-    pair.decode(torch.tensor([8]), torch.tensor([len(a) + 1]), torch.tensor([1]), SAMPLING[:1], RAND[:1])
+    pair.decode(torch.tensor([8]), torch.tensor([len(a) + 1]), torch.tensor([[1]]), SAMPLING[:1], RAND[:1])
     pair.assert_caches_equal()
     assert fallback_ops() == []
     check_hlo(pair, family, "standard")
@@ -341,8 +347,8 @@ def test_bf16_graphs_on_xla_sample_the_eager_tokens(family):
     for start in range(0, len(ids), CHUNK):
         chunk = ids[start : start + CHUNK]
         with torch.no_grad():
-            want = pair.eager.prefill(chunk, start, 0)
-        got = pair.device.prefill(chunk, start, 0)
+            want = pair.eager.prefill(chunk, start, (0,))
+        got = pair.device.prefill(chunk, start, (0,))
         top2 = want.topk(2).values
         if top2[0] - top2[1] > 2 * 2**-7 * top2[0].abs():
             assert got.argmax() == want.argmax()

@@ -6,7 +6,7 @@ ISA of the compiling host (NeuronConfig.cpu_isa).
 
 - sdpa_*_from_window: attention through SDPA (a fused kernel, no [T, W] scores) from this
   bucket on; decode graphs keep the masked softmax, whose setup costs less than SDPA saves.
-- slot_view, live_window, per_row_live: read a row's block (of a pool of whole-sequence blocks)
+- block_view, live_window, per_row_live: read a row's block (of a pool of whole-sequence blocks)
   or positions as scalars inside the graph and attend over a view of the live context instead
   of gathering the bucket. AOTInductor keeps
   such reads in the graph (unbacked symbols); XLA would sync the device, so the reference gathers.
@@ -42,7 +42,7 @@ from .linear import CpuLinear
 class KernelChoices:
     sdpa_prefill_from_window: int | None = None
     sdpa_decode_from_window: int | None = None
-    slot_view: bool = False
+    block_view: bool = False
     live_window: bool = False
     per_row_live: bool = False
     expert_selection: float = Kernels.expert_selection
@@ -63,7 +63,7 @@ DECODE_ATTENTION_OP_ISAS = ("AVX2", "AVX512")
 CPU = KernelChoices(
     sdpa_prefill_from_window=1,
     sdpa_decode_from_window=None,
-    slot_view=True,
+    block_view=True,
     live_window=True,
     per_row_live=True,
     expert_selection=0.2,
@@ -91,7 +91,7 @@ def kernel_choices(cpu_capability: str | None = None) -> KernelChoices:
 @dataclass(frozen=True)
 class CpuCacheRead(CacheRead):
     """CacheRead with the scalars read inside the graph (pools of whole-sequence blocks):
-    block: a one-row graph's block (slot_view: attend over a view of it), else None (gather);
+    block: a one-row graph's block (block_view: attend over a view of it), else None (gather);
     rows: decode rows' (block, live) per row (per_row_live: each row attends over its own live
       context in a view of its block), else None."""
 
@@ -130,10 +130,12 @@ class CpuKernels(Kernels):
             live = position_ids.max().item() + 1
             torch._check(live >= 1)
             torch._check(live <= window)
-        if self.choices.slot_view and self.one_block_per_row and not decode_rows and tables.shape[0] == 1:
+        if not self.one_block_per_row:  # smaller blocks: gathered up to the live context
+            return CpuCacheRead(window, live)
+        if self.choices.block_view and not decode_rows and tables.shape[0] == 1:
             block = tables[0, 0].item()
             torch._check(block >= 0)
-        if self.choices.per_row_live and self.one_block_per_row and decode_rows:
+        if self.choices.per_row_live and decode_rows:
             rows = tuple(_row_read(tables[i, 0], position_ids[i], window) for i in range(tables.shape[0]))
         return CpuCacheRead(window, live, block, rows)
 
