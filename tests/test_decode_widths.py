@@ -25,9 +25,9 @@ def test_each_step_runs_in_the_narrowest_width_that_holds_its_rows():
     calls = []
 
     def graph(name):
-        def run(ids, positions, seq_ids, params, rand):
-            calls.append((name, seq_ids.tolist(), positions[:, 0].tolist()))
-            return seq_ids.clone(), torch.zeros(ids.shape[0], 4)  # "samples" each row's slot
+        def run(ids, positions, tables, params, rand):
+            calls.append((name, tables[:, 0].tolist(), positions[:, 0].tolist()))
+            return tables[:, 0].clone(), torch.zeros(ids.shape[0], 4)  # "samples" each row's block
 
         return run
 
@@ -35,7 +35,8 @@ def test_each_step_runs_in_the_narrowest_width_that_holds_its_rows():
 
     def step(slots: list[int], positions: list[int]) -> list[int]:
         n = len(slots)
-        tokens, _ = runner.decode(torch.ones(n), torch.tensor(positions), torch.tensor(slots),
+        tables = torch.tensor([[s] for s in slots])  # one whole-sequence block a row
+        tokens, _ = runner.decode(torch.ones(n), torch.tensor(positions), tables,
                                   torch.ones(n, 3), torch.zeros(n))  # fmt: skip
         return tokens.tolist()
 
@@ -63,13 +64,13 @@ def test_narrow_decode_steps_match_transformers(backend, tmp_path):
     prompts = [torch.randint(4, 380, (n,), generator=torch.Generator().manual_seed(n)) for n in (20, 62)]
     seqs = [p.clone() for p in prompts]
     for slot, p in enumerate(prompts):
-        first = prefill_prompt(model.runner, p, slot).argmax()
+        first = prefill_prompt(model.runner, p, (slot,)).argmax()
         seqs[slot] = torch.cat([p, first[None]])
     # both rows (the batch's width), then slot 1 alone (width 1) into the second bucket, then both
     for slots in ([0, 1], [1], [1], [0, 1]):
         last = torch.stack([seqs[s][-1] for s in slots])
         positions = torch.tensor([len(seqs[s]) - 1 for s in slots])
-        tokens, logits = model.runner.decode(last, positions, torch.tensor(slots))
+        tokens, logits = model.runner.decode(last, positions, torch.tensor([[s] for s in slots]))
         for row, s in enumerate(slots):
             with torch.no_grad():
                 want = hf(seqs[s][None]).logits[0, -1]

@@ -23,9 +23,9 @@ LOGITS_TOLERANCE = 1e-4
 
 
 def _plan(decodes: int, *chunk_lengths: int, ids=("b", "c", "d")) -> StepPlan:
-    rows = tuple(DecodeRow(f"r{i}", i, 1, 10) for i in range(decodes))
+    rows = tuple(DecodeRow(f"r{i}", (i,), 1, 10) for i in range(decodes))
     chunks = tuple(
-        PrefillChunk(ids[i], 10 + i, 0, (1,) * n, samples=False) for i, n in enumerate(chunk_lengths)
+        PrefillChunk(ids[i], (10 + i,), 0, (1,) * n, samples=False) for i, n in enumerate(chunk_lengths)
     )
     return StepPlan(rows, chunks, tuple(d.req_id for d in rows) + tuple(c.req_id for c in chunks))
 
@@ -67,9 +67,15 @@ def test_a_mixed_call_runs_in_the_bucket_that_covers_both_parts():
     calls = []
 
     def graph(name):
-        def run(ids, pos, seq, chunk_ids, chunk_pos, chunk_seq, params, rand):
+        def run(ids, pos, tables, chunk_ids, chunk_pos, chunk_tables, params, rand):
             calls.append(
-                (name, seq.tolist(), pos[:, 0].tolist(), chunk_seq.tolist(), chunk_pos[0, [0, -1]].tolist())
+                (
+                    name,
+                    tables.tolist(),
+                    pos[:, 0].tolist(),
+                    chunk_tables.tolist(),
+                    chunk_pos[0, [0, -1]].tolist(),
+                )
             )
             return torch.arange(ids.shape[0]), torch.zeros(ids.shape[0], 4), torch.ones(1, 4)
 
@@ -79,21 +85,21 @@ def test_a_mixed_call_runs_in_the_bucket_that_covers_both_parts():
 
     def step(slot: int, position: int, chunk_start: int, chunk_slot: int, tokens: int = CHUNK):
         one = torch.ones(1)
-        return runner.decode_with_chunk(one, torch.tensor([position]), torch.tensor([slot]), torch.ones(1, 3),
-                                        one, torch.ones(tokens), chunk_start, chunk_slot)  # fmt: skip
+        return runner.decode_with_chunk(one, torch.tensor([position]), torch.tensor([[slot]]), torch.ones(1, 3),
+                                        one, torch.ones(tokens), chunk_start, (chunk_slot,))  # fmt: skip
 
     tokens, _, chunk_logits = step(0, 10, 0, 1)
     assert tokens.tolist() == [0] and chunk_logits.tolist() == [1.0] * 4
     step(0, 70, 0, 1)  # the decode row needs the larger bucket
     step(0, 10, 64, 1)  # the chunk does
     assert calls == [
-        ("mx_w64", [0, 0], [10, 10], [1], [0, 31]),  # one decode row padded to the batch
-        ("mx_w128", [0, 0], [70, 70], [1], [0, 31]),
-        ("mx_w128", [0, 0], [10, 10], [1], [64, 95]),
+        ("mx_w64", [[0], [0]], [10, 10], [[1]], [0, 31]),  # one decode row padded to the batch
+        ("mx_w128", [[0], [0]], [70, 70], [[1]], [0, 31]),
+        ("mx_w128", [[0], [0]], [10, 10], [[1]], [64, 95]),
     ]
     with pytest.raises(ValueError, match="full chunk"):
         step(0, 10, 0, 1, tokens=CHUNK - 1)
-    with pytest.raises(ValueError, match="another slot"):
+    with pytest.raises(ValueError, match="writing other blocks"):
         step(1, 10, 0, 1)
 
 
@@ -108,11 +114,11 @@ def test_mixed_steps_match_transformers(backend, tmp_path):
     model.runner.graphs = RecordingGraphs(model.runner.graphs)
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     a, b = prompt(40, seed=3), prompt(3 * CHUNK, seed=4)
-    seq = torch.cat([a, prefill_prompt(model.runner, a, 0).argmax()[None]])
+    seq = torch.cat([a, prefill_prompt(model.runner, a, (0,)).argmax()[None]])
     for start in range(0, b.shape[0], CHUNK):
         tokens, logits, chunk_logits = model.runner.decode_with_chunk(
-            seq[-1:], torch.tensor([len(seq) - 1]), torch.tensor([0]), torch.ones(1, 3), torch.zeros(1),
-            b[start : start + CHUNK], start, 1,
+            seq[-1:], torch.tensor([len(seq) - 1]), torch.tensor([[0]]), torch.ones(1, 3), torch.zeros(1),
+            b[start : start + CHUNK], start, (1,),
         )  # fmt: skip
         with torch.no_grad():
             want = hf(seq[None]).logits[0, -1]

@@ -32,7 +32,7 @@ def test_each_chunk_runs_in_the_narrowest_width_that_holds_it():
     calls = []
 
     def graph(name):
-        def run(ids, positions, seq_ids):
+        def run(ids, positions, tables):
             calls.append((name, ids.shape[1], positions[0, -1].item()))
             return torch.zeros(1, 4)
 
@@ -41,7 +41,7 @@ def test_each_chunk_runs_in_the_narrowest_width_that_holds_it():
     runner = GraphRunner(cfg, {s.name: graph(s.name) for s in graph_specs(cfg)})
     start = 0
     for n in CHUNKS:
-        runner.prefill(torch.arange(n), start, seq_id=0)
+        runner.prefill(torch.arange(n), start, blocks=(0,))
         start += n
     assert calls == [
         ("cp_w64", 32, 31),
@@ -53,14 +53,14 @@ def test_each_chunk_runs_in_the_narrowest_width_that_holds_it():
         ("cp_w128", 32, 114),
     ]
     with pytest.raises(ValueError, match="1 to 32 tokens"):
-        runner.prefill(torch.arange(CHUNK + 1), 0, seq_id=0)
+        runner.prefill(torch.arange(CHUNK + 1), 0, blocks=(0,))
 
 
 def prefill_in_chunks(model: NeuronModelForCausalLM, ids: torch.Tensor, slot: int) -> list[torch.Tensor]:
     """The logits after each chunk of CHUNKS."""
     out, start = [], 0
     for n in CHUNKS:
-        out.append(model.runner.prefill(ids[start : start + n], start, slot))
+        out.append(model.runner.prefill(ids[start : start + n], start, (slot,)))
         start += n
     return out
 
@@ -83,7 +83,7 @@ def test_narrow_chunks_match_transformers(backend, tmp_path):
         torch.testing.assert_close(row, logits[end - 1], atol=LOGITS_TOLERANCE, rtol=0)
     # and a greedy decode reads what the narrow chunks wrote
     first = logits[-1].argmax()
-    tokens, _ = model.runner.decode(first[None], torch.tensor([ends[-1]]), torch.tensor([1]))
+    tokens, _ = model.runner.decode(first[None], torch.tensor([ends[-1]]), torch.tensor([[1]]))
     with torch.no_grad():
         want = hf(torch.cat([ids, first[None]])[None]).logits[0, -1].argmax()
     assert tokens.tolist() == [int(want)]

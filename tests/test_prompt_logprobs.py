@@ -30,14 +30,14 @@ def hf_log_softmax(hf_reference, ids: torch.Tensor) -> torch.Tensor:
 def test_every_position_s_logits_equal_transformers_across_chunks(logits_export, hf_reference):
     model = NeuronModelForCausalLM.from_pretrained(logits_export)
     ids = prompt(3 * CHUNK + 5, seed=80)
-    seq_id = model.kv_pool.acquire()
+    blocks = model.kv_pool.acquire(len(ids))
     rows = [
-        model.runner.prefill(ids[start : start + CHUNK], start, seq_id, every_position=True)
+        model.runner.prefill(ids[start : start + CHUNK], start, blocks, every_position=True)
         for start in range(0, len(ids), CHUNK)
     ]
     got = torch.log_softmax(torch.cat(rows), dim=-1)
     torch.testing.assert_close(got, hf_log_softmax(hf_reference, ids), atol=1e-4, rtol=0)
-    assert torch.equal(model.runner.prefill(ids[:CHUNK], 0, seq_id), rows[0][-1])  # last row = prefill's
+    assert torch.equal(model.runner.prefill(ids[:CHUNK], 0, blocks), rows[0][-1])  # last row = prefill's
 
 
 @pytest.mark.slow

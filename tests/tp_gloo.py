@@ -106,9 +106,9 @@ def graph_outputs(
             prompt = torch.randint(4, 300, (n,), generator=generator)
             if config.chunked:
                 for start in range(0, n, CHUNK):
-                    logits = runner.prefill(prompt[start : start + CHUNK], start, slot)
+                    logits = runner.prefill(prompt[start : start + CHUNK], start, (slot,))
             else:
-                logits = runner.prefill(prompt, 0, slot)
+                logits = runner.prefill(prompt, 0, (slot,))
             tokens[slot] = int(logits.argmax())
         lengths = dict(PROMPTS)
         params = torch.tensor([sampling_params(top_k=8, temperature=0.8)] * 2)
@@ -117,7 +117,8 @@ def graph_outputs(
             ids = torch.tensor([tokens[s] for s in slots])
             pos = torch.tensor([lengths[s] for s in slots])
             rand = torch.rand(len(slots), generator=generator)
-            out, _ = runner.decode(ids, pos, torch.tensor(slots), params[: len(slots)], rand)
+            tables = torch.tensor([[s] for s in slots])  # one whole-sequence block a slot
+            out, _ = runner.decode(ids, pos, tables, params[: len(slots)], rand)
             for s, t in zip(slots, out.tolist(), strict=True):
                 tokens[s], lengths[s] = t, lengths[s] + 1
     return calls
