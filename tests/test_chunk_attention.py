@@ -97,11 +97,11 @@ def test_the_op_runs_in_prefill_graphs_from_its_bucket_only(monkeypatch, from_wi
     monkeypatch.setattr(attention, "chunk_attention", lambda *a: calls.append(1) or chunk_attention(*a))
     with torch.no_grad():
         PrefillGraph(model.eval(), window)(
-            torch.arange(5, 21)[None], torch.arange(16)[None], torch.tensor([0])
+            torch.arange(5, 21)[None], torch.arange(16)[None], torch.tensor([[0]])
         )
         prefill_calls = len(calls)
-        model.hidden_states(torch.tensor([[3], [4]]), torch.tensor([[16], [0]]), torch.tensor([0, 1]), window,
-                            one_row_per_slot=True)  # fmt: skip
+        model.hidden_states(torch.tensor([[3], [4]]), torch.tensor([[16], [0]]), torch.tensor([[0], [1]]), window,
+                            decode_rows=True)  # fmt: skip
     uses_op = from_window is not None and window >= from_window
     assert (prefill_calls, len(calls)) == ((spec.num_layers,) * 2 if uses_op else (0, 0))
 

@@ -16,7 +16,8 @@ from optimum_neuron_chunked.modeling import build_model, model_from_spec
 
 
 def reference(query, k_cache, v_cache, slots, lengths, scale):
-    """Each row over its slot's first `length` positions, heads grouped as transformers' repeat_kv."""
+    """Each row over its slot's (whole-sequence block's) first `length` positions, heads grouped
+    as transformers' repeat_kv."""
     groups = query.shape[1] // k_cache.shape[1]
     outs = []
     for q, slot, length in zip(query, slots.tolist(), lengths.tolist(), strict=True):
@@ -37,10 +38,11 @@ def test_decode_attention_equals_the_masked_softmax(heads, kv_heads, head_dim):
     slots, lengths = torch.tensor([2, 0, 1, 0]), torch.tensor([1, 71, 150, 71])
     query = torch.randn(4, heads, head_dim)
     query[3] = query[1]  # a padded row repeats the real row 1
-    got = decode_attention(query, k_cache, v_cache, slots, lengths, 0.3)
+    tables = slots[:, None]  # one whole-sequence block a row
+    got = decode_attention(query, k_cache, v_cache, tables, lengths, 0.3)
     torch.testing.assert_close(got, reference(query, k_cache, v_cache, slots, lengths, 0.3))
     k_cache[:, :, 71:] = v_cache[:, :, 71:] = float("nan")
-    stale = decode_attention(query[1:2], k_cache, v_cache, slots[1:2], lengths[1:2], 0.3)
+    stale = decode_attention(query[1:2], k_cache, v_cache, tables[1:2], lengths[1:2], 0.3)
     torch.testing.assert_close(stale, got[1:2])
 
 
@@ -50,18 +52,19 @@ def test_decode_attention_with_weights_below_the_normal_range():
     torch.manual_seed(1)
     k_cache, v_cache = torch.randn(2, 2, 300, 64), torch.randn(2, 2, 300, 64)
     query, slots, lengths = torch.randn(2, 4, 64) * 40, torch.tensor([1, 0]), torch.tensor([300, 257])
-    got = decode_attention(query, k_cache, v_cache, slots, lengths, 0.3)
+    got = decode_attention(query, k_cache, v_cache, slots[:, None], lengths, 0.3)
     torch.testing.assert_close(got, reference(query, k_cache, v_cache, slots, lengths, 0.3))
 
 
 def test_decode_attention_reads_block_tables_in_place():
-    """Paged caches: each row reads its blocks in table order, up to its length (a partial last
-    block; the table's entries past it - here the null block 0 - never read), shared blocks and
-    a padded row repeating a real one: equal to the same rows laid out as slots."""
+    """Pools of smaller blocks: each row reads its blocks in table order, up to its length (a
+    partial last block; the table's columns past it, padded by repeating the row's last block,
+    never read), shared blocks and a padded row repeating a real one: equal to the same rows
+    laid out as whole-sequence blocks."""
     torch.manual_seed(0)
     block, kv_heads, heads, head_dim = 16, 2, 4, 32
     pool_k, pool_v = torch.randn(9, kv_heads, block, head_dim), torch.randn(9, kv_heads, block, head_dim)
-    tables = torch.tensor([[3, 1, 7, 0], [5, 0, 0, 0], [3, 1, 2, 8], [5, 0, 0, 0]])
+    tables = torch.tensor([[3, 1, 7, 7], [5, 5, 5, 5], [3, 1, 2, 8], [5, 5, 5, 5]])
     lengths = torch.tensor([40, 16, 64, 16])
     query = torch.randn(4, heads, head_dim)
     query[3] = query[1]
@@ -72,7 +75,9 @@ def test_decode_attention_reads_block_tables_in_place():
     got = decode_attention(query, pool_k, pool_v, tables, lengths, 0.3)
     want = reference(query, as_slots(pool_k), as_slots(pool_v), torch.arange(4), lengths, 0.3)
     torch.testing.assert_close(got, want)
-    pool_k[0] = pool_v[0] = float("nan")
+    # what no row reads: blocks in no table, and block 7 past row 0's 40 positions (8 of 16)
+    for unread in ((0,), (4,), (6,), (7, slice(None), slice(8, None))):
+        pool_k[unread] = pool_v[unread] = float("nan")
     torch.testing.assert_close(decode_attention(query, pool_k, pool_v, tables, lengths, 0.3), got)
 
 
@@ -81,7 +86,7 @@ def test_decode_attention_refuses_a_row_outside_the_cache(slot, length):
     caches = torch.zeros(3, 2, 40, 8)
     with pytest.raises(RuntimeError, match="outside the cache"):
         decode_attention(
-            torch.zeros(1, 2, 8), caches, caches, torch.tensor([slot]), torch.tensor([length]), 1.0
+            torch.zeros(1, 2, 8), caches, caches, torch.tensor([[slot]]), torch.tensor([length]), 1.0
         )
 
 
@@ -103,27 +108,26 @@ def test_the_op_replaces_the_decode_attention_of_plain_layers_only(monkeypatch):
             models[True].get_buffer(name).copy_(cache)
     calls = []
     monkeypatch.setattr(attention, "decode_attention", lambda *a: calls.append(1) or decode_attention(*a))
-    ids, positions, seq_ids = (
+    ids, positions, tables = (
         torch.tensor([[3], [4], [4]]),
         torch.tensor([[70], [5], [5]]),
-        torch.tensor([2, 0, 0]),
+        torch.tensor([[2], [0], [0]]),
     )
     with torch.no_grad():
         got, want = (
-            models[op].hidden_states(ids, positions, seq_ids, 128, one_row_per_slot=True)
-            for op in (True, False)
+            models[op].hidden_states(ids, positions, tables, 128, decode_rows=True) for op in (True, False)
         )
         assert len(calls) == spec.num_layers
-        models[True].hidden_states(torch.arange(5, 21)[None], torch.arange(16)[None], torch.tensor([1]), 128,
-                                   one_row_per_slot=False)  # fmt: skip
+        models[True].hidden_states(torch.arange(5, 21)[None], torch.arange(16)[None], torch.tensor([[1]]), 128,
+                                   decode_rows=False)  # fmt: skip
     assert len(calls) == spec.num_layers
     torch.testing.assert_close(got, want)
 
 
 @pytest.mark.slow
 def test_decode_attention_compiled_by_aotinductor(tmp_path):
-    """The op as a cpu decode graph calls it: slots and lengths are graph inputs, the caches
-    the graph's buffers."""
+    """The op as a cpu decode graph calls it: block tables and lengths are graph inputs, the
+    caches the graph's buffers."""
 
     class DecodeAttention(torch.nn.Module):
         def __init__(self):
@@ -131,19 +135,19 @@ def test_decode_attention_compiled_by_aotinductor(tmp_path):
             self.register_buffer("k", torch.randn(3, 2, 64, 8))
             self.register_buffer("v", torch.randn(3, 2, 64, 8))
 
-        def forward(self, query, positions, seq_ids):
-            return decode_attention(query, self.k, self.v, seq_ids, positions[:, 0] + 1, 0.3)
+        def forward(self, query, positions, tables):
+            return decode_attention(query, self.k, self.v, tables, positions[:, 0] + 1, 0.3)
 
     module = DecodeAttention()
     query = torch.randn(2, 4, 8)
-    program = torch.export.export(module, (query, torch.tensor([[5], [9]]), torch.tensor([0, 2])))
+    program = torch.export.export(module, (query, torch.tensor([[5], [9]]), torch.tensor([[0], [2]])))
     compiled = torch._inductor.aoti_load_package(
         torch._inductor.aoti_compile_and_package(program, package_path=str(tmp_path / "a.pt2"))
     )
-    for positions, seq_ids in [([[5], [9]], [0, 2]), ([[63], [0]], [1, 1])]:
-        positions, seq_ids = torch.tensor(positions), torch.tensor(seq_ids)
-        want = reference(query, module.k, module.v, seq_ids, positions[:, 0] + 1, 0.3)
-        torch.testing.assert_close(compiled(query, positions, seq_ids), want)
+    for positions, tables in [([[5], [9]], [[0], [2]]), ([[63], [0]], [[1], [1]])]:
+        positions, tables = torch.tensor(positions), torch.tensor(tables)
+        want = reference(query, module.k, module.v, tables[:, 0], positions[:, 0] + 1, 0.3)
+        torch.testing.assert_close(compiled(query, positions, tables), want)
 
 
 def test_the_cpu_backend_chooses_the_decode_op_on_the_hosts_it_was_measured_on():

@@ -31,7 +31,14 @@ def test_capabilities_describe_the_decoders_kv_cache(family, chunk):
     assert caps.kv.cache_lengths == tuple(
         getattr(model, f"k_cache_{i}").shape[2] for i in range(caps.kv.num_layers)
     )
-    assert caps.kv.bytes_per_slot * config.batch_size == sum(c.nbytes for c in caches)
+    # the pool of one whole-sequence block per batch row
+    assert (caps.kv.num_blocks, caps.kv.block_size, caps.kv.one_block_per_row) == (
+        config.batch_size,
+        SEQUENCE_LENGTH,
+        True,
+    )
+    assert {c.shape[0] for c in caches} == {caps.kv.num_blocks}
+    assert caps.kv.bytes_per_block * caps.kv.num_blocks == sum(c.nbytes for c in caches)
     rings = tuple(i for i, n in enumerate(caps.kv.cache_lengths) if n < SEQUENCE_LENGTH)
     assert caps.ring_layers == rings
     if not chunk:  # a CE call writes a whole prompt at once: standard exports keep every position

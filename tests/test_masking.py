@@ -19,7 +19,7 @@ CHUNK, SEQ = 16, 64
 EVERY_KERNEL = KernelChoices(
     sdpa_prefill_from_window=1,
     sdpa_decode_from_window=1,
-    slot_view=True,
+    block_view=True,
     live_window=True,
     per_row_live=True,
     rowwise_linear_rows=2,
@@ -37,11 +37,11 @@ def decoder():
     return model.eval()
 
 
-def run_chunk(model, tokens, start, seq_id=0, width=CHUNK, window=SEQ):
+def run_chunk(model, tokens, start, block=0, width=CHUNK, window=SEQ):
     ids = pad_repeat_last(tokens[None], width, dim=1)
     pos = pad_repeat_last(torch.arange(start, start + len(tokens))[None], width, dim=1)
     with torch.no_grad():
-        return PrefillGraph(model, window)(ids, pos, torch.tensor([seq_id]))[0]
+        return PrefillGraph(model, window)(ids, pos, torch.tensor([[block]]))[0]
 
 
 def test_pad_repeat_last_repeats_the_last_entry():
@@ -103,9 +103,9 @@ def test_stale_cache_entries_beyond_the_context_are_never_read(decoder):
 
 def test_slots_are_isolated(decoder):
     tokens = torch.arange(5, 5 + 9)
-    alone = run_chunk(decoder, tokens, start=0, seq_id=0)
-    run_chunk(decoder, torch.arange(40, 60), start=0, seq_id=1, width=20)
-    again = run_chunk(decoder, tokens[-1:], start=8, seq_id=0)  # re-run the last token on slot 0
+    alone = run_chunk(decoder, tokens, start=0, block=0)
+    run_chunk(decoder, torch.arange(40, 60), start=0, block=1, width=20)
+    again = run_chunk(decoder, tokens[-1:], start=8, block=0)  # re-run the last token on slot 0
     torch.testing.assert_close(again, alone, atol=1e-5, rtol=0)
 
 
@@ -151,7 +151,7 @@ def test_ring_layers_equal_position_indexed_layers_over_stale_slots(family):
     for width in [16, 1, 7, 16, 16, 3, 16, 16]:  # 91 positions, across the windows (36-40)
         piece = tokens[start : start + width]
         got, want = (
-            run_chunk(m, piece, start=start, seq_id=1, width=chunk, window=128) for m in (ring, linear)
+            run_chunk(m, piece, start=start, block=1, width=chunk, window=128) for m in (ring, linear)
         )
         torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
         start += width
@@ -160,11 +160,10 @@ def test_ring_layers_equal_position_indexed_layers_over_stale_slots(family):
             ids, pos, seq = (
                 tokens[start].view(1, 1).repeat(2, 1),
                 torch.tensor([[0], [start]]),
-                torch.tensor([0, 1]),
+                torch.tensor([[0], [1]]),
             )
             got, want = (
-                m.logits(m.hidden_states(ids, pos, seq, 128, one_row_per_slot=True))[1]
-                for m in (ring, linear)
+                m.logits(m.hidden_states(ids, pos, seq, 128, decode_rows=True))[1] for m in (ring, linear)
             )
             torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
             start += 1
@@ -203,7 +202,7 @@ def test_fused_attention_kernel_equals_the_masked_softmax(family):
     tokens, start = torch.randint(4, 380, (80,), generator=torch.Generator().manual_seed(4)), 0
     for width in [16, 5, 16, 16]:
         piece = tokens[start : start + width]
-        *got, want = (run_chunk(m, piece, start=start, seq_id=1, width=16, window=64) for m in models)
+        *got, want = (run_chunk(m, piece, start=start, block=1, width=16, window=64) for m in models)
         for logits in got:
             torch.testing.assert_close(logits, want, atol=1e-4, rtol=0)
         start += width
@@ -212,11 +211,9 @@ def test_fused_attention_kernel_equals_the_masked_softmax(family):
             ids, pos, seq = (
                 tokens[start].view(1, 1).repeat(2, 1),
                 torch.tensor([[0], [start]]),
-                torch.tensor([0, 1]),
+                torch.tensor([[0], [1]]),
             )
-            *got, want = (
-                m.logits(m.hidden_states(ids, pos, seq, 64, one_row_per_slot=True))[1] for m in models
-            )
+            *got, want = (m.logits(m.hidden_states(ids, pos, seq, 64, decode_rows=True))[1] for m in models)
             for logits in got:
                 torch.testing.assert_close(logits, want, atol=1e-4, rtol=0)
             start += 1
@@ -241,8 +238,8 @@ def test_sdpa_is_chosen_per_graph_kind_and_bucket(monkeypatch, prefill_from, dec
     run_chunk(model, torch.arange(5, 5 + CHUNK), start=0)
     prefill_calls = len(calls)
     with torch.no_grad():
-        model.hidden_states(torch.tensor([[3], [4]]), torch.tensor([[CHUNK], [0]]), torch.tensor([0, 1]), SEQ,
-                            one_row_per_slot=True)  # fmt: skip
+        model.hidden_states(torch.tensor([[3], [4]]), torch.tensor([[CHUNK], [0]]), torch.tensor([[0], [1]]), SEQ,
+                            decode_rows=True)  # fmt: skip
     layers = len(model.model.layers)
     assert (prefill_calls, len(calls) - prefill_calls) == (
         layers if prefill_from is not None and SEQ >= prefill_from else 0,
@@ -280,7 +277,7 @@ def test_cpu_kernels_compiled_by_aotinductor_equal_the_masked_softmax(tmp_path, 
     inputs[0] = torch.randint(4, 380, inputs[0].shape, dtype=inputs[0].dtype)
     # positions from 20: earlier positions hold stale garbage, and so do those after the last
     inputs[1] = inputs[1] + torch.tensor([[20]] if kind == "cp" else [[0], [20]], dtype=inputs[1].dtype)
-    inputs[2] = torch.tensor([1] if kind == "cp" else [0, 1], dtype=inputs[2].dtype)
+    inputs[2] = torch.tensor([[1]] if kind == "cp" else [[0], [1]], dtype=inputs[2].dtype)
     with torch.no_grad():
         program = torch.export.export(graph_module(models[0].eval(), graph, config), tuple(inputs))
         package = torch._inductor.aoti_compile_and_package(program, package_path=str(tmp_path / "g.pt2"))

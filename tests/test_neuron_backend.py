@@ -285,8 +285,8 @@ def test_weights_are_named_once_when_layers_alias_them(family):
     ids = torch.tensor([[5, 6, 7]])
     with torch.no_grad():
         torch.testing.assert_close(
-            aliased.hidden_states(ids, torch.arange(3)[None], torch.tensor([0]), 64),
-            plain.hidden_states(ids, torch.arange(3)[None], torch.tensor([0]), 64),
+            aliased.hidden_states(ids, torch.arange(3)[None], torch.tensor([[0]]), 64),
+            plain.hidden_states(ids, torch.arange(3)[None], torch.tensor([[0]]), 64),
         )
 
 
