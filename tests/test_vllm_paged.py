@@ -15,7 +15,7 @@ from vllm_stepper import Engine
 
 from optimum_neuron_chunked.slots import block_table
 from optimum_neuron_chunked.testing.reference import hf_greedy
-from optimum_neuron_chunked.vllm.kv_blocks import dropped, next_block_ids, paged_address
+from optimum_neuron_chunked.vllm.kv_blocks import dropped, next_block_ids, request_blocks
 
 BLOCK, BLOCKS = 16, 32
 PAGED = dict(
@@ -80,15 +80,15 @@ def test_new_blocks_append_and_a_resumed_request_gets_its_list_replaced():
     assert next_block_ids(held, ([4, 5],), resumed=True) == ([4, 5],)
     assert held == ([3, 7],)  # fresh lists: vLLM's may be shared
     assert dropped(held) == ([],)
-    assert paged_address(([4, 5, 1],)) == (4, 5, 1)
+    assert request_blocks(([4, 5, 1],)) == [4, 5, 1]
     with pytest.raises(RuntimeError, match="no KV block"):
-        paged_address(([],))
+        request_blocks(([],))
 
 
-def test_decode_block_tables_are_right_padded_with_the_null_block():
-    table = block_table([(3, 7, 9), (5,), (2, 4)])
+def test_decode_block_tables_are_padded_by_repeating_each_rows_last_block():
+    table = block_table([(3, 7, 9), (5,), (2, 4), (0,)])
     assert table.dtype == torch.int32
-    assert table.tolist() == [[3, 7, 9], [5, 0, 0], [2, 4, 0]]
+    assert table.tolist() == [[3, 7, 9], [5, 5, 5], [2, 4, 4], [0, 0, 0]]
 
 
 def test_paged_limits_give_vllm_the_pool_and_honour_a_smaller_override():
@@ -154,7 +154,16 @@ def test_concurrent_requests_across_chunk_and_block_edges_equal_transformers(exp
     prompts = {f"r{n}": prompt(n, seed=70 + n) for n in (1, 15, 17, 33, 70, 100)}  # 6 on 4 rows
     for req_id, ids in prompts.items():
         engine.add(req_id, ids, max_tokens=8)  # 15 + 8 and 17 + 8 cross a block edge decoding
-    table = run(engine)
+    table, addressed = [], set()
+    while engine.scheduler.has_requests():
+        table.append(engine.step())
+        plan = engine.worker.runner.last_plan
+        for work in (*plan.decodes, *plan.chunks) if plan else ():
+            if work.req_id in engine.scheduler.requests:  # vLLM's block b is the pool's b - 1
+                (held,) = engine.scheduler.kv_cache_manager.get_block_ids(work.req_id)
+                assert work.blocks == tuple(b - 1 for b in held), work
+            addressed |= set(work.blocks)
+    assert 0 in addressed and max(addressed) < BLOCKS  # the pool's ids, 0..BLOCKS - 1
     starts = [int(part.split("[")[1].split(":")[0]) for row in table for part in row.split() if "[" in part]
     assert any(start % BLOCK for start in starts if start)  # a chunk resumed mid-block
     hf = hf_reference("llama")
