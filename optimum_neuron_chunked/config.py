@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -351,6 +352,19 @@ class NeuronConfig:
             context_length,
             f"context of {context_length} tokens exceeds the compiled sequence_length {self.sequence_length}.",
         )
+
+    def export_command(self, out: str | Path, model: str = "M") -> str:
+        """The `optimum-cli export neuron` command line that makes this export again: every
+        option that differs from its default, by its first flag (export/cli.py parses them)."""
+        words = ["optimum-cli", "export", "neuron", "--model", model]
+        for f in EXPORT_OPTIONS:
+            value = getattr(self, f.name)
+            if f.default is not dataclasses.MISSING and value == f.default:
+                continue
+            words.append(f.metadata["flags"][0])
+            if not isinstance(value, bool):
+                words.append(",".join(map(str, value)) if isinstance(value, tuple) else str(value))
+        return shlex.join([*words, str(out)])
 
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)

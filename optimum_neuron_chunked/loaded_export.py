@@ -116,7 +116,7 @@ def _load_neuron_config(model_dir: Path) -> NeuronConfig:
     if config.package_version != __version__:
         raise InvalidExportError(
             f"{model_dir} was exported by optimum-neuron-chunked {config.package_version}, this is {__version__}: "
-            "re-export it with this version."
+            f"export it again, from its source model M: {config.export_command(model_dir)}"
         )
     return config
 

@@ -255,3 +255,25 @@ def test_paged_kv_options():
         "mx_w64",
     ]
     assert NeuronConfig.from_dict(paged.to_dict()) == paged
+
+
+def test_the_export_command_of_a_config_makes_the_same_config():
+    """An export refused for its version names the command that makes it again (loaded_export)."""
+    import argparse
+    import shlex
+
+    from optimum_neuron_chunked.export.cli import add_export_arguments
+
+    config = NeuronConfig(batch_size=8, sequence_length=4096, prefill_chunk_size=256, mixed_step=True,
+                          kv_cache_blocks=64, kv_block_size=128, decode_widths=(4, 8), backend="neuron",
+                          on_device_sampling=False, instance_type="trn1")  # fmt: skip
+    parser = argparse.ArgumentParser()
+    add_export_arguments(parser)
+    words = shlex.split(config.export_command("out dir/", model="org/model"))
+    assert words[:3] == ["optimum-cli", "export", "neuron"]
+    args = parser.parse_args(words[3:])
+    assert (args.model, args.output) == ("org/model", "out dir/")
+    options = {
+        f: v for f, v in vars(args).items() if f not in ("model", "output", "overwrite") and v is not None
+    }
+    assert NeuronConfig(**options) == config

@@ -325,7 +325,9 @@ def test_loader_refuses_other_version_and_other_backend(eager_export):
     config = json.loads((eager_export / CONFIG_NAME).read_text())
     config["package_version"] = "0.0.1"
     (eager_export / CONFIG_NAME).write_text(json.dumps(config))
-    with pytest.raises(InvalidExportError, match="re-export"):
+    with pytest.raises(
+        InvalidExportError, match=r"export it again, .*: optimum-cli export neuron --model M "
+    ):
         NeuronModelForCausalLM.from_pretrained(eager_export)
 
 
