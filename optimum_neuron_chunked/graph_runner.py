@@ -17,7 +17,7 @@ from transformers import AutoConfig, PretrainedConfig
 
 from .backends import get_backend
 from .config import NeuronConfig
-from .graphs import COPY, INDEX_DTYPE, ce_spec, cp_spec, graph_specs, mx_spec, tg_spec, vf_spec
+from .graphs import COPY, INDEX_DTYPE, GraphSpec, ce_spec, cp_spec, graph_specs, mx_spec, tg_spec, vf_spec
 from .loaded_export import ExportCapabilities, check_export
 from .modeling.sampler import sample, sampling_params
 
@@ -158,12 +158,7 @@ class GraphRunner:
             self.config, self.config.decode_width_for(n), self.config.bucket_for(int(positions.max()) + 1)
         )
         rows, sampling, order = self._decode_inputs(
-            spec.batch,
-            token_ids[:, None],
-            positions[:, None],
-            self._fit_tables(tables, spec.window),
-            params,
-            rand,
+            spec, token_ids[:, None], positions[:, None], tables, params, rand
         )
         outputs = self.graphs[spec.name](*rows, *sampling)
         if not self.config.on_device_sampling:
@@ -196,12 +191,7 @@ class GraphRunner:
             )
         spec = mx_spec(self.config, self.config.bucket_for(max(int(positions.max()) + 1, end)))
         rows, sampling, order = self._decode_inputs(
-            spec.batch,
-            token_ids[:, None],
-            positions[:, None],
-            self._fit_tables(tables, spec.window),
-            params,
-            rand,
+            spec, token_ids[:, None], positions[:, None], tables, params, rand
         )
         chunk = _chunk_inputs(chunk_ids, chunk_start, self._request_table(chunk_blocks, spec.window, end), c)
         outputs = self.graphs[spec.name](*rows, *chunk, *sampling)
@@ -234,7 +224,7 @@ class GraphRunner:
         spec = vf_spec(
             self.config, self.config.decode_width_for(n), self.config.bucket_for(int(pos.max()) + 1)
         )
-        rows, _, order = self._decode_inputs(spec.batch, ids, pos, self._fit_tables(tables, spec.window))
+        rows, _, order = self._decode_inputs(spec, ids, pos, tables)
         argmax, logits = self.graphs[spec.name](*rows)
         unsort = torch.argsort(order)
         return argmax.cpu()[unsort].long(), logits.cpu()[unsort] if need_logits else None
@@ -288,12 +278,13 @@ class GraphRunner:
         columns = self.config.table_columns(window)
         return pad_repeat_last(tables.to(INDEX_DTYPE)[:, :columns], columns, dim=1).contiguous()
 
-    def _decode_inputs(self, rows: int, token_ids, positions, tables, params=None, rand=None) -> tuple:
-        """Decode rows (token ids and positions [N, T]) as a graph of `rows` rows takes them ->
-        (token inputs, sampling inputs, order). Rows go longest context first, so the padding
+    def _decode_inputs(self, spec: GraphSpec, token_ids, positions, tables, params=None, rand=None) -> tuple:
+        """Decode rows (token ids and positions [N, T], block tables [N, M]) as graph `spec` takes
+        them (spec.batch rows, tables fit to its window) -> (token inputs, sampling inputs, order). Rows go longest context first, so the padding
         (the one rule: repeat the last row) repeats the shortest: where each row reads only its
         live context (the cpu backend's per_row_live), a padded row costs the least it can.
         Integers are INDEX_DTYPE; the sampling inputs are there where the graph samples on device."""
+        rows, tables = spec.batch, self._fit_tables(tables, spec.window)
         order = torch.argsort(positions[:, -1], descending=True, stable=True)
         tokens = [
             pad_repeat_last(x[order].to(INDEX_DTYPE), rows, dim=0) for x in (token_ids, positions, tables)
