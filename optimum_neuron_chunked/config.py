@@ -272,14 +272,11 @@ class NeuronConfig:
 
     def _validate_paged(self) -> None:
         blocks, size = self.kv_cache_blocks, self.kv_block_size
-        if min(blocks, size) < 0 or (blocks > 0) != (size > 0):
+        if (blocks, size) != (0, 0) and not (min(blocks, size) > 0 and self.chunked):
             raise NeuronConfigError(
-                f"--kv-cache-blocks ({blocks}) and --kv-block-size ({size}) go together: pass both "
-                "(a pool of N blocks of P positions), or neither (one slot per batch row)."
-            )
-        if blocks and not self.chunked:
-            raise NeuronConfigError(
-                "--kv-cache-blocks pages the KV cache of chunked exports only: pass --prefill-chunk-size too."
+                f"--kv-cache-blocks ({blocks}) and --kv-block-size ({size}) page the KV cache of a chunked "
+                "export: pass both, positive, with --prefill-chunk-size (a pool of N blocks of P "
+                "positions), or neither (one whole-sequence block per batch row)."
             )
         if any(bucket % size for bucket in self.context_buckets if size):
             raise NeuronConfigError(

@@ -257,8 +257,6 @@ class GraphRunner:
         return self._block_ids(blocks)[start // size : (end - 1) // size + 1].tolist()
 
     def _block_ids(self, blocks: Sequence[int]) -> torch.Tensor:
-        if not isinstance(blocks, Sequence | torch.Tensor):
-            raise ValueError(f"a request's KV address is its block ids, a sequence of ints (got {blocks!r})")
         return torch.as_tensor(blocks).long().reshape(-1)
 
     def _check_tables(self, tables: torch.Tensor, last_positions: torch.Tensor) -> None:

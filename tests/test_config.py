@@ -233,9 +233,10 @@ def test_paged_kv_options():
     """--kv-cache-blocks / --kv-block-size: errors name the flags; paged exports have no copy graph."""
     shapes = dict(batch_size=2, sequence_length=64, prefill_chunk_size=16, context_buckets=(32, 64))
     for fields, message in [
-        (dict(kv_cache_blocks=8), "--kv-cache-blocks .* and --kv-block-size .* go together"),
-        (dict(kv_block_size=8), "--kv-cache-blocks .* and --kv-block-size .* go together"),
-        (dict(kv_cache_blocks=8, kv_block_size=8, prefill_chunk_size=0), "pass --prefill-chunk-size"),
+        (dict(kv_cache_blocks=8), r"--kv-cache-blocks \(8\) and --kv-block-size \(0\) .* pass both"),
+        (dict(kv_block_size=8), r"--kv-cache-blocks \(0\) and --kv-block-size \(8\) .* pass both"),
+        (dict(kv_cache_blocks=-8, kv_block_size=8), "pass both, positive"),
+        (dict(kv_cache_blocks=8, kv_block_size=8, prefill_chunk_size=0), "with --prefill-chunk-size"),
         (dict(kv_cache_blocks=8, kv_block_size=12), "--kv-block-size 12 must divide every context bucket"),
     ]:
         with pytest.raises(NeuronConfigError, match=message):

@@ -119,8 +119,6 @@ def test_generate_on_a_paged_export_matches_transformers(llama_paged, hf_referen
 
 def test_the_runner_refuses_what_a_paged_export_cannot_run(llama_paged):
     model, ids = llama_paged, prompt(C)
-    with pytest.raises(ValueError, match="block ids, a sequence of ints"):
-        model.runner.prefill(ids, 0, 1)
     with pytest.raises(ValueError, match="positions up to"):  # 16 positions need two blocks
         model.runner.prefill(ids, 0, [5])
     with pytest.raises(ValueError, match="positions up to"):  # position 9 needs a second column

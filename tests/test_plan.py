@@ -55,9 +55,7 @@ def test_standard_export_takes_whole_prompts_only():
         plan_step([work("a", 0, 0, 40, prompt=90)], chunk_size=0, batch_size=4)
 
 
-def test_refuses_shared_blocks_and_oversized_decode_batches():
-    with pytest.raises(PlanError, match="share KV blocks"):
-        plan_step([work("a", 0, 9, 1, 8, 10), work("b", 0, 9, 1, 8, 10)], chunk_size=32, batch_size=4)
+def test_refuses_oversized_decode_batches():
     decodes = [work(str(i), i, 9, 1, 8, 10) for i in range(3)]
     with pytest.raises(PlanError, match="batch_size 2"):
         plan_step(decodes, chunk_size=32, batch_size=2)

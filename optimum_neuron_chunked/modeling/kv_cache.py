@@ -73,21 +73,12 @@ def scatter_cache(
     return torch.index_put(cache, where, values.transpose(1, 2))
 
 
-def block_positions(
-    block_tables: torch.Tensor, position_ids: torch.Tensor, block_size: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Block tables [N, M] and positions [N, T] -> (block [N, T], offset [N, T]) holding each
-    position in a paged cache."""
-    blocks = torch.gather(block_tables, 1, torch.div(position_ids, block_size, rounding_mode="floor"))
-    return blocks, torch.remainder(position_ids, block_size)
-
-
-def gather_blocks(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
-    """A paged cache [blocks, Hkv, P, D] read through block tables [N, M] -> each row's first
-    M * P positions, [N, Hkv, M * P, D] (a copy)."""
+def gather_blocks(cache: torch.Tensor, block_tables: torch.Tensor, positions) -> torch.Tensor:
+    """A cache [blocks, Hkv, P, D] read through block tables [N, M] -> each row's M blocks, each
+    cut to its first `positions`, [N, Hkv, M * positions, D] (a copy)."""
     n, m = block_tables.shape
-    blocks = cache[block_tables]  # [N, M, Hkv, P, D]
-    return blocks.transpose(1, 2).reshape(n, cache.shape[1], m * cache.shape[2], cache.shape[3])
+    blocks = cache[:, :, :positions][block_tables]  # [N, M, Hkv, positions, D]
+    return blocks.transpose(1, 2).reshape(n, cache.shape[1], m * positions, cache.shape[3])
 
 
 @dataclass(frozen=True)
@@ -95,8 +86,8 @@ class KVCache:
     """One layer's K and V and how positions address them. `write` returns the cache with a
     part's K/V in it (the same tensors, or new ones under `functional` XLA tracing).
 
-    `one_block_per_row`: a block holds a row's whole sequence (or ring), so a table has one
-    column and a row's block is read in place; else blocks of P positions are gathered."""
+    `one_block_per_row`: a block holds a row's whole sequence (or ring): a table has one column,
+    and the reference kernel may read decode rows in pool order (kernels.attend_in_pool_order)."""
 
     keys: torch.Tensor  # [blocks, Hkv, P, D]
     values: torch.Tensor  # same shape
@@ -115,12 +106,13 @@ class KVCache:
         k: torch.Tensor,  # [N, T, Hkv, D]
         v: torch.Tensor,  # [N, T, Hkv, D]
     ) -> KVCache:
-        """The cache with k, v written at each row's positions."""
-        if self.one_block_per_row:  # the column is static: no gather of the table
-            rows = tables[:, :1]
-            index = position_ids if self.ring is None else torch.remainder(position_ids, self.ring)
+        """The cache with k, v written at each row's positions: position p of row r at offset
+        p % P of block tables[r, p // P] (a ring's one block: p % ring length)."""
+        index = torch.remainder(position_ids, self.block_size)
+        if tables.shape[1] == 1:  # one column: every position in it, static (no gather of the table)
+            rows = tables
         else:
-            rows, index = block_positions(tables, position_ids, self.block_size)
+            rows = torch.gather(tables, 1, torch.div(position_ids, self.block_size, rounding_mode="floor"))
         keys = scatter_cache(self.keys, rows, index, k, self.functional)
         values = scatter_cache(self.values, rows, index, v, self.functional)
         return replace(self, keys=keys, values=values)
@@ -137,12 +129,11 @@ class KVCache:
         return ring_positions(position_ids[:, -1], self.ring)
 
     def windows(self, tables: torch.Tensor, live) -> tuple[torch.Tensor, torch.Tensor]:
-        """Each row's first positions, keys and values [N, Hkv, R, D] (a copy): its one block
-        cut to `live` positions, or its M blocks gathered (R = M * P)."""
-        if self.one_block_per_row:
-            rows = tables[:, 0]
-            return self.keys[rows, :, :live], self.values[rows, :, :live]
-        return gather_blocks(self.keys, tables), gather_blocks(self.values, tables)
+        """Keys and values [N, Hkv, R, D] of each row's positions from 0 (a copy): its M blocks in
+        table order, each cut to `live` positions where one block holds them all (R = M * min(P,
+        live): callers pass the table columns up to the block holding position live - 1)."""
+        positions = torch.sym_min(self.block_size, live)
+        return gather_blocks(self.keys, tables, positions), gather_blocks(self.values, tables, positions)
 
     def block_view(self, block, live) -> tuple[torch.Tensor, torch.Tensor]:
         """The first `live` positions of one block (a scalar) as views: [1, Hkv, live, D]."""

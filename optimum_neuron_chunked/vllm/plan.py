@@ -114,8 +114,6 @@ def plan_step(
             chunks.extend(_split_prefill(w, chunk_size))
     if len(decodes) > batch_size:
         raise PlanError(f"{len(decodes)} decodes in one step exceed the compiled batch_size {batch_size}")
-    if len({w.blocks for w in work}) != len(work):
-        raise PlanError(f"two requests share KV blocks: {[(w.req_id, w.blocks) for w in work]}")
     _check_copies(copies, work)
     return StepPlan(tuple(decodes), tuple(chunks), tuple(w.req_id for w in work), tuple(copies))
 

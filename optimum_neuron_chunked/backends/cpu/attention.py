@@ -23,18 +23,15 @@ def attend(choices, decode_op: bool, spec: AttentionSpec, part: GraphPart, q, ca
         return _decode_op(spec, part, q, cache)
     read = part.read
     live = cache.extent(read.window, read.live)[1]
-    if cache.one_block_per_row:
-        if part.decode_rows:
-            core = _core(choices, spec, part, cache, sinks)
-            if read.rows is not None and cache.ring is None:
-                return _attend_per_row(q, cache, part.position_ids, read.rows, core)
-            return attend_in_pool_order(q, cache, part, live, core)
-        if read.block is not None:  # a graph of one row reads its block (CpuCacheRead.block) as a view
-            keys, values = cache.block_view(read.block, live)
-        else:
-            keys, values = cache.windows(part.tables, live)
+    if read.pool_order:
+        core = _core(choices, spec, part, cache, sinks)
+        if read.rows is not None and cache.ring is None:
+            return _attend_per_row(q, cache, part.position_ids, read.rows, core)
+        return attend_in_pool_order(q, cache, part, live, core)
+    if read.block is not None:
+        keys, values = cache.block_view(read.block, live)
     else:  # the blocks holding the live context (read.live: every row's, with live_window)
-        blocks = (read.live + cache.block_size - 1) // cache.block_size
+        blocks = (live + cache.block_size - 1) // cache.block_size
         torch._check(blocks <= part.tables.shape[1])
         keys, values = cache.windows(part.tables[:, :blocks], live)
     return _attend_windows(choices, spec, part, q, cache, sinks, keys, values)

@@ -90,11 +90,15 @@ def kernel_choices(cpu_capability: str | None = None) -> KernelChoices:
 
 @dataclass(frozen=True)
 class CpuCacheRead(CacheRead):
-    """CacheRead with the scalars read inside the graph (pools of whole-sequence blocks):
+    """CacheRead with what CpuKernels.cache_read chose for the call, the one place the cpu
+    backend reads the layout. Pools of whole-sequence blocks:
+    pool_order: decode rows attend over views of the pool in block order (attend_in_pool_order);
     block: a one-row graph's block (block_view: attend over a view of it), else None (gather);
     rows: decode rows' (block, live) per row (per_row_live: each row attends over its own live
-      context in a view of its block), else None."""
+      context in a view of its block), else None.
+    Smaller blocks: none of these; the blocks holding the live context are gathered."""
 
+    pool_order: bool = False
     block: int | torch.SymInt | None = None
     rows: tuple[tuple[int | torch.SymInt, int | torch.SymInt], ...] | None = None
 
@@ -137,7 +141,7 @@ class CpuKernels(Kernels):
             torch._check(block >= 0)
         if self.choices.per_row_live and decode_rows:
             rows = tuple(_row_read(tables[i, 0], position_ids[i], window) for i in range(tables.shape[0]))
-        return CpuCacheRead(window, live, block, rows)
+        return CpuCacheRead(window, live, decode_rows, block, rows)
 
     def attend(
         self,
