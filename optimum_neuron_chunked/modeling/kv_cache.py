@@ -107,12 +107,13 @@ class KVCache:
         v: torch.Tensor,  # [N, T, Hkv, D]
     ) -> KVCache:
         """The cache with k, v written at each row's positions: position p of row r at offset
-        p % P of block tables[r, p // P] (a ring's one block: p % ring length)."""
-        index = torch.remainder(position_ids, self.block_size)
-        if tables.shape[1] == 1:  # one column: every position in it, static (no gather of the table)
+        p % P of block tables[r, p // P]."""
+        if tables.shape[1] == 1:  # static, no gather: positions are below P, or wrap in a ring
             rows = tables
+            index = position_ids if self.ring is None else torch.remainder(position_ids, self.ring)
         else:
             rows = torch.gather(tables, 1, torch.div(position_ids, self.block_size, rounding_mode="floor"))
+            index = torch.remainder(position_ids, self.block_size)
         keys = scatter_cache(self.keys, rows, index, k, self.functional)
         values = scatter_cache(self.values, rows, index, v, self.functional)
         return replace(self, keys=keys, values=values)
