@@ -367,6 +367,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     work = args.work / ("quick" if args.quick else "full")
     work.mkdir(parents=True, exist_ok=True)
+    args.results.mkdir(parents=True, exist_ok=True)  # before the runs: their figures are not lost
     runs = {name: [w for w in workloads if w != "w5"] for name in args.contenders.split(",")}
     runs = {name: loads_of for name, loads_of in runs.items() if loads_of}
     runs |= {name: ["w5"] for name in SPEC_CONTENDERS if "w5" in workloads}
