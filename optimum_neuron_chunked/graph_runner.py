@@ -278,9 +278,10 @@ class GraphRunner:
 
     def _decode_inputs(self, spec: GraphSpec, token_ids, positions, tables, params=None, rand=None) -> tuple:
         """Decode rows (token ids and positions [N, T], block tables [N, M]) as graph `spec` takes
-        them (spec.batch rows, tables fit to its window) -> (token inputs, sampling inputs, order). Rows go longest context first, so the padding
-        (the one rule: repeat the last row) repeats the shortest: where each row reads only its
-        live context (the cpu backend's per_row_live), a padded row costs the least it can.
+        them (spec.batch rows, tables fit to its window) -> (token inputs, sampling inputs, order).
+        Rows go longest context first, so the padding (the one rule: repeat the last row) repeats
+        the shortest: where each row reads only its live context (the cpu backend's
+        per_row_live), a padded row costs the least it can.
         Integers are INDEX_DTYPE; the sampling inputs are there where the graph samples on device."""
         rows, tables = spec.batch, self._fit_tables(tables, spec.window)
         order = torch.argsort(positions[:, -1], descending=True, stable=True)
