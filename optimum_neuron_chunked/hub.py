@@ -3,10 +3,17 @@
 Only what the export needs is downloaded: its configs and tokenizer, neuron_config.json and
 the weight and graph files of the backend it was compiled for. huggingface_hub's own
 conventions apply as they are: HF_TOKEN, HF_HUB_OFFLINE, HF_HUB_CACHE, `revision`.
+
+An export whose backend runs code from its files (Backend.runs_code_from_export: the cpu
+backend's shared libraries, the neuron backend's TorchScript bundle) is someone else's code:
+as transformers' `trust_remote_code` and vLLM's `--trust-remote-code`, it loads only with the
+user's consent, asked before anything but neuron_config.json is downloaded. Local folders are
+the user's own files and need none.
 """
 
 from __future__ import annotations
 
+import logging
 import re
 from pathlib import Path
 
@@ -25,8 +32,15 @@ HUB_FILES = [
 REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 
 
+logger = logging.getLogger(__name__)
+
+
 class ExportNotFoundError(InvalidExportError):
     """A repo id that cannot be resolved to an export; the message says why and what to do."""
+
+
+class UntrustedExportError(InvalidExportError):
+    """An export from the Hub that runs code when loaded, without the user's consent."""
 
 
 def is_repo_id(model: str | Path) -> bool:
@@ -35,21 +49,65 @@ def is_repo_id(model: str | Path) -> bool:
     return not Path(text).exists() and not text.startswith((".", "/", "~")) and bool(REPO_ID.match(text))
 
 
-def resolve_export(model: str | Path, revision: str | None = None) -> Path:
-    """A local folder as it is; a Hub repo id downloaded (or found in the cache) as a folder."""
+def resolve_export(
+    model: str | Path,
+    revision: str | None = None,
+    trust_remote_code: bool = False,
+    consent_flag: str = "trust_remote_code=True",
+) -> Path:
+    """A local folder as it is; a Hub repo id downloaded (or found in the cache) as a folder.
+
+    An export from the Hub that runs code when loaded is refused (UntrustedExportError, naming
+    `consent_flag`, the caller's spelling of the consent) unless `trust_remote_code`. A folder
+    that is a snapshot in a Hugging Face cache is from the Hub too: vLLM passes one in place of
+    the repo id under HF_HUB_OFFLINE (vllm/engine/arg_utils.py, 0.16.0 and 0.32)."""
     if not is_repo_id(model):
+        snapshot = hub_snapshot(model)
+        if snapshot is not None:
+            from .config import NeuronConfig
+
+            repo_id, commit = snapshot
+            _check_consent(NeuronConfig.load(Path(model)), repo_id, commit, trust_remote_code, consent_flag)
         return Path(model)
     from huggingface_hub import snapshot_download
 
     from .backends import export_files
 
     repo_id, where = str(model), f"{model} (revision {revision or 'main'})"
-    config = _neuron_config(repo_id, revision, where)
+    config, commit = _neuron_config(repo_id, revision, where)
+    _check_consent(config, where, commit, trust_remote_code, consent_flag)
     patterns = [CONFIG_NAME, *HUB_FILES, *export_files(config)]
     return Path(snapshot_download(repo_id, revision=revision, allow_patterns=patterns))
 
 
+def hub_snapshot(folder: str | Path) -> tuple[str, str] | None:
+    """(repo id, commit) of a folder laid out as huggingface_hub caches a repository
+    (.../models--org--name/snapshots/<commit>), else None."""
+    path = Path(folder).absolute()
+    repo = path.parent.parent.name
+    if path.parent.name != "snapshots" or not repo.startswith("models--"):
+        return None
+    return repo.removeprefix("models--").replace("--", "/"), path.name
+
+
+def _check_consent(config, where: str, commit: str, trust_remote_code: bool, consent_flag: str) -> None:
+    from .backends import get_backend
+
+    runs = get_backend(config.backend).runs_code_from_export
+    if runs and not trust_remote_code:
+        raise UntrustedExportError(
+            f"{where} at commit {commit} is a {config.backend} export: loading it runs {runs} "
+            f"from that repository in this process. If you trust its author, pass {consent_flag}, "
+            "best with the revision pinned to that commit; or export the source checkpoint "
+            "yourself (optimum-cli export neuron)."
+        )
+    if runs:
+        logger.warning("%s: loading %s from commit %s (trust_remote_code)", where, runs, commit)
+
+
 def _neuron_config(repo_id: str, revision: str | None, where: str):
+    """(NeuronConfig, the commit `revision` resolved to): huggingface_hub keeps a file of a
+    commit at snapshots/<commit>/<file>, cached or downloaded."""
     from huggingface_hub import hf_hub_download
     from huggingface_hub.errors import (
         EntryNotFoundError,
@@ -61,7 +119,8 @@ def _neuron_config(repo_id: str, revision: str | None, where: str):
     from .config import NeuronConfig
 
     try:
-        return NeuronConfig.load(Path(hf_hub_download(repo_id, CONFIG_NAME, revision=revision)).parent)
+        snapshot = Path(hf_hub_download(repo_id, CONFIG_NAME, revision=revision)).parent
+        return NeuronConfig.load(snapshot), snapshot.name
     except RepositoryNotFoundError as e:
         raise ExportNotFoundError(
             f"{where}: no such repository on the Hugging Face Hub, or no access to it (set HF_TOKEN "

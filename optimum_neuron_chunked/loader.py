@@ -43,11 +43,13 @@ class NeuronModelForCausalLM:
         backend: str | None = None,
         revision: str | None = None,
         verify_weights: bool = False,
+        trust_remote_code: bool = False,
     ) -> NeuronModelForCausalLM:
         """An export folder, or the repo id of an export on the Hugging Face Hub (at `revision`).
 
-        `verify_weights`: also check the weight files' SHA-256 (sizes and graphs always are)."""
-        model_dir = Path(resolve_export(model_dir, revision))
+        `verify_weights`: also check the weight files' SHA-256 (sizes and graphs always are).
+        `trust_remote_code`: consent to load a Hub export whose files run code (cpu, neuron)."""
+        model_dir = Path(resolve_export(model_dir, revision, trust_remote_code))
         runner = GraphRunner.load(model_dir, backend, verify_weights)
         try:
             generation_config = GenerationConfig.from_pretrained(model_dir)

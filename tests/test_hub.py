@@ -1,46 +1,59 @@
 """Exports by Hugging Face Hub id, from a local cache laid out as huggingface_hub lays it out,
-with HF_HUB_OFFLINE=1 (no network): the loader and `vllm serve` answer as for the folder."""
+with HF_HUB_OFFLINE=1 (no network): the loader and `vllm serve` answer as for the folder; an
+export whose files run code (cpu: shared libraries) loads only with trust_remote_code."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import subprocess
 import sys
 
 import pytest
-from fixtures.export_models import checkpoint_path
+from fixtures.export_models import CHUNKED_SHAPE, EXPORTS, checkpoint_path, export_model
 from fixtures.hub_cache import add_to_hub_cache
 
 from optimum_neuron_chunked.export.pipeline import export
-from optimum_neuron_chunked.hub import is_repo_id
+from optimum_neuron_chunked.hub import hub_snapshot, is_repo_id
 from optimum_neuron_chunked.testing.server import Server
 
 REPO = "org/llama-chunked"
+CODE_REPO = "org/llama-cpu"  # a cpu export: AOTInductor shared libraries
 PROMPT = list(range(4, 4 + 40))  # crosses two chunks of 16
 
 
 @pytest.fixture(scope="module")
 def hub(tmp_path_factory):
-    """(offline env, local export folder): the export cached as REPO, a plain checkpoint as org/plain."""
+    """(offline env, local export folder): the eager export cached as REPO, a cpu export as
+    CODE_REPO, only the neuron_config.json of a cpu export as org/config-only, a plain checkpoint
+    as org/plain."""
     work = tmp_path_factory.mktemp("hub")
     out = export(str(checkpoint_path("llama")), work / "out", batch_size=2, sequence_length=64,
                  prefill_chunk_size=16, backend="eager")  # fmt: skip
     add_to_hub_cache(work / "cache", REPO, out)
+    code = export_model(EXPORTS[f"llama-{CHUNKED_SHAPE}-cpu"])
+    add_to_hub_cache(work / "cache", CODE_REPO, code)
+    (work / "config-only").mkdir()
+    (work / "config-only" / "neuron_config.json").write_bytes((code / "neuron_config.json").read_bytes())
+    add_to_hub_cache(work / "cache", "org/config-only", work / "config-only")
     add_to_hub_cache(work / "cache", "org/plain", checkpoint_path("llama"))
     env = {**os.environ, "HF_HUB_CACHE": str(work / "cache"), "HF_HUB_OFFLINE": "1"}
     return env, out
 
 
-def load_and_generate(env: dict, model: str, revision: str | None = None) -> subprocess.CompletedProcess:
+def load_and_generate(
+    env: dict, model: str, revision: str | None = None, trust_remote_code: bool = False
+) -> subprocess.CompletedProcess:
     script = (
         "import sys, json, torch\n"
         "from optimum_neuron_chunked import NeuronModelForCausalLM\n"
-        "m = NeuronModelForCausalLM.from_pretrained(sys.argv[1], revision=sys.argv[2] or None)\n"
+        "m = NeuronModelForCausalLM.from_pretrained(sys.argv[1], revision=sys.argv[2] or None,"
+        " trust_remote_code=sys.argv[3] == 'trust')\n"
         f"print(json.dumps(m.generate(torch.tensor([{PROMPT}]), max_new_tokens=6, do_sample=False)[0].tolist()))\n"
     )
     return subprocess.run(
-        [sys.executable, "-c", script, model, revision or ""],
+        [sys.executable, "-c", script, model, revision or "", "trust" if trust_remote_code else ""],
         capture_output=True,
         text=True,
         env=env,
@@ -52,6 +65,8 @@ def test_repo_ids_and_local_paths_are_told_apart(tmp_path):
     assert is_repo_id("org/name") and is_repo_id("gpt2") and is_repo_id("org/name-v1.5")
     assert not is_repo_id("./out") and not is_repo_id("/abs/out") and not is_repo_id("a/b/c")
     assert not is_repo_id(tmp_path)  # exists
+    assert hub_snapshot("/c/models--org--name/snapshots/abc") == ("org/name", "abc")
+    assert hub_snapshot(tmp_path) is None
 
 
 def test_from_pretrained_takes_a_repo_id_from_the_offline_cache(hub):
@@ -75,6 +90,36 @@ def test_a_repo_id_that_is_no_cached_export_gets_a_clear_error(hub, model, revis
     assert done.returncode != 0 and message in " ".join(done.stderr.split()), done.stderr[-3000:]
 
 
+def commit_of(repo_id: str) -> str:
+    return hashlib.sha1(f"{repo_id}@main".encode()).hexdigest()  # as add_to_hub_cache names it
+
+
+def refused_for_code(stderr: str, repo_id: str, flag: str) -> bool:
+    """The refusal names the repository, its commit, what would run and the flag (`vllm serve`
+    under HF_HUB_OFFLINE passes the snapshot folder: no revision name)."""
+    said = " ".join(stderr.split())
+    return (
+        f"{repo_id} " in said
+        and f"at commit {commit_of(repo_id)} is a cpu export: loading it runs AOTInductor packages" in said
+        and f"pass {flag}" in said
+    )
+
+
+def test_a_hub_export_that_runs_code_loads_only_with_consent(hub):
+    env, _ = hub
+    local = load_and_generate(env, str(export_model(EXPORTS[f"llama-{CHUNKED_SHAPE}-cpu"])))
+    assert local.returncode == 0, local.stderr[-3000:]  # the user's own folder: no flag
+    refused = load_and_generate(env, CODE_REPO)
+    assert refused.returncode != 0 and refused_for_code(refused.stderr, CODE_REPO, "trust_remote_code=True")
+    # Refused on neuron_config.json alone: nothing else of the repository was needed.
+    config_only = load_and_generate(env, "org/config-only")
+    assert refused_for_code(config_only.stderr, "org/config-only", "trust_remote_code=True")
+    trusted = load_and_generate(env, CODE_REPO, trust_remote_code=True)
+    assert trusted.returncode == 0, trusted.stderr[-3000:]
+    assert f"from commit {commit_of(CODE_REPO)} (trust_remote_code)" in trusted.stderr
+    assert json.loads(trusted.stdout.splitlines()[-1]) == json.loads(local.stdout.splitlines()[-1])
+
+
 def test_the_export_carries_a_model_card(hub):
     _, folder = hub
     card = (folder / "README.md").read_text()
@@ -84,17 +129,26 @@ def test_the_export_carries_a_model_card(hub):
 
 @pytest.mark.slow
 def test_vllm_serves_a_repo_id_from_the_offline_cache(hub, tmp_path):
+    """A weights-only export by repo id, then a code-bearing one: refused without vLLM's
+    --trust-remote-code, served with it."""
     from openai import OpenAI
 
     env, folder = hub
-    want = json.loads(load_and_generate(env, str(folder)).stdout.splitlines()[-1])[len(PROMPT) :]
-    srv = Server(REPO, tmp_path / "serve.log", env={k: env[k] for k in ("HF_HUB_CACHE", "HF_HUB_OFFLINE")})
-    try:
-        srv.wait_ready()
-        client = OpenAI(base_url=f"{srv.url}/v1", api_key="none", max_retries=0)
-        choice = client.completions.create(
-            model=REPO, prompt=PROMPT, max_tokens=6, temperature=0, extra_body={"return_token_ids": True}
-        ).choices[0]
-        assert list(choice.token_ids) == want
-    finally:
-        assert srv.stop() == []
+    hub_env = {k: env[k] for k in ("HF_HUB_CACHE", "HF_HUB_OFFLINE")}
+    refused = Server(CODE_REPO, tmp_path / "refused.log", env=hub_env)
+    assert refused.wait_exit() != 0 and refused_for_code(refused.output(), CODE_REPO, "--trust-remote-code")
+    for repo, source, args in [
+        (REPO, folder, ()),
+        (CODE_REPO, export_model(EXPORTS[f"llama-{CHUNKED_SHAPE}-cpu"]), ("--trust-remote-code",)),
+    ]:
+        want = json.loads(load_and_generate(env, str(source)).stdout.splitlines()[-1])[len(PROMPT) :]
+        srv = Server(repo, tmp_path / "serve.log", *args, env=hub_env)
+        try:
+            srv.wait_ready()
+            client = OpenAI(base_url=f"{srv.url}/v1", api_key="none", max_retries=0)
+            choice = client.completions.create(
+                model=repo, prompt=PROMPT, max_tokens=6, temperature=0, extra_body={"return_token_ids": True}
+            ).choices[0]
+            assert list(choice.token_ids) == want, repo
+        finally:
+            assert srv.stop() == []

@@ -29,6 +29,10 @@ class BackendUnavailableError(RuntimeError):
 
 class Backend(ABC):
     name: str
+    # What loading an export of this backend runs beyond this package's own code (compiled
+    # programs, archives), or None when its files are data only (weights, configs). An export
+    # from the Hub whose backend runs code needs the user's consent (hub.resolve_export).
+    runs_code_from_export: str | None = None
 
     @abstractmethod
     def compile(

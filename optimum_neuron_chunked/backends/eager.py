@@ -14,6 +14,7 @@ from .base import Backend, OnGraph
 
 class EagerBackend(Backend):
     name = "eager"
+    runs_code_from_export = None  # safetensors weights: the graphs are this package's modules
 
     def compile(self, model, config, specs, out_dir: Path, on_graph: OnGraph) -> None:
         pass

@@ -52,6 +52,7 @@ def require_torch_xla() -> ModuleType:
 
 class XlaBackend(Backend):
     name = "xla"
+    runs_code_from_export = None  # safetensors weights: graphs are traced from this package's code
 
     def check_available(self) -> None:
         require_torch_xla()

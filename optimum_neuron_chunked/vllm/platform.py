@@ -7,6 +7,7 @@ platform only configures the engine around them.
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import torch
 from vllm.logger import init_logger
@@ -14,7 +15,7 @@ from vllm.platforms import Platform, PlatformEnum
 
 from ..backends import get_backend
 from ..config import NeuronConfig
-from ..hub import resolve_export
+from ..hub import UntrustedExportError, resolve_export
 from ..loader import ExportCapabilities, InvalidExportError, check_export
 from .compat import cap_scheduled_tokens
 from .features import refuse_unsupported
@@ -88,7 +89,9 @@ class NeuronChunkedPlatform(Platform):
         if model_config is None:
             return
         try:
-            export = check_export(resolve_export(model_config.model, model_config.revision))
+            export = check_export(served_export(model_config))
+        except UntrustedExportError:
+            raise
         except InvalidExportError as e:
             raise InvalidExportError(
                 f"{e}\n(optimum-neuron-chunked's vLLM platform serves export folders only; to serve "
@@ -230,6 +233,14 @@ def _warn_if_read_as_default(vllm_config, request: EngineRequest, limits) -> Non
                 "export's). If you typed it, force it with --additional-config '{\"%s\": %d}'.",
                 flag, seen, used, name, seen,
             )  # fmt: skip
+
+
+def served_export(model_config) -> Path:
+    """The export folder of `vllm serve MODEL`: a Hub export that runs code needs vLLM's own
+    --trust-remote-code (ModelConfig.trust_remote_code, vLLM 0.16.0 and 0.32)."""
+    return resolve_export(
+        model_config.model, model_config.revision, model_config.trust_remote_code, "--trust-remote-code"
+    )
 
 
 def data_parallel_rank(parallel_config) -> tuple[int, int]:

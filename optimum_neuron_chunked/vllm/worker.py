@@ -12,10 +12,9 @@ from vllm.v1.worker.worker_base import WorkerBase
 from ..backends import get_backend
 from ..config import NeuronConfig
 from ..graph_runner import GraphRunner
-from ..hub import resolve_export
 from .compat import no_compilation_times
 from .plan import describe
-from .platform import data_parallel_rank
+from .platform import data_parallel_rank, served_export
 from .runner import StepRunner
 
 logger = init_logger(f"vllm.{__name__}")  # under vLLM's configured logger
@@ -28,7 +27,7 @@ class NeuronChunkedWorker(WorkerBase):
     def init_device(self) -> None:
         self.device = torch.device("cpu")
         # Checked by the platform already and again by load_model: only the shapes are read here.
-        export = NeuronConfig.load(resolve_export(self.model_config.model, self.model_config.revision))
+        export = NeuronConfig.load(served_export(self.model_config))
         # Before load_model starts the backend's runtime: data-parallel rank r (one engine core
         # process each, vllm/v1/engine/core.py 0.16.0 and 0.32) takes its own devices.
         rank, size = data_parallel_rank(self.parallel_config)
@@ -38,8 +37,7 @@ class NeuronChunkedWorker(WorkerBase):
             logger.info("data-parallel rank %d: %s", rank, " ".join(f"{k}={v}" for k, v in env.items()))
 
     def load_model(self, *, load_dummy_weights: bool = False) -> None:
-        mc = self.model_config
-        graph_runner = GraphRunner.load(resolve_export(mc.model, mc.revision))
+        graph_runner = GraphRunner.load(served_export(self.model_config))
         self.runner = StepRunner(graph_runner, self.vllm_config)
         kv = graph_runner.capabilities.kv
         logger.info(

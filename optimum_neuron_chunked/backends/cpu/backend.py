@@ -78,6 +78,9 @@ def check_runs_here(config: NeuronConfig, host_isa: str | None = None) -> None:
 
 class CpuBackend(Backend):
     name = "cpu"
+    runs_code_from_export = (
+        "AOTInductor packages (graphs/*.pt2: compiled shared libraries loaded into this process)"
+    )
 
     def host_fields(self, instance_type: str | None) -> dict[str, str]:
         return {**super().host_fields(instance_type), "cpu_isa": host_cpu_capability()}

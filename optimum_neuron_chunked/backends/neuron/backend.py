@@ -42,6 +42,8 @@ PREFIX = "model."  # the bundle holds the decoder as its `model` submodule
 
 class NeuronBackend(Backend):
     name = "neuron"
+    # torch.jit.load of a TorchScript archive is trusted input (PyTorch's own security note).
+    runs_code_from_export = f"an NxD bundle ({BUNDLE}: a TorchScript archive and compiled Neuron programs)"
 
     def check_available(self) -> None:
         require_neuron_sdk()
