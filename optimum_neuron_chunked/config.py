@@ -257,7 +257,7 @@ class NeuronConfig:
         k = self.speculation_length
         if k < 0:
             raise NeuronConfigError(f"--speculation-length must be >= 0 (0: no verify graphs), got {k}.")
-        # A sliding layer's ring holds window + C positions: a call writes at most C (ring_length).
+        # A sliding layer's ring holds window + C positions: a call writes at most C (kv_layout.KVLayout.of).
         most = min(self.prefill_chunk_size or self.sequence_length, self.context_buckets[0]) - 1
         if k > most:
             raise NeuronConfigError(
@@ -301,25 +301,13 @@ class NeuronConfig:
 
     @property
     def kv_block_positions(self) -> int:
-        """Positions per KV block, P: --kv-block-size, else a whole sequence (a block is a slot).
-        A layer's block is P positions, or its ring where that is shorter (kv_cache.py)."""
+        """Positions per KV block, P: --kv-block-size, else a whole sequence (the layout's rules:
+        modeling/kv_layout.py)."""
         return self.kv_block_size or self.sequence_length
-
-    @property
-    def one_block_per_row(self) -> bool:
-        """A block holds a whole sequence: rows read their block in place (no gather), sliding
-        layers keep rings, and prefix caching copies positions between blocks (the copy graph)."""
-        return self.kv_block_positions == self.sequence_length
 
     def table_columns(self, window: int) -> int:
         """Columns of the block tables a graph of context bucket `window` takes: ceil(W / P)."""
         return -(-window // self.kv_block_positions)
-
-    @property
-    def ring_width(self) -> int | None:
-        """The most positions one call writes into a sliding layer's ring (kv_cache.ring_length):
-        the chunk, where blocks hold whole sequences; None: no rings (vLLM's shared blocks know none)."""
-        return self.prefill_width if self.one_block_per_row else None
 
     @property
     def prefill_width(self) -> int | None:

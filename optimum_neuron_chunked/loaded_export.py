@@ -7,45 +7,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
 from transformers import PretrainedConfig
 
 from .backends import get_backend
 from .config import CONFIG_NAME, InvalidExportError, NeuronConfig, NeuronConfigError
 from .graphs import graph_specs
 from .integrity import recorded_files, verify_files
-from .modeling import family_spec, torch_dtype
-from .modeling.kv_cache import cache_lengths
+from .modeling import family_spec
+from .modeling.kv_layout import KVLayout
 from .version import __version__
-
-
-@dataclass(frozen=True)
-class KVLayout:
-    """The KV pool (modeling/kv_cache.py): `num_blocks` blocks of `block_size` positions, a
-    layer's block that or its ring where shorter, with the checkpoint's KV heads (tensor
-    parallelism may replicate them on the device). By default a block is a whole sequence,
-    one per batch row."""
-
-    num_kv_heads: int  # per layer
-    head_dim: int
-    dtype: torch.dtype
-    cache_lengths: tuple[int, ...]  # per layer: the positions a sequence keeps (modeling/kv_cache.py)
-    block_size: int
-    num_blocks: int
-
-    @property
-    def one_block_per_row(self) -> bool:
-        return self.block_size >= max(self.cache_lengths)
-
-    @property
-    def bytes_per_block(self) -> int:
-        """K and V of one block, every layer."""
-        positions = sum(min(self.block_size, n) for n in self.cache_lengths)
-        return 2 * positions * self.num_kv_heads * self.head_dim * self.dtype.itemsize
-
-    @property
-    def num_layers(self) -> int:
-        return len(self.cache_lengths)
 
 
 @dataclass(frozen=True)
@@ -61,27 +31,10 @@ class ExportCapabilities:
 
     @classmethod
     def of(cls, config: NeuronConfig, hf_config: PretrainedConfig) -> ExportCapabilities:
-        spec = family_spec(hf_config)
-        # the decoder's own rule (DecoderModel.cache_lengths), so the two cannot disagree
-        lengths = cache_lengths(spec.sliding_windows, config.sequence_length, config.ring_width)
-        kv = KVLayout(
-            spec.num_kv_heads,
-            spec.head_dim,
-            torch_dtype(config),
-            lengths,
-            config.kv_block_positions,
-            config.kv_pool_blocks,
-        )
+        kv = KVLayout.of(config, family_spec(hf_config))  # the decoder's own layout
         return cls(
             config.sequence_length, kv, config.prompt_logprobs, config.on_device_sampling, config.max_topk
         )
-
-    @property
-    def ring_layers(self) -> tuple[int, ...]:
-        """Layers whose cache is a ring of the last positions (sliding-window layers of chunked
-        exports of whole-sequence blocks): there, a finished request's block no longer holds its
-        whole prompt."""
-        return tuple(i for i, n in enumerate(self.kv.cache_lengths) if n < self.sequence_length)
 
 
 def check_export(

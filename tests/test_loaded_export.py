@@ -32,7 +32,7 @@ def test_capabilities_describe_the_decoders_kv_cache(family, chunk):
         getattr(model, f"k_cache_{i}").shape[2] for i in range(caps.kv.num_layers)
     )
     # the pool of one whole-sequence block per batch row
-    assert (caps.kv.num_blocks, caps.kv.block_size, caps.kv.one_block_per_row) == (
+    assert (caps.kv.num_blocks, caps.kv.block_size, caps.kv.whole_sequence_blocks) == (
         config.batch_size,
         SEQUENCE_LENGTH,
         True,
@@ -40,7 +40,7 @@ def test_capabilities_describe_the_decoders_kv_cache(family, chunk):
     assert {c.shape[0] for c in caches} == {caps.kv.num_blocks}
     assert caps.kv.bytes_per_block * caps.kv.num_blocks == sum(c.nbytes for c in caches)
     rings = tuple(i for i, n in enumerate(caps.kv.cache_lengths) if n < SEQUENCE_LENGTH)
-    assert caps.ring_layers == rings
+    assert caps.kv.ring_layers == rings
     if not chunk:  # a CE call writes a whole prompt at once: standard exports keep every position
         assert rings == ()
     # the rule vLLM's KV spec used to re-derive from the HF config
@@ -56,7 +56,7 @@ def test_some_test_family_keeps_rings_when_chunked():
                 batch_size=2, sequence_length=SEQUENCE_LENGTH, prefill_chunk_size=CHUNK, backend="eager"
             ),
             AutoConfig.from_pretrained(checkpoint_path(family)),
-        ).ring_layers
+        ).kv.ring_layers
         for family in FAMILIES
     }
     assert rings["gemma3_text"] and not rings["llama"]

@@ -143,7 +143,7 @@ def test_ring_layers_equal_position_indexed_layers_over_stale_slots(family):
     chunk = 16
     ring, linear = ring_and_linear(family, chunk)
     sliding = [i for i, w in enumerate(ring.spec.sliding_windows) if w is not None]
-    assert sliding and all(ring.cache_lengths[i] == ring.spec.sliding_windows[i] + chunk for i in sliding)
+    assert sliding and all(ring.kv.cache_lengths[i] == ring.spec.sliding_windows[i] + chunk for i in sliding)
     assert all(getattr(ring, f"k_cache_{i}").shape[2] < 128 for i in sliding)
     for cache in ring.cache_names():
         getattr(ring, cache).normal_(0, 100)

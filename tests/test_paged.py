@@ -136,7 +136,7 @@ def test_sliding_window_layers_keep_every_position_in_blocks(hf_reference):
     """gemma3's sliding layers (window 36) keep no rings in a paged export; the mask slides."""
     model = NeuronModelForCausalLM.from_pretrained(export_with("gemma3_text", "eager", **paged_options()))
     caps, hf = model.runner.capabilities, hf_reference("gemma3_text")
-    assert (caps.kv.one_block_per_row, caps.ring_layers, caps.kv.num_blocks, caps.kv.block_size) == (
+    assert (caps.kv.whole_sequence_blocks, caps.kv.ring_layers, caps.kv.num_blocks, caps.kv.block_size) == (
         False,
         (),
         POOL,
@@ -207,7 +207,7 @@ def test_cpu_paged_reads_equal_the_reference(choices):
     torch.manual_seed(0)
     models = [
         model_from_spec(spec, config, kernels=k).eval()
-        for k in (Kernels(), CpuKernels(choices, one_block_per_row=False))
+        for k in (Kernels(), CpuKernels(choices, whole_sequence_blocks=False))
     ]
     models[1].load_state_dict(models[0].state_dict())
     caches = [

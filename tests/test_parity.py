@@ -7,6 +7,7 @@ import torch
 from fixtures.export_models import CHUNK, EXPORTS
 from helpers import export_params, prompt
 
+from optimum_neuron_chunked.config import NeuronConfig
 from optimum_neuron_chunked.generation import prefill_prompt
 
 # 1, C-1, C, C+1 and 3C+5 tokens: single token, partial, exact and overflowing chunks.
@@ -71,6 +72,7 @@ def test_gemma3_with_only_local_layers_matches_transformers():
 
     from optimum_neuron_chunked.modeling import family_spec
     from optimum_neuron_chunked.modeling.decoder import DecoderModel
+    from optimum_neuron_chunked.modeling.kv_layout import KVLayout
 
     config = Gemma3TextConfig(
         hidden_size=64,
@@ -85,7 +87,8 @@ def test_gemma3_with_only_local_layers_matches_transformers():
     )
     torch.manual_seed(0)
     hf = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    model = DecoderModel(family_spec(config), 1, 64, torch.float32)
+    spec = family_spec(config)
+    model = DecoderModel(spec, KVLayout.of(NeuronConfig(batch_size=1, sequence_length=64), spec))
     model.load_weights(model.weights_from_hf(hf))
     ids = prompt(50)[None]
     with torch.no_grad():

@@ -6,6 +6,7 @@ from ..config import NeuronConfig
 from .decoder import DecoderModel
 from .family import SUPPORTED_ARCHITECTURES, FamilySpec, UnsupportedArchitectureError, family_spec
 from .kernels import Kernels
+from .kv_layout import KVLayout
 
 
 def build_model(
@@ -35,18 +36,7 @@ def model_from_spec(
     "meta": the names, shapes and dtypes alone (a streamed export holds no weights it does not
     need)."""
     with torch.device(device):
-        return DecoderModel(
-            spec,
-            config.batch_size,
-            config.sequence_length,
-            torch_dtype(config),
-            layers,
-            functional_cache,
-            ring_width=config.ring_width,
-            kernels=kernels,
-            kv_blocks=config.kv_pool_blocks,
-            kv_block_size=config.kv_block_positions,
-        )
+        return DecoderModel(spec, KVLayout.of(config, spec), layers, functional_cache, kernels)
 
 
 def torch_dtype(config: NeuronConfig) -> torch.dtype:
@@ -57,6 +47,7 @@ __all__ = [
     "SUPPORTED_ARCHITECTURES",
     "DecoderModel",
     "FamilySpec",
+    "KVLayout",
     "Kernels",
     "UnsupportedArchitectureError",
     "build_model",

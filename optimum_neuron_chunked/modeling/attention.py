@@ -27,7 +27,6 @@ class Attention(nn.Module):
         kernels: Kernels,
         use_rope: bool = True,
         local_rope: bool = False,
-        ring: int | None = None,
     ):
         super().__init__()
         self.kernels = kernels
@@ -41,7 +40,6 @@ class Attention(nn.Module):
             scale=spec.scale,
             sliding_window=sliding_window,
             sinks=spec.attention_sinks,
-            ring=ring,
         )
         self.q_proj = layers.column(hidden, layout.num_heads * d, bias=spec.qkv_bias)
         self.k_proj = layers.column(hidden, layout.kv_heads * d, bias=spec.qkv_bias)

@@ -11,7 +11,8 @@ from torch import nn
 from .attention import Attention
 from .family import FamilySpec
 from .kernels import GraphPart, Kernels
-from .kv_cache import KVCache, cache_lengths, scatter_cache
+from .kv_cache import KVCache, scatter_cache
+from .kv_layout import KVLayout
 from .layers import MLP, Rotary, rms_norm
 from .moe import SparseMoE, moe_state_from_hf
 from .parallel import ShardLayout, TorchLayers, rank_shard, tp_checkpoint
@@ -33,7 +34,6 @@ class DecoderLayer(nn.Module):
         layer_idx: int,
         layout: ShardLayout,
         layers,
-        ring: int | None,
         kernels: Kernels,
     ):
         super().__init__()
@@ -46,7 +46,6 @@ class DecoderLayer(nn.Module):
             kernels=kernels,
             use_rope=spec.uses_rope(layer_idx),
             local_rope=spec.local_rope and window is not None,
-            ring=ring,
         )
         if spec.moe is not None and spec.moe.sparse_layers[layer_idx]:
             self.mlp = SparseMoE(spec.hidden_size, spec.moe, layers, kernels.expert_selection)
@@ -81,13 +80,12 @@ class DecoderBody(nn.Module):
         spec: FamilySpec,
         layout: ShardLayout,
         layers,
-        rings: tuple[int | None, ...],
         kernels: Kernels,
     ):
         super().__init__()
         self.embed_tokens = layers.embedding(spec.vocab_size, spec.hidden_size)
         self.layers = nn.ModuleList(
-            DecoderLayer(spec, i, layout, layers, rings[i], kernels) for i in range(spec.num_layers)
+            DecoderLayer(spec, i, layout, layers, kernels) for i in range(spec.num_layers)
         )
         self.norm = rms_norm(spec.hidden_size, spec.rms_norm_eps, spec.gemma_norms)
         self.rotary_emb = Rotary(spec.head_dim)
@@ -106,18 +104,13 @@ class DecoderBody(nn.Module):
 class DecoderModel(nn.Module):
     """Weights (named as in the HF checkpoint) plus the KV cache buffers.
 
-    KV cache: per layer a pool of k/v blocks [kv_blocks, kv_heads, block, head_dim], block
-    = min(kv_block_size, the layer's length); graphs address it by block tables [N, ceil(W /
-    P)] (kv_cache.py). By default a block is a whole sequence, one per batch row (a slot).
-    Under tensor parallelism this is one rank's model: its weight shards and the KV heads it
-    holds.
+    KV cache: per layer a pool of k/v blocks [num_blocks, kv_heads, block, head_dim], as `kv`
+    (kv_layout.KVLayout) lays it out; graphs address it by block tables [N, ceil(W / P)]
+    (kv_cache.py). Under tensor parallelism this is one rank's model: its weight shards and
+    the KV heads it holds.
 
     `functional_cache`: graphs write the cache into new tensors and reassign the buffers
     (XLA tracing) instead of updating them in place (torch backends).
-
-    `ring_width`: the most positions one graph call writes per row (NeuronConfig.ring_width).
-    Sliding-window layers then keep a ring of window + ring_width positions where that is
-    shorter than sequence_length (kv_cache.ring_length); None: no rings.
 
     `kernels`: how linear layers, attention and experts compute (modeling/kernels.py: the
     reference unless a backend supplies its own, Backend.kernels).
@@ -126,15 +119,10 @@ class DecoderModel(nn.Module):
     def __init__(
         self,
         spec: FamilySpec,
-        batch_size: int,
-        sequence_length: int,
-        dtype: torch.dtype,
+        kv: KVLayout,
         layers=None,
         functional_cache: bool = False,
-        ring_width: int | None = None,
         kernels: Kernels | None = None,
-        kv_blocks: int | None = None,
-        kv_block_size: int | None = None,
     ):
         super().__init__()
         self.kernels = kernels or Kernels()
@@ -142,11 +130,8 @@ class DecoderModel(nn.Module):
         self.spec = spec
         self.layout = ShardLayout.of(spec, layers.tp_degree)
         self.functional_cache = functional_cache
-        kv_blocks, kv_block_size = kv_blocks or batch_size, kv_block_size or sequence_length
-        self.one_block_per_row = kv_block_size == sequence_length
-        self.cache_lengths = cache_lengths(spec.sliding_windows, sequence_length, ring_width)
-        self.rings = tuple(n if n < sequence_length else None for n in self.cache_lengths)
-        self.model = DecoderBody(spec, self.layout, layers, self.rings, self.kernels)
+        self.kv = kv
+        self.model = DecoderBody(spec, self.layout, layers, self.kernels)
         self.lm_head = layers.column(
             spec.hidden_size, self.layout.padded_vocab, bias=False, gather_output=True
         )
@@ -154,16 +139,16 @@ class DecoderModel(nn.Module):
         self.tied = spec.tie_word_embeddings and isinstance(layers, TorchLayers)
         if self.tied:
             self.lm_head.weight = self.model.embed_tokens.weight
-        for i, length in enumerate(self.cache_lengths):
+        for i in range(kv.num_layers):
             cache_shape = (
-                kv_blocks,
+                kv.num_blocks,
                 self.layout.kv_heads_per_rank,
-                min(kv_block_size, length),
+                kv.layer(i).block_size,
                 spec.head_dim,
             )
-            self.register_buffer(f"k_cache_{i}", torch.zeros(cache_shape, dtype=dtype), persistent=False)
-            self.register_buffer(f"v_cache_{i}", torch.zeros(cache_shape, dtype=dtype), persistent=False)
-        self.to(dtype)
+            self.register_buffer(f"k_cache_{i}", torch.zeros(cache_shape, dtype=kv.dtype), persistent=False)
+            self.register_buffer(f"v_cache_{i}", torch.zeros(cache_shape, dtype=kv.dtype), persistent=False)
+        self.to(kv.dtype)
         for rotary in self.model.modules():
             if isinstance(rotary, Rotary):
                 rotary.float()  # rotary angles stay fp32, as in transformers
@@ -246,7 +231,7 @@ class DecoderModel(nn.Module):
             GraphPart(
                 p.position_ids,
                 p.tables,
-                self.kernels.cache_read(p.position_ids, p.tables, window, p.decode_rows),
+                self.kernels.cache_read(self.kv, p.position_ids, p.tables, window, p.decode_rows),
                 p.decode_rows,
                 self.model.rotaries(p.position_ids, x.dtype),
             )
@@ -266,7 +251,7 @@ class DecoderModel(nn.Module):
     def layer_cache(self, i: int) -> KVCache:
         """Layer i's cache buffers with their addressing (the buffers keep their export names)."""
         k, v = getattr(self, f"k_cache_{i}"), getattr(self, f"v_cache_{i}")
-        return KVCache(k, v, self.rings[i], self.one_block_per_row, self.functional_cache)
+        return KVCache(k, v, self.kv.layer(i), self.functional_cache)
 
     def copy_positions(self, position_ids: torch.Tensor, blocks: torch.Tensor) -> None:
         """Copy the K/V of `position_ids` [1, T] from block blocks[0] to block blocks[1], every
@@ -277,7 +262,7 @@ class DecoderModel(nn.Module):
         same entry copied twice."""
         position_ids, blocks = position_ids.long(), blocks.long()
         src, dst = blocks[:1], blocks[1:]
-        for i, length in enumerate(self.cache_lengths):
+        for i, length in enumerate(self.kv.cache_lengths):
             index = torch.remainder(position_ids, length)  # [1, T]
             for kv in ("k", "v"):
                 cache = getattr(self, f"{kv}_cache_{i}")

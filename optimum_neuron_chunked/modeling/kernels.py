@@ -2,7 +2,8 @@
 tuning, with the types it speaks in. `Kernels` itself is the reference - what eager, XLA and
 Neuron compute, and what every other strategy is tested against: plain linear layers,
 attention as the masked softmax over each row's gathered bucket window (decode rows of a pool
-of whole-sequence blocks: over views of the pool in block order), and experts gathered by neuronx-distributed's rule.
+of whole-sequence blocks: over views of the pool in block order, as the layout allows), and
+experts gathered by neuronx-distributed's rule.
 
 A backend whose compiler can do better subclasses it (backends/cpu/kernels.py) and hands its
 instance to the model (Backend.kernels); the model calls only these methods. Attention reaches
@@ -19,6 +20,7 @@ import torch
 from torch import nn
 
 from .kv_cache import KVCache
+from .kv_layout import KVLayout
 from .layers import MASK_VALUE
 
 
@@ -32,12 +34,11 @@ class AttentionSpec:
     scale: float
     sliding_window: int | None
     sinks: bool  # gpt-oss: a learned logit per query head joins the softmax (attend's `sinks`)
-    ring: int | None  # cache length of a ring layer (kv_cache.ring_length); None: no ring
 
     @property
     def plain_causal(self) -> bool:
-        """Causal over the whole context: no sliding window, ring or sinks."""
-        return not self.sinks and self.sliding_window is None and self.ring is None
+        """Causal over the whole context: no sliding window (so no ring) or sinks."""
+        return not self.sinks and self.sliding_window is None
 
 
 @dataclass(frozen=True)
@@ -48,10 +49,13 @@ class CacheRead:
     window: the graph's context bucket (static: a backend may pick its kernel by it).
     live: positions read from each row: the window, or fewer where a backend reads the live
       context only (backends/cpu/kernels.py).
+    pool_order: decode rows read every block of the pool in block order, as views, instead of
+      gathering each row's window (KVLayout.decode_reads_pool_order).
     """
 
     window: int
     live: int | torch.SymInt
+    pool_order: bool = False
 
 
 @dataclass(frozen=True)
@@ -87,10 +91,11 @@ class Kernels:
         return nn.Linear(in_features, out_features, bias=bias)
 
     def cache_read(
-        self, position_ids: torch.Tensor, tables: torch.Tensor, window: int, decode_rows: bool
+        self, kv: KVLayout, position_ids: torch.Tensor, tables: torch.Tensor, window: int, decode_rows: bool
     ) -> CacheRead:
-        """What every layer reads of its cache in one call: the whole context bucket."""
-        return CacheRead(window, window)
+        """What every layer reads of its cache in one call: the whole context bucket, decode
+        rows in pool order where the layout allows it (no gather)."""
+        return CacheRead(window, window, decode_rows and kv.decode_reads_pool_order)
 
     def attend(
         self,
@@ -100,28 +105,24 @@ class Kernels:
         cache: KVCache,
         sinks: torch.Tensor | None,  # [Hq] where spec.sinks
     ) -> torch.Tensor:
-        """One part's queries over its blocks -> [N, Hq, T, D]. The reference read: decode rows
-        of a pool of whole-sequence blocks over views of the pool in block order, every other
-        part over its rows' windows (a gather); the masked softmax."""
-        _, live = cache.extent(part.read.window, part.read.live)
-        core = functools.partial(masked_softmax, spec, sinks)
-        if part.decode_rows and cache.one_block_per_row:
-            return attend_in_pool_order(q, cache, part, live, core)
-        keys, values = cache.windows(part.tables, live)
-        key_positions = cache.key_positions(part.position_ids, keys.shape[2])
+        """One part's queries over what part.read says -> [N, Hq, T, D]; the masked softmax."""
+        return attend_read(q, cache, part, part.read.live, functools.partial(masked_softmax, spec, sinks))
+
+
+def attend_read(q, cache: KVCache, part: GraphPart, live, core: AttentionCore) -> torch.Tensor:
+    """A part's queries over one read of the cache (KVCache.read) up to `live`: each row's
+    blocks by its table, or, in pool order (CacheRead.pool_order), every block of the pool as
+    views - gathering every decode row's window would copy the whole live cache each step.
+    There rows are moved to their blocks and back; a block with no row attends to whatever it
+    holds and its result is dropped; padded rows repeat a real row, so duplicate blocks copy
+    identical values."""
+    if not part.read.pool_order:
+        keys, values, key_positions = cache.read(part.tables, live, part.position_ids)
         return core(q, keys, values, part.position_ids, key_positions)
-
-
-def attend_in_pool_order(q, cache: KVCache, part: GraphPart, live, core: AttentionCore) -> torch.Tensor:
-    """Decode rows over a pool of whole-sequence blocks attend over views of the pool:
-    gathering every row's window would copy the whole live cache each step. Rows are moved to
-    their blocks and back; a block with no row attends to whatever it holds, and the result is
-    dropped. Padded rows repeat a real row, so duplicate blocks copy identical values."""
     rows, position_ids, blocks = part.tables[:, 0], part.position_ids, cache.keys.shape[0]
     q_pool = q.new_zeros(blocks, *q.shape[1:]).index_copy(0, rows, q)
     pos_pool = position_ids.new_zeros(blocks, position_ids.shape[1]).index_copy(0, rows, position_ids)
-    keys, values = cache.pool_view(live)
-    key_positions = cache.key_positions(pos_pool, live)
+    keys, values, key_positions = cache.read(None, live, pos_pool)
     return core(q_pool, keys, values, pos_pool, key_positions).index_select(0, rows)
 
 

@@ -1,11 +1,10 @@
-"""One layer's static KV cache and the rules that address it (in the spirit of gpt-fast's
-`KVCache.update(input_pos, k, v)`, model.py).
+"""One layer's static KV cache: one write and one read (in the spirit of gpt-fast's
+`KVCache.update(input_pos, k, v)`, model.py), by the layout's rules (kv_layout.py).
 
 Every cache is a pool of blocks [blocks, Hkv, P, D], and every graph addresses it through
 block tables [N, ceil(W / P)]: row r's position p lives in block table[r, p // P] at offset
-p % P. An export without --kv-cache-blocks is the pool whose block is a whole sequence, one
-block per batch row (a slot): its tables have one column, read in place (no gather), and a
-sliding layer's block is a ring of ring_length positions holding position p at p % length.
+p % P. A one-column table is used as it is (no gather); a ring layer's block holds position p
+at p % ring (kv_layout.LayerKV).
 
 Padding invariant: a padded token repeats the last real token *and its position*. It computes
 the same K/V as that token (same input, same position, same visible keys), so the
@@ -25,32 +24,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-
-def ring_length(sliding_window: int | None, sequence_length: int, prefill_width: int) -> int:
-    """Cache positions a layer keeps per slot. A sliding layer needs only its window plus the
-    positions one call writes (a query at the start of a chunk still sees `window - 1` keys
-    before it while the chunk's last token is written): a ring of that length when it is
-    shorter than the sequence, with position p stored at index p % length."""
-    if sliding_window is None:
-        return sequence_length
-    return min(sequence_length, sliding_window + prefill_width)
-
-
-def cache_lengths(
-    sliding_windows: tuple[int | None, ...], sequence_length: int, ring_width: int | None
-) -> tuple[int, ...]:
-    """Per layer, the positions a sequence keeps: rings of window + ring_width where that is
-    shorter (NeuronConfig.ring_width; None: no rings, every layer keeps every position)."""
-    return tuple(ring_length(w, sequence_length, ring_width or sequence_length) for w in sliding_windows)
-
-
-def ring_positions(last_positions: torch.Tensor, length: int) -> torch.Tensor:
-    """[N] last written position of each row -> [N, length] absolute position held by each
-    ring index: the latest p <= last with p % length == index (negative: never written).
-    Every position in (last - length, last] of the row's request has been written by then."""
-    index = torch.arange(length, device=last_positions.device)
-    last = last_positions[:, None]
-    return last - torch.remainder(last - index, length)
+from .kv_layout import LayerKV
 
 
 def scatter_cache(
@@ -83,21 +57,14 @@ def gather_blocks(cache: torch.Tensor, block_tables: torch.Tensor, positions) ->
 
 @dataclass(frozen=True)
 class KVCache:
-    """One layer's K and V and how positions address them. `write` returns the cache with a
-    part's K/V in it (the same tensors, or new ones under `functional` XLA tracing).
-
-    `one_block_per_row`: a block holds a row's whole sequence (or ring): a table has one column,
-    and the reference kernel may read decode rows in pool order (kernels.attend_in_pool_order)."""
+    """One layer's K and V and how positions address them (its LayerKV, from KVLayout): one
+    write and one read. `write` returns the cache with a part's K/V in it (the same tensors, or
+    new ones under `functional` XLA tracing)."""
 
     keys: torch.Tensor  # [blocks, Hkv, P, D]
     values: torch.Tensor  # same shape
-    ring: int | None  # cache length of a ring layer (ring_length); None: position-indexed
-    one_block_per_row: bool
+    layer: LayerKV
     functional: bool
-
-    @property
-    def block_size(self) -> int:
-        return self.keys.shape[2]
 
     def write(
         self,
@@ -107,40 +74,40 @@ class KVCache:
         v: torch.Tensor,  # [N, T, Hkv, D]
     ) -> KVCache:
         """The cache with k, v written at each row's positions: position p of row r at offset
-        p % P of block tables[r, p // P]."""
-        if tables.shape[1] == 1:  # static, no gather: positions are below P, or wrap in a ring
-            rows = tables
-            index = position_ids if self.ring is None else torch.remainder(position_ids, self.ring)
+        p % P of block tables[r, p // P]; a one-column table as it is (static, no gather: its
+        positions are below P, or wrap in a ring)."""
+        if tables.shape[1] == 1:
+            rows, index = tables, self.layer.index(position_ids)
         else:
-            rows = torch.gather(tables, 1, torch.div(position_ids, self.block_size, rounding_mode="floor"))
-            index = torch.remainder(position_ids, self.block_size)
+            size = self.keys.shape[2]
+            rows = torch.gather(tables, 1, torch.div(position_ids, size, rounding_mode="floor"))
+            index = torch.remainder(position_ids, size)
         keys = scatter_cache(self.keys, rows, index, k, self.functional)
         values = scatter_cache(self.values, rows, index, v, self.functional)
         return replace(self, keys=keys, values=values)
 
-    def extent(self, window: int, live: int | torch.SymInt) -> tuple[int, int | torch.SymInt]:
-        """(window, live) this layer reads of each row: a ring layer reads its whole ring."""
-        return (window, live) if self.ring is None else (self.ring, self.ring)
+    def extent(self, window: int, live):
+        """(window, live) read of each row (LayerKV.extent)."""
+        return self.layer.extent(window, live)
 
-    def key_positions(self, position_ids: torch.Tensor, width: int) -> torch.Tensor:
-        """[N or 1, width] absolute position of each cache entry read. A padded row repeats
-        its last real position, so the last column is the last position written."""
-        if self.ring is None:
-            return torch.arange(width, device=position_ids.device)[None]
-        return ring_positions(position_ids[:, -1], self.ring)
-
-    def windows(self, tables: torch.Tensor, live) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values [N, Hkv, R, D] of each row's positions from 0 (a copy): its M blocks in
-        table order, each cut to `live` positions where one block holds them all (R = M * min(P,
-        live): callers pass the table columns up to the block holding position live - 1)."""
-        positions = torch.sym_min(self.block_size, live)
-        return gather_blocks(self.keys, tables, positions), gather_blocks(self.values, tables, positions)
-
-    def block_view(self, block, live) -> tuple[torch.Tensor, torch.Tensor]:
-        """The first `live` positions of one block (a scalar) as views: [1, Hkv, live, D]."""
-        torch._check(block < self.keys.shape[0])
-        return self.keys[block, :, :live][None], self.values[block, :, :live][None]
-
-    def pool_view(self, live) -> tuple[torch.Tensor, torch.Tensor]:
-        """The first `live` positions of every block, in pool order, as views [blocks, Hkv, live, D]."""
-        return self.keys[:, :, :live], self.values[:, :, :live]
+    def read(self, blocks, live, position_ids: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Keys, values [R, Hkv, W, D] of each row's positions from 0 up to `live` (a ring: its
+        whole ring) and their absolute positions [R or 1, W], for rows at `position_ids` [R, T]:
+        - blocks [N, M], block tables: each row's blocks in table order, each cut to `live` where
+          one block holds it all (a copy; callers pass the columns up to the block holding
+          position live - 1);
+        - one block id (a scalar): a view of that block, R = 1;
+        - None: every block of the pool in block order, as views, R = num_blocks."""
+        live = self.layer.extent(live, live)[1]
+        if blocks is None:
+            keys, values = self.keys[:, :, :live], self.values[:, :, :live]
+        elif isinstance(blocks, torch.Tensor) and blocks.dim() == 2:
+            positions = torch.sym_min(self.keys.shape[2], live)
+            keys, values = (
+                gather_blocks(self.keys, blocks, positions),
+                gather_blocks(self.values, blocks, positions),
+            )
+        else:
+            torch._check(blocks < self.keys.shape[0])
+            keys, values = self.keys[blocks, :, :live][None], self.values[blocks, :, :live][None]
+        return keys, values, self.layer.key_positions(position_ids, keys.shape[2])

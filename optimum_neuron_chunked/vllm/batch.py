@@ -44,8 +44,8 @@ def usable_drafts(drafts) -> list[int]:
 class BatchState:
     """The running requests (`CachedRequestState`) and vLLM's `InputBatch` over them."""
 
-    def __init__(self, vllm_config: VllmConfig, shared_blocks: bool = False):
-        self.shared_blocks = shared_blocks  # vLLM's prefix cache: admitted requests may hit blocks
+    def __init__(self, vllm_config: VllmConfig, shares_vllm_blocks: bool = False):
+        self.shares_vllm_blocks = shares_vllm_blocks  # vLLM's prefix cache: admitted requests may hit blocks
         mc, sc = vllm_config.model_config, vllm_config.scheduler_config
         block_size = vllm_config.cache_config.block_size
         cpu = torch.device("cpu")
@@ -181,7 +181,7 @@ class BatchState:
                     token_ids=tuple(known[start : start + n]),
                     num_prompt_tokens=state.num_prompt_tokens,
                     num_known_tokens=len(known),
-                    after_earlier_chunks=self.shared_blocks and req_id in admitted,
+                    after_earlier_chunks=self.shares_vllm_blocks and req_id in admitted,
                     drafts=tuple(usable_drafts(scheduled_drafts)),
                 )
             )

@@ -16,7 +16,8 @@ from vllm.platforms import Platform, PlatformEnum
 from ..backends import get_backend
 from ..config import NeuronConfig
 from ..hub import UntrustedExportError, resolve_export
-from ..loader import ExportCapabilities, InvalidExportError, check_export
+from ..loaded_export import ExportCapabilities, InvalidExportError, check_export
+from ..modeling.kv_layout import PrefixCache
 from .compat import cap_scheduled_tokens
 from .features import refuse_unsupported
 from .limits import EngineRequest, ServingConfigError, serving_limits
@@ -269,7 +270,8 @@ def _set_prefix_caching(vllm_config, export: NeuronConfig) -> str:
 
     cache = vllm_config.cache_config
     ours = is_platform_connector(vllm_config.kv_transfer_config)
-    if not ExportCapabilities.of(export, vllm_config.model_config.hf_config).kv.one_block_per_row:
+    policy = ExportCapabilities.of(export, vllm_config.model_config.hf_config).kv.prefix_cache
+    if policy is PrefixCache.SHARED:
         if not cache.enable_prefix_caching:
             if ours:
                 vllm_config.kv_transfer_config = None
@@ -308,7 +310,7 @@ def prefix_caching_unsupported(export: NeuronConfig, hf_config) -> str | None:
     """Why this export cannot reuse cached prefixes, or None."""
     if not export.chunked:
         return "a standard export encodes whole prompts from position 0 (export with --prefill-chunk-size)"
-    if ExportCapabilities.of(export, hf_config).ring_layers:
+    if ExportCapabilities.of(export, hf_config).kv.ring_layers:
         return (
             "its sliding-window layers keep a ring of the last positions only, so a finished "
             "request's slot no longer holds its prefix"

@@ -15,6 +15,7 @@ from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, LogprobsTensors, ModelRunnerOutput
 
 from ..graph_runner import GraphRunner
+from ..modeling.kv_layout import PrefixCache
 from ..prompt_lookup import accept_greedy
 from ..slots import block_table
 from .batch import BatchState
@@ -47,9 +48,14 @@ class StepRunner:
         self.graph_runner = graph_runner  # the export's engine: one method per graph operation
         self.config = graph_runner.config
         self.capabilities = graph_runner.capabilities
-        # vLLM's prefix cache shares blocks between requests (platform.configure_prefix_caching)
-        self.shared_blocks = vllm_config.cache_config.enable_prefix_caching
-        self.batch = BatchState(vllm_config, self.shared_blocks)
+        # The prefix-cache policy the platform chose (platform._set_prefix_caching): vLLM's own
+        # prefix cache is on only where the layout's policy is SHARED; COPY runs through our
+        # connector (its copies arrive in the connector metadata) with vLLM's flag off.
+        self.shares_vllm_blocks = (
+            self.capabilities.kv.prefix_cache is PrefixCache.SHARED
+            and vllm_config.cache_config.enable_prefix_caching
+        )
+        self.batch = BatchState(vllm_config, self.shares_vllm_blocks)
         self.logprobs_mode = vllm_config.model_config.logprobs_mode
         self.sampler = host_sampler(self.logprobs_mode)
         self.vocab_size = vllm_config.model_config.get_vocab_size()
@@ -78,7 +84,7 @@ class StepRunner:
                 self.config.prefill_chunk_size,
                 self.config.decode_widths,
                 apart,
-                in_order=self.shared_blocks,
+                in_order=self.shares_vllm_blocks,
             )
         self.last_plan = plan
         logger.debug("step: %s", describe(plan))

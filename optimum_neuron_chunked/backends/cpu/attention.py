@@ -11,7 +11,7 @@ import functools
 import torch
 from torch import nn
 
-from ...modeling.kernels import AttentionSpec, GraphPart, attend_in_pool_order, attention_mask, masked_softmax
+from ...modeling.kernels import AttentionSpec, GraphPart, attend_read, attention_mask, masked_softmax
 from ...modeling.kv_cache import KVCache
 from .chunk_attention import chunk_attention
 from .decode_attention import decode_attention
@@ -25,16 +25,17 @@ def attend(choices, decode_op: bool, spec: AttentionSpec, part: GraphPart, q, ca
     live = cache.extent(read.window, read.live)[1]
     if read.pool_order:
         core = _core(choices, spec, part, cache, sinks)
-        if read.rows is not None and cache.ring is None:
+        if read.rows is not None:
             return _attend_per_row(q, cache, part.position_ids, read.rows, core)
-        return attend_in_pool_order(q, cache, part, live, core)
+        return attend_read(q, cache, part, live, core)
     if read.block is not None:
-        keys, values = cache.block_view(read.block, live)
+        keys, values, key_positions = cache.read(read.block, live, part.position_ids)
     else:  # the blocks holding the live context (read.live: every row's, with live_window)
-        blocks = (live + cache.block_size - 1) // cache.block_size
+        size = cache.keys.shape[2]
+        blocks = (live + size - 1) // size
         torch._check(blocks <= part.tables.shape[1])
-        keys, values = cache.windows(part.tables[:, :blocks], live)
-    return _attend_windows(choices, spec, part, q, cache, sinks, keys, values)
+        keys, values, key_positions = cache.read(part.tables[:, :blocks], live, part.position_ids)
+    return _attend_windows(choices, spec, part, q, cache, sinks, keys, values, key_positions)
 
 
 def _decode_op(spec: AttentionSpec, part: GraphPart, q, cache: KVCache) -> torch.Tensor:
@@ -58,7 +59,9 @@ def _core(choices, spec: AttentionSpec, part: GraphPart, cache: KVCache, sinks):
     return _sdpa(spec) if use_sdpa else functools.partial(masked_softmax, spec, sinks)
 
 
-def _attend_windows(choices, spec: AttentionSpec, part: GraphPart, q, cache: KVCache, sinks, keys, values):
+def _attend_windows(
+    choices, spec: AttentionSpec, part: GraphPart, q, cache, sinks, keys, values, key_positions
+):
     """A part's queries over each row's window read from position 0 (a ring: its whole ring),
     keys / values [N, Hkv, W, D]: the oneDNN chunk op for one wide plain causal chunk, else
     the part's core."""
@@ -67,7 +70,7 @@ def _attend_windows(choices, spec: AttentionSpec, part: GraphPart, q, cache: KVC
     if not part.decode_rows and onednn_from is not None and window >= onednn_from and q.shape[0] == 1:
         return chunk_attention(q[0], keys[0], values[0], position_ids[0], spec.scale)[None]
     core = _core(choices, spec, part, cache, sinks)
-    return core(q, keys, values, position_ids, cache.key_positions(position_ids, keys.shape[2]))
+    return core(q, keys, values, position_ids, key_positions)
 
 
 def _sdpa(spec: AttentionSpec):
@@ -90,8 +93,7 @@ def _attend_per_row(q, cache: KVCache, position_ids, rows, core) -> torch.Tensor
     Padded rows repeat a real row: the same result, computed twice."""
     outs = []
     for i, (block, live) in enumerate(rows):
-        keys, values = cache.block_view(block, live)
         row_positions = position_ids[i : i + 1]
-        key_positions = cache.key_positions(row_positions, live)
+        keys, values, key_positions = cache.read(block, live, row_positions)
         outs.append(core(q[i : i + 1], keys, values, row_positions, key_positions))
     return torch.cat(outs)

@@ -33,6 +33,7 @@ from torch import nn
 
 from ...modeling.kernels import AttentionSpec, CacheRead, GraphPart, Kernels
 from ...modeling.kv_cache import KVCache
+from ...modeling.kv_layout import KVLayout
 from .attention import attend
 from .host import host_cpu_capability
 from .linear import CpuLinear
@@ -92,13 +93,12 @@ def kernel_choices(cpu_capability: str | None = None) -> KernelChoices:
 class CpuCacheRead(CacheRead):
     """CacheRead with what CpuKernels.cache_read chose for the call, the one place the cpu
     backend reads the layout. Pools of whole-sequence blocks:
-    pool_order: decode rows attend over views of the pool in block order (attend_in_pool_order);
+    pool_order: decode rows attend over views of the pool in block order (kernels.attend_read);
     block: a one-row graph's block (block_view: attend over a view of it), else None (gather);
     rows: decode rows' (block, live) per row (per_row_live: each row attends over its own live
       context in a view of its block), else None.
     Smaller blocks: none of these; the blocks holding the live context are gathered."""
 
-    pool_order: bool = False
     block: int | torch.SymInt | None = None
     rows: tuple[tuple[int | torch.SymInt, int | torch.SymInt], ...] | None = None
 
@@ -106,14 +106,15 @@ class CpuCacheRead(CacheRead):
 class CpuKernels(Kernels):
     """The model's kernel strategy on the cpu backend, from its KernelChoices.
 
-    `one_block_per_row`: the export's blocks are whole sequences (NeuronConfig.one_block_per_row),
-    so rows read views of their block; smaller blocks are gathered up to the live context."""
+    `whole_sequence_blocks`: the export's blocks are whole sequences (kv_layout.py), so rows
+    read views of their block; smaller blocks are gathered up to the live context."""
 
-    def __init__(self, choices: KernelChoices, one_block_per_row: bool = True):
+    def __init__(self, choices: KernelChoices, whole_sequence_blocks: bool = True):
         self.choices = choices
         self.expert_selection = choices.expert_selection
-        self.one_block_per_row = one_block_per_row
-        self.calls_decode_op = choices.decode_attention_op if one_block_per_row else choices.paged_decode_op
+        self.calls_decode_op = (
+            choices.decode_attention_op if whole_sequence_blocks else choices.paged_decode_op
+        )
         """Whether decode graphs may call decode_attention.decode_attention (load it first)."""
 
     def linear(self, in_features: int, out_features: int, bias: bool) -> nn.Module:
@@ -125,7 +126,7 @@ class CpuKernels(Kernels):
         return super().linear(in_features, out_features, bias)
 
     def cache_read(
-        self, position_ids: torch.Tensor, tables: torch.Tensor, window: int, decode_rows: bool
+        self, kv: KVLayout, position_ids: torch.Tensor, tables: torch.Tensor, window: int, decode_rows: bool
     ) -> CpuCacheRead:
         """The scalar reads become unbacked symbols with bound checks under torch.export; padded
         rows/tokens repeat real ones, so the maximum is a real position."""
@@ -134,7 +135,7 @@ class CpuKernels(Kernels):
             live = position_ids.max().item() + 1
             torch._check(live >= 1)
             torch._check(live <= window)
-        if not self.one_block_per_row:  # smaller blocks: gathered up to the live context
+        if not kv.decode_reads_pool_order:  # smaller blocks: gathered up to the live context
             return CpuCacheRead(window, live)
         if self.choices.block_view and not decode_rows and tables.shape[0] == 1:
             block = tables[0, 0].item()
