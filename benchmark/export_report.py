@@ -1,9 +1,10 @@
 """Export time, artifact size and HF parity of std vs chunked exports, for every family.
 
 Checkpoints here use shapes the tests do not (other head dims, GQA ratios, vocab sizes).
-Writes benchmark/results/export-<date>-<host>[-<tag>].{json,md}.
+Writes benchmark/results/export-<date>-<host>[-quick][-<tag>].{json,md} (--results: another folder).
 
     python benchmark/export_report.py [--batch-size 4 --sequence-length 1024 --chunk 128] [--families llama ...]
+    python benchmark/export_report.py --quick    # one family, eager, S=256: a smoke run
 """
 
 from __future__ import annotations
@@ -95,9 +96,13 @@ def config(family: str) -> dict:
     return dict(model_type=family, **dict(zip(SHAPE.split(), shape, strict=True)), **other)
 
 
-def write_results(stamp: str, tag: str, meta: dict, rows: list, table: list[str]) -> None:
+# --quick's settings (flags given still win); gemma3_text: sliding layers with rings and global ones
+QUICK = dict(batch_size=2, sequence_length=256, chunk=32, backend="eager", families=["gemma3_text"],
+             new_tokens=4)  # fmt: skip
+
+
+def write_results(results: Path, stamp: str, tag: str, meta: dict, rows: list, table: list[str]) -> None:
     stamp += f"-{tag}" if tag else ""
-    results = REPO / "benchmark" / "results"
     results.mkdir(parents=True, exist_ok=True)
     (results / f"{stamp}.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=2, default=str))
     (results / f"{stamp}.md").write_text(
@@ -119,58 +124,74 @@ def parity(model, hf, lengths: list[int], new_tokens: int) -> dict:
     return matches
 
 
-def main() -> int:
+def family_rows(family: str, args: argparse.Namespace, lengths: list[int], work: Path, console) -> list[dict]:
+    """A std and a chunked export of `family`'s checkpoint: export time, sizes, greedy parity with HF."""
+    from transformers import AutoModelForCausalLM
+
+    checkpoint = build_checkpoint(
+        family, work / f"ckpt-{family}", seed=7, config={**COMMON, **config(family)}
+    )
+    hf = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    rows = []
+    for chunk in (0, args.chunk):
+        out = work / f"{family}-{chunk}"
+        started = time.perf_counter()
+        export(str(checkpoint), out, batch_size=args.batch_size, sequence_length=args.sequence_length,
+               prefill_chunk_size=chunk, backend=args.backend, console=console)  # fmt: skip
+        export_s = time.perf_counter() - started
+        model = NeuronModelForCausalLM.from_pretrained(out)
+        matches = parity(model, hf, lengths, new_tokens=args.new_tokens)
+        rows.append(
+            dict(
+                family=family,
+                kind="chunked" if chunk else "std",
+                chunk=chunk,
+                export_s=round(export_s, 1),
+                graphs_mb=round(size_mb(out / "graphs"), 1),
+                weights_mb=round(size_mb(out, "*.safetensors"), 2),
+                total_mb=round(size_mb(out), 1),
+                greedy_equal_hf=all(matches.values()),
+                per_length=matches,
+            )
+        )
+        console.print(rows[-1])
+    return rows
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--batch-size", type=int, default=4)
-    parser.add_argument("--sequence-length", type=int, default=1024)
-    parser.add_argument("--chunk", type=int, default=128)
-    parser.add_argument("--backend", default="cpu")
-    parser.add_argument("--families", nargs="*", default=list(UNSEEN))
+    parser.add_argument("--quick", action="store_true", help="tiny model and workload (a smoke run)")
+    parser.add_argument("--batch-size", type=int, help="default 4 (quick 2)")
+    parser.add_argument("--sequence-length", type=int, help="default 1024 (quick 256)")
+    parser.add_argument("--chunk", type=int, help="default 128 (quick 32)")
+    parser.add_argument("--backend", help="default cpu (quick eager)")
+    parser.add_argument("--families", nargs="*", help="default: every family (quick: gemma3_text)")
+    parser.add_argument(
+        "--new-tokens", type=int, help="greedy tokens per parity prompt, default 16 (quick 4)"
+    )
+    parser.add_argument("--results", type=Path, default=REPO / "benchmark" / "results")
     parser.add_argument("--tag", default="", help="appended to the result file names")
-    args = parser.parse_args()
-    from transformers import AutoModelForCausalLM
+    args = parser.parse_args(argv)
+    full = dict(
+        batch_size=4, sequence_length=1024, chunk=128, backend="cpu", families=list(UNSEEN), new_tokens=16
+    )
+    for name, value in (QUICK if args.quick else full).items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    return args
 
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     console = Console()
     s, c = args.sequence_length, args.chunk
     lengths = [1, c - 1, c, c + 1, 3 * c + 5, s - 24]
-    rows = []
-    work = Path(tempfile.mkdtemp(prefix="export-report-"))
-    for family in args.families:
-        checkpoint = build_checkpoint(
-            family, work / f"ckpt-{family}", seed=7, config={**COMMON, **config(family)}
-        )
-        hf = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
-        for chunk in (0, c):
-            out = work / f"{family}-{chunk}"
-            started = time.perf_counter()
-            export(
-                str(checkpoint),
-                out,
-                batch_size=args.batch_size,
-                sequence_length=s,
-                prefill_chunk_size=chunk,
-                backend=args.backend,
-                console=console,
-            )
-            export_s = time.perf_counter() - started
-            model = NeuronModelForCausalLM.from_pretrained(out)
-            matches = parity(model, hf, lengths, new_tokens=16)
-            rows.append(
-                dict(
-                    family=family,
-                    kind="chunked" if chunk else "std",
-                    chunk=chunk,
-                    export_s=round(export_s, 1),
-                    graphs_mb=round(size_mb(out / "graphs"), 1),
-                    weights_mb=round(size_mb(out, "*.safetensors"), 2),
-                    total_mb=round(size_mb(out), 1),
-                    greedy_equal_hf=all(matches.values()),
-                    per_length=matches,
-                )
-            )
-            console.print(rows[-1])
+    with tempfile.TemporaryDirectory(prefix="export-report-") as work:
+        rows = [
+            row for family in args.families for row in family_rows(family, args, lengths, Path(work), console)
+        ]
     headers = ("family", "kind", "export s", "graphs MiB", "weights MiB", "greedy == HF")
     cells = [[str(r[k]) for k in ("family", "kind", "export_s", "graphs_mb", "weights_mb", "greedy_equal_hf")]
              for r in rows]  # fmt: skip
@@ -178,12 +199,12 @@ def main() -> int:
     for row in cells:
         table.add_row(*row)
     console.print(table)
-    meta = dict(
-        batch_size=args.batch_size, sequence_length=s, chunk=c, backend=args.backend, prompt_lengths=lengths
-    )
+    meta = dict(batch_size=args.batch_size, sequence_length=s, chunk=c, backend=args.backend,
+                prompt_lengths=lengths, new_tokens=args.new_tokens)  # fmt: skip
     lines = ["| " + " | ".join(headers) + " |", "|---" * len(headers) + "|"]
     lines += ["| " + " | ".join(row) + " |" for row in cells]
-    write_results(f"export-{datetime.date.today()}-{platform.node()}", args.tag, meta, rows, lines)
+    stamp = f"export-{datetime.date.today()}-{platform.node()}{'-quick' if args.quick else ''}"
+    write_results(args.results, stamp, args.tag, meta, rows, lines)
     return 0 if all(r["greedy_equal_hf"] for r in rows) else 1
 
 

@@ -7,6 +7,7 @@ context lengths. The roofline divides the bytes a decode step must read (weights
 the batch) by its median time over 30 calls and compares with this machine's measured read stream.
 
     python benchmark/long_context.py [--lengths 1024,4096,8192] [--backend cpu] [--tag NAME]
+    python benchmark/long_context.py --quick     # tiny model, eager backend, S=256: a smoke run
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import statistics
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
@@ -29,12 +31,25 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path[:0] = [str(REPO), str(HERE)]
 
-from serve_bench import FULL  # noqa: E402
+from serve_bench import FULL, QUICK  # noqa: E402
 
 from optimum_neuron_chunked.testing.checkpoints import COMMON, build_checkpoint  # noqa: E402
 
-CHUNK, BATCH = 256, 4
-DECODE_CALLS = 30  # a decode step's time: the median of this many calls
+BATCH = 4
+
+
+@dataclass(frozen=True)
+class Scale:
+    model: dict  # the checkpoint's shapes (serve_bench's bench model)
+    lengths: str  # the sequence lengths S (--lengths)
+    backend: str  # (--backend)
+    chunk: int  # C of the CP exports
+    decode_calls: int  # a decode step's time: the median of this many calls
+    stream_mib: int  # the buffer the machine's copy and read streams are measured on
+
+
+FULL_SCALE = Scale(FULL.model, "1024,4096,8192", "cpu", chunk=256, decode_calls=30, stream_mib=1024)
+QUICK_SCALE = Scale(QUICK.model, "256", "eager", chunk=64, decode_calls=5, stream_mib=64)
 
 
 def child_peak(cmd: list[str]) -> tuple[float, float]:
@@ -60,7 +75,7 @@ def export_cmd(ckpt: Path, out: Path, seq: int, chunk: int, backend: str) -> lis
     ]  # fmt: skip
 
 
-def run_figures(out: Path) -> dict:
+def run_figures(out: Path, decode_calls: int) -> dict:
     from optimum_neuron_chunked import NeuronModelForCausalLM
     from optimum_neuron_chunked.generation import prefill_prompt
 
@@ -78,7 +93,7 @@ def run_figures(out: Path) -> dict:
         pos = torch.full((BATCH,), ctx)
         model.runner.decode(torch.full((BATCH,), 5), pos, torch.arange(BATCH)[:, None])  # warm
         times = []
-        for _ in range(DECODE_CALLS):
+        for _ in range(decode_calls):
             started = time.perf_counter()
             model.runner.decode(torch.full((BATCH,), 5), pos, torch.arange(BATCH)[:, None])
             times.append(time.perf_counter() - started)
@@ -121,8 +136,8 @@ class PeakSampler:
         self.rss = int(out.strip() or 0)
 
 
-def copy_bandwidth_gb_s() -> float:
-    src = torch.empty(256 * 2**20 // 4)
+def copy_bandwidth_gb_s(mib: int) -> float:
+    src = torch.empty(mib * 2**20 // 4)
     dst = torch.empty_like(src)
     dst.copy_(src)
     started = time.perf_counter()
@@ -131,10 +146,10 @@ def copy_bandwidth_gb_s() -> float:
     return 2 * src.numel() * 4 * 10 / (time.perf_counter() - started) / 1e9  # read + write
 
 
-def read_bandwidth_gb_s() -> float:
-    """What a read-only stream reaches (a sum over 1 GiB): the ceiling for a decode step,
+def read_bandwidth_gb_s(mib: int) -> float:
+    """What a read-only stream reaches (a sum over `mib` MiB): the ceiling for a decode step,
     which reads weights and KV and writes next to nothing."""
-    src = torch.ones(2**30 // 4)
+    src = torch.ones(mib * 2**20 // 4)
     src.sum()
     started = time.perf_counter()
     for _ in range(5):
@@ -142,22 +157,14 @@ def read_bandwidth_gb_s() -> float:
     return src.numel() * 4 * 5 / (time.perf_counter() - started) / 1e9
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--lengths", default="1024,4096,8192")
-    parser.add_argument("--backend", default="cpu")
-    parser.add_argument("--work", type=Path, default=Path.home() / ".cache" / "optimum-neuron-chunked" / "w3")
-    parser.add_argument("--results", type=Path, default=HERE / "results")
-    parser.add_argument("--tag", default="", help="suffix of the results files")
-    args = parser.parse_args(argv)
+def measure(args: argparse.Namespace, scale: Scale) -> list[dict]:
+    """A CE and a CP export per sequence length: export cost, then run_figures."""
     ckpt = build_checkpoint(
-        "bench", args.work / "checkpoint", config={**COMMON, **FULL.model, "max_position_embeddings": 8192}
+        "bench", args.work / "checkpoint", config={**COMMON, **scale.model, "max_position_embeddings": 8192}
     )
     rows = []
-    for seq in [int(x) for x in args.lengths.split(",")]:
-        for kind, chunk in (("CE", 0), ("CP", CHUNK)):
+    for seq in [int(x) for x in (args.lengths or scale.lengths).split(",")]:
+        for kind, chunk in (("CE", 0), ("CP", scale.chunk)):
             out = args.work / f"{kind}-{seq}-{args.backend}"
             export_s, export_peak = child_peak(export_cmd(ckpt, out, seq, chunk, args.backend))
             graphs = (
@@ -172,18 +179,23 @@ def main(argv: list[str] | None = None) -> int:
                 "export_peak_rss_mib": export_peak,
                 "graphs_mib": graphs,
             }
-            row |= run_figures(out)
+            row |= run_figures(out, scale.decode_calls)
             rows.append(row)
             print(json.dumps(row), flush=True)
-    bandwidth, read = copy_bandwidth_gb_s(), read_bandwidth_gb_s()
-    tag = f"{datetime.date.today()}-{platform.node()}{'-' + args.tag if args.tag else ''}"
+    return rows
+
+
+def write_report(args: argparse.Namespace, scale: Scale, rows: list[dict]) -> None:
+    bandwidth, read = copy_bandwidth_gb_s(scale.stream_mib // 4), read_bandwidth_gb_s(scale.stream_mib)
+    tag = f"{datetime.date.today()}-{platform.node()}{'-quick' if args.quick else ''}"
+    tag += f"-{args.tag}" if args.tag else ""
     args.results.mkdir(parents=True, exist_ok=True)
     (args.results / f"w3-{tag}.json").write_text(
         json.dumps({"rows": rows, "copy_gb_s": bandwidth, "read_gb_s": read}, indent=1) + "\n"
     )
-    md = [f"# W3 long context ({args.backend}, B={BATCH}, C={CHUNK}) {tag}", "",
+    md = [f"# W3 long context ({args.backend}, B={BATCH}, C={scale.chunk}) {tag}", "",
           f"Machine copy bandwidth (read+write): {bandwidth:.1f} GB/s; read-only stream: {read:.1f} GB/s", "",
-          f"Decode ms: the median [min-max] of {DECODE_CALLS} calls. Decode GB/s: weights + the live KV of the batch, divided by the median step time; % of the read stream.", "",
+          f"Decode ms: the median [min-max] of {scale.decode_calls} calls. Decode GB/s: weights + the live KV of the batch, divided by the median step time; % of the read stream.", "",
           "| S | graph | export s | export peak RSS MiB | graphs MiB | prefill S-1 s | prefill peak +RSS MiB | decode ms (ctx) | decode GB/s (ctx) | % of read |",
           "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for r in rows:
@@ -201,6 +213,26 @@ def main(argv: list[str] | None = None) -> int:
     md += ["", f"![memory and decode time](w3-{tag}-memory.png)"]
     (args.results / f"w3-{tag}.md").write_text("\n".join(md) + "\n")
     print("\n".join(md))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--quick", action="store_true", help="tiny model and workload (a smoke run)")
+    parser.add_argument("--lengths", default=None, help=f"comma-separated S (default {FULL_SCALE.lengths})")
+    parser.add_argument(
+        "--backend", default=None, help=f"default {FULL_SCALE.backend}, quick {QUICK_SCALE.backend}"
+    )
+    parser.add_argument("--work", type=Path, default=Path.home() / ".cache" / "optimum-neuron-chunked" / "w3")
+    parser.add_argument("--results", type=Path, default=HERE / "results")
+    parser.add_argument("--tag", default="", help="suffix of the results files")
+    args = parser.parse_args(argv)
+    scale = QUICK_SCALE if args.quick else FULL_SCALE
+    args.backend = args.backend or scale.backend
+    if args.quick:  # its own checkpoint: build_checkpoint keeps the one a folder holds
+        args.work = args.work / "quick"
+    write_report(args, scale, measure(args, scale))
     return 0
 
 

@@ -127,6 +127,47 @@ def project_w4(m: Model, hw: Hardware, tp: int, slots: int, rows: int, chunk: in
                 slot_s=slot_s, paged_s=paged_s, tok_s_ratio=slot_s / paged_s)  # fmt: skip
 
 
+def mixed_lines(args: argparse.Namespace, hw: Hardware, rows: list[dict], w4: dict) -> list[str]:
+    """The mixed step and paged TG table, then W4."""
+    lines = [
+        f"# Mixed step and paged TG on trn1, Llama-3.1-8B bf16 TP={args.tp} (analytic)", "",
+        f"B={args.batch} decode rows + one {args.chunk}-token chunk; per NeuronCore-v2 {hw.tflops} TFLOPS, "
+        f"{hw.gib_s} GiB/s; MFU {args.mfu}, bandwidth efficiency {args.bw}, all-reduce {hw.all_reduce_us} us.", "",
+        "| context | TG ms (weights+KV GiB/core) | CP ms (TFLOP/core) | TG + CP ms | fused ms | saved "
+        "| paged TG ms (KV GiB/core, 3 passes) | paged / slot TG |",
+        "|---|---|---|---|---|---|---|---|",
+    ]  # fmt: skip
+    for r in rows:
+        tg, cp = r["tg"], r["cp"]
+        lines.append(
+            f"| {r['context']} | {tg['ms']:.2f} ({tg['weights_gib'] + tg['kv_gib']:.2f}) | {cp['ms']:.2f} "
+            f"({cp['tflop']:.2f}) | {r['separate_ms']:.2f} | {r['fused']['ms']:.2f} | {r['saved']:.0%} "
+            f"| {r['paged_tg']['ms']:.2f} ({r['paged_tg']['kv_gib']:.2f}) | {r['paged_tg']['ms'] / tg['ms']:.2f}x |"
+        )
+    return lines + [
+        "", f"W4 (64 prompts of 64-512 tokens at once, 128 out; decode rows at context {w4['context']}): "
+        f"prefill {w4['prefill_s']:.2f} s either way; slot export B={args.batch}: TG {w4['slot_tg_ms']:.2f} ms, "
+        f"{w4['slot_s']:.2f} s; paged {args.paged_rows} rows: TG {w4['paged_tg_ms']:.2f} ms, {w4['paged_s']:.2f} s; "
+        f"output tok/s paged / slots **{w4['tok_s_ratio']:.2f}x**.",
+    ]  # fmt: skip
+
+
+def verify_lines(args: argparse.Namespace, rows: list[dict]) -> list[str]:
+    """The verify step table (decode tok/s on / off where --tokens-per-call is given)."""
+    lines = [
+        "", f"Verify step, {args.speculation_length + 1} tokens a row (B={args.batch}):", "",
+        "| context | TG ms | VF ms | VF / TG |" + (" decode tok/s on / off |" if args.tokens_per_call else ""),
+        "|---|---|---|---|" + ("---|" if args.tokens_per_call else ""),
+    ]  # fmt: skip
+    for r in rows:
+        ratio = r["verify"]["ms"] / r["tg"]["ms"]
+        gain = f" {args.tokens_per_call / ratio:.2f}x |" if args.tokens_per_call else ""
+        lines.append(
+            f"| {r['context']} | {r['tg']['ms']:.2f} | {r['verify']['ms']:.2f} | {ratio:.2f}x |{gain}"
+        )
+    return lines
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--batch", type=int, default=8)
@@ -145,47 +186,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--bw", type=float, default=0.7, help="fraction of HBM bandwidth a memory-bound graph reaches"
     )
+    p.add_argument("--results", type=Path, default=HERE / "results", help="folder of the results files")
     args = p.parse_args(argv)
     m, hw = Model(), Hardware()
     rows = [
         project(m, hw, args.tp, args.batch, args.chunk, int(c), args.mfu, args.bw, args.speculation_length)
         for c in args.contexts.split(",")
     ]
-    lines = [
-        f"# Mixed step and paged TG on trn1, Llama-3.1-8B bf16 TP={args.tp} (analytic)", "",
-        f"B={args.batch} decode rows + one {args.chunk}-token chunk; per NeuronCore-v2 {hw.tflops} TFLOPS, "
-        f"{hw.gib_s} GiB/s; MFU {args.mfu}, bandwidth efficiency {args.bw}, all-reduce {hw.all_reduce_us} us.", "",
-        "| context | TG ms (weights+KV GiB/core) | CP ms (TFLOP/core) | TG + CP ms | fused ms | saved "
-        "| paged TG ms (KV GiB/core, 3 passes) | paged / slot TG |",
-        "|---|---|---|---|---|---|---|---|",
-    ]  # fmt: skip
     w4 = project_w4(m, hw, args.tp, args.batch, args.paged_rows, args.chunk, args.mfu, args.bw)
-    for r in rows:
-        tg, cp = r["tg"], r["cp"]
-        lines.append(
-            f"| {r['context']} | {tg['ms']:.2f} ({tg['weights_gib'] + tg['kv_gib']:.2f}) | {cp['ms']:.2f} "
-            f"({cp['tflop']:.2f}) | {r['separate_ms']:.2f} | {r['fused']['ms']:.2f} | {r['saved']:.0%} "
-            f"| {r['paged_tg']['ms']:.2f} ({r['paged_tg']['kv_gib']:.2f}) | {r['paged_tg']['ms'] / tg['ms']:.2f}x |"
-        )
-    lines += [
-        "", f"W4 (64 prompts of 64-512 tokens at once, 128 out; decode rows at context {w4['context']}): "
-        f"prefill {w4['prefill_s']:.2f} s either way; slot export B={args.batch}: TG {w4['slot_tg_ms']:.2f} ms, "
-        f"{w4['slot_s']:.2f} s; paged {args.paged_rows} rows: TG {w4['paged_tg_ms']:.2f} ms, {w4['paged_s']:.2f} s; "
-        f"output tok/s paged / slots **{w4['tok_s_ratio']:.2f}x**.",
-        "", f"Verify step, {args.speculation_length + 1} tokens a row (B={args.batch}):", "",
-        "| context | TG ms | VF ms | VF / TG |" + (" decode tok/s on / off |" if args.tokens_per_call else ""),
-        "|---|---|---|---|" + ("---|" if args.tokens_per_call else ""),
-    ]  # fmt: skip
-    for r in rows:
-        ratio = r["verify"]["ms"] / r["tg"]["ms"]
-        gain = f" {args.tokens_per_call / ratio:.2f}x |" if args.tokens_per_call else ""
-        lines.append(
-            f"| {r['context']} | {r['tg']['ms']:.2f} | {r['verify']['ms']:.2f} | {ratio:.2f}x |{gain}"
-        )
-    date = datetime.date.today().isoformat()
-    out = HERE / "results" / f"neuron-projection-{date}"
+    lines = mixed_lines(args, hw, rows, w4) + verify_lines(args, rows)
+    args.results.mkdir(parents=True, exist_ok=True)
+    out = args.results / f"neuron-projection-{datetime.date.today().isoformat()}"
     out.with_suffix(".json").write_text(
-        json.dumps({"args": vars(args), "model": asdict(m), "rows": rows, "w4": w4}, indent=1)
+        json.dumps({"args": vars(args), "model": asdict(m), "rows": rows, "w4": w4}, indent=1, default=str)
     )
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

@@ -14,7 +14,7 @@ Workloads (fresh random prompts per repeat, 8 requests in flight, 64 tokens out 
   no-sharing   16 requests of the same lengths, nothing shared
 Each contender runs in its own process (vLLM picks its platform once per process).
 
-    python benchmark/prefix_cache.py [--quick] [--repeats 3] [--contenders ours-on,...]
+    python benchmark/prefix_cache.py [--quick] [--repeats 3] [--contenders ours-on,...] [--results DIR]
 """
 
 from __future__ import annotations
@@ -209,14 +209,31 @@ def ratio_lines(kind: str, runs: dict) -> list[str]:
     return lines
 
 
+def run_all(args: argparse.Namespace, setup: Setup, load: Workload, models: dict, work: Path) -> dict:
+    """{workload: {contender: [one result per repeat]}}, each contender in its own process."""
+    runs: dict = {kind: {} for kind in args.workloads.split(",")}
+    for repeat in range(args.repeats):
+        for kind in runs:
+            prompt_file = work / f"prefix-prompts-{kind}-{repeat}.json"
+            prompt_file.write_text(json.dumps(prompts(kind, load, setup.model["vocab_size"], seed=repeat)))
+            for name in args.contenders.split(","):
+                model = models[name.rsplit("-", 1)[0]]
+                result = run_contender(name, kind, setup, load, model, prompt_file)
+                runs[kind].setdefault(name, []).append(result)
+                summary = {k: round(v, 1) for k, v in result.items() if isinstance(v, float)}
+                print(f"repeat {repeat} {kind:11s} {name:10s} {json.dumps(summary)}", flush=True)
+    return runs
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="tiny model and workload (a smoke run)")
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=None, help="runs per workload (default 3, quick 1)")
     p.add_argument("--contenders", default=",".join(CONTENDERS))
     p.add_argument("--workloads", default=",".join(WORKLOADS))
     p.add_argument("--work", type=Path, default=Path.home() / ".cache" / "optimum-neuron-chunked" / "bench")
     p.add_argument("--tag", default="")
+    p.add_argument("--results", type=Path, default=HERE / "results", help="folder of the results files")
     add_shape_arguments(p)
     for name in ("--engine",):
         p.add_argument(name, action="store_true", help=argparse.SUPPRESS)
@@ -229,6 +246,7 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.out).write_text(json.dumps(run_engine(args)))
         return 0
     setup, load = (QUICK, QUICK_LOAD) if args.quick else (FULL, FULL_LOAD)
+    args.repeats = args.repeats or (1 if args.quick else 3)
     setup = shaped(setup, args)
     work = args.work / ("quick" if args.quick else "full")
     work.mkdir(parents=True, exist_ok=True)
@@ -237,23 +255,14 @@ def main(argv: list[str] | None = None) -> int:
     ckpt, folders, _ = exports(setup, work, kinds=kinds)
     chunked = folders["chunked"]
     models = {"native": ckpt, "ours": chunked, "paged": folders.get("paged")}
-    runs: dict = {kind: {} for kind in args.workloads.split(",")}
-    for repeat in range(args.repeats):
-        for kind in runs:
-            prompt_file = work / f"prefix-prompts-{kind}-{repeat}.json"
-            prompt_file.write_text(json.dumps(prompts(kind, load, setup.model["vocab_size"], seed=repeat)))
-            for name in contenders:
-                model = models[name.rsplit("-", 1)[0]]
-                result = run_contender(name, kind, setup, load, model, prompt_file)
-                runs[kind].setdefault(name, []).append(result)
-                summary = {k: round(v, 1) for k, v in result.items() if isinstance(v, float)}
-                print(f"repeat {repeat} {kind:11s} {name:10s} {json.dumps(summary)}", flush=True)
+    runs = run_all(args, setup, load, models, work)
     date = datetime.date.today().isoformat()
     results = dict(date=date, machine=describe_host(), repeats=args.repeats,
                    setup=describe(setup),
                    workload=asdict(load), runs=runs, copy_cost=copy_cost(chunked))  # fmt: skip
     name = f"prefix-{date}-vm{'-quick' if args.quick else ''}{'-' + args.tag if args.tag else ''}"
-    out = HERE / "results"
+    out = args.results
+    out.mkdir(parents=True, exist_ok=True)
     (out / f"{name}.json").write_text(json.dumps(results, indent=1))
     (out / f"{name}.md").write_text(render(results))
     print(render(results))

@@ -23,7 +23,14 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
 from optimum_neuron_chunked.config import NeuronConfig  # noqa: E402
-from optimum_neuron_chunked.graphs import INDEX_DTYPE, graph_module, tg_spec, vf_spec  # noqa: E402
+from optimum_neuron_chunked.graphs import (  # noqa: E402
+    INDEX_DTYPE,
+    GraphSpec,
+    example_inputs,
+    graph_module,
+    tg_spec,
+    vf_spec,
+)
 from optimum_neuron_chunked.modeling import build_model  # noqa: E402
 from optimum_neuron_chunked.modeling.sampler import sampling_params  # noqa: E402
 
@@ -33,15 +40,18 @@ TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_atte
             num_key_value_heads=2, vocab_size=512)  # fmt: skip
 
 
-def inputs(rows: int, width: int, window: int, device: str, sampling: bool) -> tuple[torch.Tensor, ...]:
-    """Rows whose contexts end near the bucket's end, each in its own slot."""
-    last = torch.arange(window - width - 8 * rows, window - width, 8)[:rows, None]
+def inputs(spec: GraphSpec, config: NeuronConfig, device: str) -> tuple[torch.Tensor, ...]:
+    """The graph's own inputs (graphs.example_inputs: its block tables, one slot a row, and its
+    sampling inputs where it samples on device), with rows whose contexts end near the bucket's
+    end and greedy sampling."""
+    ids, positions, tables, *sampling = example_inputs(spec, config)
+    rows, width = positions.shape
+    last = torch.arange(spec.window - width - 8 * rows, spec.window - width, 8)[:rows, None]
     positions = (last + torch.arange(width)[None]).to(INDEX_DTYPE)
     ids = torch.randint(4, 500, positions.shape).to(INDEX_DTYPE)
-    tensors = (ids, positions, torch.arange(rows, dtype=INDEX_DTYPE))
     if sampling:
-        tensors += (torch.tensor([sampling_params(temperature=0.0)] * rows), torch.rand(rows))
-    return tuple(t.to(device) for t in tensors)
+        sampling = [torch.tensor([sampling_params(temperature=0.0)] * rows), torch.rand(rows)]
+    return tuple(t.to(device) for t in (ids, positions, tables, *sampling))
 
 
 def time_call(module, args, device: str, replays: int) -> list[float]:
@@ -70,16 +80,8 @@ def time_call(module, args, device: str, replays: int) -> list[float]:
         return times
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--rows", type=int, default=8)
-    p.add_argument("--speculation-length", type=int, default=4)
-    p.add_argument("--buckets", default="512,1024,2048,8192")
-    p.add_argument("--replays", type=int, default=30)
-    p.add_argument("--device", default="cuda")
-    p.add_argument("--tiny", action="store_true", help="a tiny model: checks the harness anywhere")
-    p.add_argument("--out", default=str(HERE / "results"))
-    args = p.parse_args(argv)
+def measure(args: argparse.Namespace) -> list[dict]:
+    """TG and VF ms per context bucket (the median of the replays, and their range)."""
     from transformers import LlamaConfig
 
     buckets = [int(b) for b in args.buckets.split(",")]
@@ -91,19 +93,29 @@ def main(argv: list[str] | None = None) -> int:
         model = build_model(hf_config, config).to(args.device).eval()
     rows = []
     for window in buckets:
-        tg = graph_module(model, tg_spec(config, args.rows, window), config)
-        vf = graph_module(model, vf_spec(config, args.rows, window), config)
-        tg_ms = time_call(tg, inputs(args.rows, 1, window, args.device, True), args.device, args.replays)
-        vf_ms = time_call(vf, inputs(args.rows, config.verify_width, window, args.device, False), args.device, args.replays)  # fmt: skip
+        tg, vf = tg_spec(config, args.rows, window), vf_spec(config, args.rows, window)
+        tg_ms, vf_ms = (
+            time_call(
+                graph_module(model, spec, config),
+                inputs(spec, config, args.device),
+                args.device,
+                args.replays,
+            )
+            for spec in (tg, vf)
+        )
         row = dict(bucket=window, tg_ms=statistics.median(tg_ms), vf_ms=statistics.median(vf_ms),
                    tg_range=(min(tg_ms), max(tg_ms)), vf_range=(min(vf_ms), max(vf_ms)))  # fmt: skip
         row["ratio"] = row["vf_ms"] / row["tg_ms"]
         rows.append(row)
         print(f"bucket {window}: TG {row['tg_ms']:.2f} ms, VF ({config.verify_width} a row) {row['vf_ms']:.2f} ms, "
               f"{row['ratio']:.2f}x", flush=True)  # fmt: skip
+    return rows
+
+
+def write(args: argparse.Namespace, rows: list[dict]) -> None:
     device = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     lines = [f"# Verify vs decode calls, {'tiny' if args.tiny else 'Llama-3.1-8B'} dims, bf16, B={args.rows}, "
-             f"K={args.speculation_length}, {device} (CUDA graphs)", "",
+             f"K={args.speculation_length}, {device}{' (CUDA graphs)' if args.device == 'cuda' else ''}", "",
              "| bucket | TG ms [min-max] | VF ms [min-max] | VF / TG |", "|---|---|---|---|"]  # fmt: skip
     for r in rows:
         lines.append(f"| {r['bucket']} | {r['tg_ms']:.2f} [{r['tg_range'][0]:.2f}-{r['tg_range'][1]:.2f}] | "
@@ -115,6 +127,19 @@ def main(argv: list[str] | None = None) -> int:
     )
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rows", type=int, default=8)
+    p.add_argument("--speculation-length", type=int, default=4)
+    p.add_argument("--buckets", default="512,1024,2048,8192")
+    p.add_argument("--replays", type=int, default=30)
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--tiny", action="store_true", help="a tiny model: checks the harness anywhere")
+    p.add_argument("--out", "--results", default=str(HERE / "results"), help="folder of the results files")
+    args = p.parse_args(argv)
+    write(args, measure(args))
     return 0
 
 

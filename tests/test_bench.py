@@ -75,3 +75,68 @@ def test_engine_quick_w5_reports_speculation_off_and_on(tmp_path):
         (w5,) = result["w5"]
         assert w5["failed"] == 0 and w5["tokens_per_step"] >= 1
         assert (w5["acceptance"] is None) == name.endswith("off")
+
+
+@pytest.mark.slow
+def test_prefix_cache_quick_mode_reports_hits_and_the_copy_graph(tmp_path):
+    from prefix_cache import main
+
+    argv = ["--quick", "--contenders", "ours-on", "--workloads", "shared-warm"]
+    assert main([*argv, "--work", str(tmp_path / "work"), "--results", str(tmp_path)]) == 0
+    (report,) = tmp_path.glob("prefix-*-quick.json")
+    data = json.loads(report.read_text())
+    (run,) = data["runs"]["shared-warm"]["ours-on"]
+    assert run["hit_rate_pct"] > 0 and run["ttft_ms_p50"] > 0 and run["steps"] > 0
+    assert data["copy_cost"]["ms"] and all(ms > 0 for ms, _, _ in data["copy_cost"]["ms"].values())
+    assert "shared-warm | ours-on" in (tmp_path / report.name.replace(".json", ".md")).read_text()
+
+
+@pytest.mark.slow
+def test_long_context_quick_mode_reports_export_prefill_and_decode(tmp_path):
+    from long_context import main
+
+    assert main(["--quick", "--work", str(tmp_path / "work"), "--results", str(tmp_path)]) == 0
+    (report,) = tmp_path.glob("w3-*-quick.json")
+    data = json.loads(report.read_text())
+    assert [(r["seq"], r["graph"]) for r in data["rows"]] == [(256, "CE"), (256, "CP")]
+    for row in data["rows"]:
+        assert row["export_s"] > 0 and row["prefill_s"] > 0 and row["decode_step_ms"]
+        assert all(ms > 0 for ms in row["decode_step_ms"].values())
+    assert data["read_gb_s"] > 0 and list(tmp_path.glob("w3-*-quick-memory.png"))
+
+
+@pytest.mark.slow
+def test_export_report_quick_mode_matches_hf(tmp_path):
+    from export_report import main
+
+    assert main(["--quick", "--results", str(tmp_path)]) == 0
+    (report,) = tmp_path.glob("export-*-quick.json")
+    rows = json.loads(report.read_text())["rows"]
+    assert {r["kind"] for r in rows} == {"std", "chunked"}
+    assert all(r["greedy_equal_hf"] and r["weights_mb"] > 0 for r in rows)
+
+
+def test_neuron_projection_writes_its_tables(tmp_path):
+    from neuron_projection import main
+
+    assert main(["--contexts", "512,8192", "--tokens-per-call", "2", "--results", str(tmp_path)]) == 0
+    (report,) = tmp_path.glob("neuron-projection-*.json")
+    data = json.loads(report.read_text())
+    assert [r["context"] for r in data["rows"]] == [512, 8192]
+    for row in data["rows"]:
+        assert 0 < row["tg"]["ms"] < row["paged_tg"]["ms"] and 0 < row["saved"] < 1
+    assert data["w4"]["tok_s_ratio"] > 0
+    assert "decode tok/s on / off" in (tmp_path / report.name.replace(".json", ".md")).read_text()
+
+
+@pytest.mark.slow
+def test_verify_proxy_tiny_runs_on_cpu(tmp_path):
+    from verify_proxy import main
+
+    # the graphs' own inputs (graphs.example_inputs): block tables [rows, ceil(W / P)]
+    argv = ["--tiny", "--device", "cpu", "--buckets", "512,2048", "--replays", "3"]
+    assert main([*argv, "--out", str(tmp_path)]) == 0
+    (report,) = tmp_path.glob("verify-proxy-*.json")
+    rows = json.loads(report.read_text())["rows"]
+    assert [r["bucket"] for r in rows] == [512, 2048]
+    assert all(r["tg_ms"] > 0 and r["vf_ms"] > 0 and r["ratio"] > 0 for r in rows)
