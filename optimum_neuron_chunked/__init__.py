@@ -7,9 +7,9 @@ from .version import __version__
 def __getattr__(name: str):
     # Lazy: importing the package (e.g. by vLLM's plugin discovery) must not pull in transformers.
     if name in ("NeuronModelForCausalLM", "InvalidExportError"):
-        from . import loader
+        from . import causal_lm
 
-        return getattr(loader, name)
+        return getattr(causal_lm, name)
     raise AttributeError(name)
 
 

@@ -10,7 +10,7 @@ import torch
 from .graph_runner import pad_repeat_last
 
 
-class NoFreeSlotError(RuntimeError):
+class NoFreeBlockError(RuntimeError):
     pass
 
 
@@ -31,7 +31,7 @@ class BlockPool:
         """Blocks for `positions` positions (one per block_size, rounded up; at least one)."""
         n = max(1, -(-positions // self.block_size))
         if n > len(self._free):
-            raise NoFreeSlotError(
+            raise NoFreeBlockError(
                 f"{n} KV blocks wanted, {len(self._free)} of {self.num_blocks} free (the pool holds "
                 "--kv-cache-blocks blocks, or one per --batch_size row)"
             )

@@ -7,20 +7,12 @@ from pathlib import Path
 import torch
 from transformers import GenerationConfig
 
+from .block_pool import BlockPool
 from .config import InvalidExportError
 from .graph_runner import GraphRunner
 from .hub import resolve_export
-from .loaded_export import ExportCapabilities, check_export
-from .modeling.sampler import sampling_params
-from .slots import BlockPool
 
-__all__ = [
-    "ExportCapabilities",
-    "InvalidExportError",
-    "NeuronModelForCausalLM",
-    "check_export",
-    "sampling_params",
-]
+__all__ = ["InvalidExportError", "NeuronModelForCausalLM"]
 
 
 class NeuronModelForCausalLM:

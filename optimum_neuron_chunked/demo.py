@@ -98,7 +98,7 @@ def greedy(reference, ids: list[int], n: int) -> list[int]:
 
 
 def loader_matches(exported: Path, reference, ids: list[int], kind: str, console: Console) -> bool:
-    from .loader import NeuronModelForCausalLM
+    from .causal_lm import NeuronModelForCausalLM
 
     model = NeuronModelForCausalLM.from_pretrained(exported)
     prompt = torch.tensor([ids])

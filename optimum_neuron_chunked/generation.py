@@ -6,10 +6,10 @@ import logging
 
 import torch
 
+from .block_pool import block_table
 from .graph_runner import GraphRunner
 from .modeling.sampler import sample, sampling_params
 from .prompt_lookup import accept_greedy, propose
-from .slots import block_table
 
 logger = logging.getLogger(__name__)
 

@@ -3,7 +3,7 @@ one padding rule, in the bucket and width that hold them (graphs.py describes th
 
 A request's KV address is its pool blocks in position order (a sequence of ints, at least one
 block per P positions it writes; longer is fine): one block, its slot, where a block is a
-whole sequence. Several requests' KV is a tensor of block tables [N, M] (slots.block_table).
+whole sequence. Several requests' KV is a tensor of block tables [N, M] (block_pool.block_table).
 Each graph gets the tables cut or padded by the one rule to its bucket's ceil(W / P) columns
 (modeling/kv_cache.py)."""
 
@@ -17,8 +17,8 @@ from transformers import AutoConfig, PretrainedConfig
 
 from .backends import get_backend
 from .config import NeuronConfig
+from .export_folder import ExportCapabilities, check_export
 from .graphs import COPY, INDEX_DTYPE, GraphSpec, ce_spec, cp_spec, graph_specs, mx_spec, tg_spec, vf_spec
-from .loaded_export import ExportCapabilities, check_export
 from .modeling.sampler import sample, sampling_params
 
 

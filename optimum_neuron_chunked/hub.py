@@ -19,7 +19,7 @@ from pathlib import Path
 
 from .config import CONFIG_NAME, InvalidExportError
 
-# Besides neuron_config.json and the backend's files (loader.export_files).
+# Besides neuron_config.json and the backend's files (backends.export_files).
 HUB_FILES = [
     "config.json",
     "generation_config.json",

@@ -260,7 +260,7 @@ def test_paged_kv_options():
 
 
 def test_the_export_command_of_a_config_makes_the_same_config():
-    """An export refused for its version names the command that makes it again (loaded_export)."""
+    """An export refused for its version names the command that makes it again (export_folder)."""
     import argparse
     import shlex
 

@@ -9,7 +9,7 @@ from fixtures.export_models import checkpoint_path
 from transformers import AutoConfig
 
 from optimum_neuron_chunked.config import NeuronConfig
-from optimum_neuron_chunked.loaded_export import ExportCapabilities
+from optimum_neuron_chunked.export_folder import ExportCapabilities
 from optimum_neuron_chunked.modeling import build_model
 from optimum_neuron_chunked.testing.checkpoints import FAMILIES
 

@@ -138,7 +138,7 @@ def test_a_file_written_just_before_its_check_is_not_trusted_from_the_cache(tmp_
 
 @pytest.mark.parametrize("export_dir", export_params(["llama-2x4x32-eager"]), indirect=True)
 def test_checking_an_export_twice_hashes_it_once(export_dir, monkeypatch):
-    from optimum_neuron_chunked.loader import check_export
+    from optimum_neuron_chunked.export_folder import check_export
 
     read = counted_hashing(monkeypatch, seconds_later=10)
     check_export(export_dir, verify_weights=True)

@@ -27,7 +27,7 @@ def _plan(decodes: int, *chunk_lengths: int, ids=("b", "c", "d")) -> StepPlan:
     chunks = tuple(
         PrefillChunk(ids[i], (10 + i,), 0, (1,) * n, samples=False) for i, n in enumerate(chunk_lengths)
     )
-    return StepPlan(rows, chunks, tuple(d.req_id for d in rows) + tuple(c.req_id for c in chunks))
+    return StepPlan(rows, chunks)
 
 
 BATCH = (8,)  # decode widths: the batch alone

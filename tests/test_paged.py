@@ -13,12 +13,12 @@ from transformers import AutoConfig
 
 from optimum_neuron_chunked import NeuronModelForCausalLM
 from optimum_neuron_chunked.backends.cpu.kernels import CpuKernels, KernelChoices
+from optimum_neuron_chunked.block_pool import block_table
 from optimum_neuron_chunked.config import NeuronConfig
 from optimum_neuron_chunked.generation import prefill_prompt
 from optimum_neuron_chunked.modeling import build_model, model_from_spec
 from optimum_neuron_chunked.modeling.decoder import PartInputs
 from optimum_neuron_chunked.modeling.kernels import Kernels
-from optimum_neuron_chunked.slots import block_table
 
 P, C, S, BUCKETS = 8, 16, 64, (32, 64)  # blocks of 8, chunks of 16: every chunk spans two blocks
 POOL = 4 * (S // P)  # four whole sequences

@@ -11,14 +11,18 @@ def work(req_id, block, start, n, prompt, known=None, first=100):
     return ScheduledWork(req_id, (block,), start, tuple(range(first, first + n)), prompt, known or prompt)
 
 
+def sampling(plan) -> list[str]:
+    """Requests that get a token from the step: its decodes and its last chunks."""
+    return [d.req_id for d in plan.decodes] + [c.req_id for c in plan.chunks if c.samples]
+
+
 def test_decodes_and_a_partial_chunk():
     plan = plan_step(
         [work("a", 0, 10, 1, prompt=8, known=11), work("b", 1, 0, 20, prompt=50)], chunk_size=32, batch_size=4
     )
     assert [(d.req_id, d.blocks, d.position) for d in plan.decodes] == [("a", (0,), 10)]
     assert [(c.req_id, c.start, len(c.token_ids), c.samples) for c in plan.chunks] == [("b", 0, 20, False)]
-    assert plan.sampling_req_ids == ("a",)
-    assert plan.order == ("a", "b")
+    assert sampling(plan) == ["a"]
 
 
 def test_long_piece_is_split_into_chunks_and_only_the_last_samples():
@@ -29,7 +33,7 @@ def test_long_piece_is_split_into_chunks_and_only_the_last_samples():
         (104, 6, True),
     ]
     assert plan.chunks[1].token_ids[0] == 132  # tokens stay with their positions
-    assert plan.sampling_req_ids == ("b",)
+    assert sampling(plan) == ["b"]
 
 
 def test_single_token_prompt_is_a_prefill_not_a_decode():
@@ -43,7 +47,7 @@ def test_one_token_recompute_piece_that_does_not_sample_is_prefill():
     plan = plan_step([work("b", 1, 5, 1, prompt=4, known=9)], chunk_size=32, batch_size=2)
     assert plan.decodes == ()
     assert [(c.start, len(c.token_ids), c.samples) for c in plan.chunks] == [(5, 1, False)]
-    assert plan.sampling_req_ids == ()
+    assert sampling(plan) == []
     plan = plan_step([work("b", 1, 8, 1, prompt=4, known=9)], chunk_size=32, batch_size=2)
     assert [(d.position, d.req_id) for d in plan.decodes] == [(8, "b")] and plan.chunks == ()
 

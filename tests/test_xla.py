@@ -24,12 +24,12 @@ from helpers import HLO_CENSUS, export_params  # noqa: E402
 from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
 
 from optimum_neuron_chunked.backends.xla import XlaRuntime, fallback_ops, reset_counters  # noqa: E402
+from optimum_neuron_chunked.block_pool import block_table  # noqa: E402
 from optimum_neuron_chunked.config import NeuronConfig  # noqa: E402
 from optimum_neuron_chunked.graph_runner import GraphRunner  # noqa: E402
 from optimum_neuron_chunked.graphs import example_inputs, graph_module, graph_specs, tg_spec  # noqa: E402
 from optimum_neuron_chunked.modeling import build_model  # noqa: E402
 from optimum_neuron_chunked.modeling.sampler import sampling_params  # noqa: E402
-from optimum_neuron_chunked.slots import block_table  # noqa: E402
 from optimum_neuron_chunked.testing.checkpoints import FAMILIES  # noqa: E402
 
 pytestmark = pytest.mark.xla

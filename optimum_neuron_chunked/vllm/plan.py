@@ -82,7 +82,6 @@ class PrefillChunk:
 class StepPlan:
     decodes: tuple[DecodeRow, ...]
     chunks: tuple[PrefillChunk, ...]
-    order: tuple[str, ...]  # every scheduled request, in the scheduler's order
     copies: tuple[SlotCopy, ...] = ()  # cached prefixes into new requests' blocks, run first
     fused: int | None = None  # index of the chunk that runs with the decodes in one MX call
 
@@ -90,11 +89,6 @@ class StepPlan:
     def separate_chunks(self) -> tuple[PrefillChunk, ...]:
         """The chunks that run in their own CP calls."""
         return tuple(c for i, c in enumerate(self.chunks) if i != self.fused)
-
-    @property
-    def sampling_req_ids(self) -> tuple[str, ...]:
-        """Requests that get a token this step: decodes, then last chunks, in plan order."""
-        return tuple(d.req_id for d in self.decodes) + tuple(c.req_id for c in self.chunks if c.samples)
 
 
 def plan_step(
@@ -115,7 +109,7 @@ def plan_step(
     if len(decodes) > batch_size:
         raise PlanError(f"{len(decodes)} decodes in one step exceed the compiled batch_size {batch_size}")
     _check_copies(copies, work)
-    return StepPlan(tuple(decodes), tuple(chunks), tuple(w.req_id for w in work), tuple(copies))
+    return StepPlan(tuple(decodes), tuple(chunks), tuple(copies))
 
 
 def fuse_chunk(

@@ -15,8 +15,8 @@ from vllm.platforms import Platform, PlatformEnum
 
 from ..backends import get_backend
 from ..config import NeuronConfig
+from ..export_folder import ExportCapabilities, InvalidExportError, check_export
 from ..hub import UntrustedExportError, resolve_export
-from ..loaded_export import ExportCapabilities, InvalidExportError, check_export
 from ..modeling.kv_layout import PrefixCache
 from .compat import cap_scheduled_tokens
 from .features import refuse_unsupported

@@ -14,17 +14,17 @@ from vllm.logger import init_logger
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, LogprobsTensors, ModelRunnerOutput
 
+from ..block_pool import block_table
 from ..graph_runner import GraphRunner
 from ..modeling.kv_layout import PrefixCache
 from ..prompt_lookup import accept_greedy
-from ..slots import block_table
 from .batch import BatchState
 from .compat import host_sampler
 from .connector import PrefixCopies
 from .plan import StepPlan, describe, fuse_chunk, plan_step
 from .prompt_logprobs import add_chunk
 from .sampling import device_sampling_inputs, host_sample, on_device_eligible
-from .speculation import Drafter, accept_random, is_greedy, verifiable
+from .speculation import Drafter, RandomRow, accept_random, is_greedy, verifiable
 
 logger = init_logger(f"vllm.{__name__}")  # under vLLM's configured logger (VLLM_LOGGING_LEVEL)
 
@@ -104,10 +104,8 @@ class StepRunner:
         if result.host_logits:
             drafts = so.scheduled_spec_decode_tokens
             host, logprobs = host_sample(self.batch, self.sampler, result.host_logits, grammar_output, drafts)
-            for req_id, token in host.items():
-                tokens[req_id] = (
-                    self._accept(req_id, token, result) if req_id in result.to_verify else [token]
-                )
+            tokens |= {r: [t] for r, t in host.items() if r not in result.to_verify}
+            tokens |= self._accept(host, result)
         self.batch.append_tokens(tokens)
         ib = self.batch.input_batch
         if self.drafter is not None:
@@ -133,10 +131,17 @@ class StepRunner:
     def _verifiable(self, req_id: str) -> bool:
         return verifiable(self.batch.requests[req_id].sampling_params)
 
-    def _accept(self, req_id: str, bonus: int, result: StepResult) -> list[int]:
-        state = self.batch.requests[req_id]
-        drafts, logits = result.to_verify[req_id]
-        return accept_random(drafts, logits, bonus, state.sampling_params, state.generator)
+    def _accept(self, bonus: dict[str, int], result: StepResult) -> dict[str, list[int]]:
+        """Random rows with drafts, their bonus tokens sampled: every row's tokens by one
+        rejection sampling, rows in vLLM's batch order."""
+        req_ids = [r for r in self.batch.input_batch.req_ids if r in result.to_verify]
+        if not req_ids:
+            return {}
+        rows = []
+        for r in req_ids:
+            state, (drafts, logits) = self.batch.requests[r], result.to_verify[r]
+            rows.append(RandomRow(drafts, logits, bonus[r], state.sampling_params, state.generator))
+        return dict(zip(req_ids, accept_random(rows), strict=True))
 
     def _run_decodes(self, result: StepResult) -> None:
         decodes = result.plan.decodes

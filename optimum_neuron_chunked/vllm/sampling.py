@@ -14,7 +14,7 @@ from vllm.sampling_params import SamplingParams
 from vllm.v1.outputs import LogprobsLists
 from vllm.v1.sample.sampler import Sampler
 
-from ..loader import sampling_params as ods_row  # a row of the TG graph's sampling input
+from ..modeling.sampler import sampling_params as ods_row  # a row of the TG graph's sampling input
 from .batch import BatchState
 
 GREEDY_EPS = 1e-5  # vLLM's threshold: temperature below it is greedy

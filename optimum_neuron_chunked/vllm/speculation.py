@@ -16,6 +16,8 @@ top-k, top-p and a seed. Any other sampling field (logprobs, penalties, structur
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from vllm.sampling_params import SamplingParams
 
@@ -43,20 +45,31 @@ def processed_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tens
     return apply_top_k_top_p(scaled, k, p)
 
 
-def accept_random(
-    drafts: list[int], logits: torch.Tensor, bonus: int, params: SamplingParams, generator
-) -> list[int]:
-    """One random request's tokens: rejection sampling of its drafts against logits [n + 1, V]."""
-    generators = {0: generator} if generator is not None else {}
-    target = processed_logits(logits[: len(drafts)], params)
+@dataclass(frozen=True)
+class RandomRow:
+    """A random request's verify row: its drafts, the logits at them [d, V], the bonus token
+    sampled on the host, and how it samples."""
+
+    drafts: list[int]
+    logits: torch.Tensor
+    bonus: int
+    params: SamplingParams
+    generator: torch.Generator | None
+
+
+def accept_random(rows: list[RandomRow]) -> list[list[int]]:
+    """The step's random rows with drafts, in vLLM's batch order, through one rejection_sample
+    call (as vLLM's RejectionSampler samples a step) -> each row's tokens."""
+    generators = {i: r.generator for i, r in enumerate(rows) if r.generator is not None}
+    target = torch.cat([processed_logits(r.logits[: len(r.drafts)], r.params) for r in rows])
     out = rejection_sample(
-        Drafts(torch.tensor(drafts, dtype=torch.int64), (len(drafts),)),
+        Drafts.of([r.drafts for r in rows]),
         target,
-        torch.tensor([bonus]),
-        torch.tensor([False]),
+        torch.tensor([r.bonus for r in rows]),
+        torch.zeros(len(rows), dtype=torch.bool),
         generators,
     )
-    return accepted_tokens(out)[0]
+    return accepted_tokens(out)
 
 
 def is_greedy(params: SamplingParams) -> bool:
