@@ -33,9 +33,14 @@ sys.path[:0] = [str(REPO), str(HERE)]
 
 from serve_bench import FULL, QUICK  # noqa: E402
 
+from optimum_neuron_chunked.modeling.sampler import sampling_params  # noqa: E402
 from optimum_neuron_chunked.testing.checkpoints import COMMON, build_checkpoint  # noqa: E402
 
 BATCH = 4
+GREEDY = (
+    torch.tensor([sampling_params(temperature=0.0)] * BATCH),
+    torch.zeros(BATCH),
+)  # on-device sampling inputs
 
 
 @dataclass(frozen=True)
@@ -91,11 +96,12 @@ def run_figures(out: Path, decode_calls: int) -> dict:
     decode, spread = {}, {}
     for ctx in sorted({seq // 8, seq // 2, seq - 2}):
         pos = torch.full((BATCH,), ctx)
-        model.runner.decode(torch.full((BATCH,), 5), pos, torch.arange(BATCH)[:, None])  # warm
+        rows = (torch.full((BATCH,), 5), pos, torch.arange(BATCH)[:, None], GREEDY)
+        model.runner.decode(*rows)  # warm
         times = []
         for _ in range(decode_calls):
             started = time.perf_counter()
-            model.runner.decode(torch.full((BATCH,), 5), pos, torch.arange(BATCH)[:, None])
+            model.runner.decode(*rows)
             times.append(time.perf_counter() - started)
         decode[ctx], spread[ctx] = statistics.median(times), (min(times), max(times))
     hf = model.config

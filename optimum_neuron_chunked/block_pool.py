@@ -1,17 +1,13 @@
-"""The KV pool's blocks for requests the host runs itself (generate()), and THE block-table
-builder. vLLM allocates the blocks of the requests it serves (vllm/kv_blocks.py)."""
+"""The KV pool's blocks for requests the host runs itself (generate()). vLLM allocates the
+blocks of the requests it serves (vllm/kv_blocks.py)."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-import torch
-
-from .graph_runner import pad_repeat_last
-
 
 class NoFreeBlockError(RuntimeError):
-    pass
+    """Fewer free KV blocks than a request needs."""
 
 
 class BlockPool:
@@ -42,13 +38,3 @@ class BlockPool:
         if any(not 0 <= b < self.num_blocks or b in self._free for b in blocks):
             raise ValueError(f"blocks {list(blocks)} are not all in use")
         self._free = sorted(self._free + list(blocks))
-
-
-def block_table(rows: Sequence[Sequence[int]]) -> torch.Tensor:
-    """[N, M] block ids of N requests, M the longest, each row padded by the one rule (its last
-    block repeated: modeling/kv_cache.py): THE block-table builder (graph_runner cuts or pads a
-    table to a graph's columns)."""
-    width = max(len(r) for r in rows)
-    return torch.stack(
-        [pad_repeat_last(torch.tensor(r, dtype=torch.int32)[None], width, dim=1)[0] for r in rows]
-    )

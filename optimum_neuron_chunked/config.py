@@ -414,3 +414,10 @@ def _smallest_cover(sizes: tuple[int, ...], needed: int, too_large: str) -> int:
         if needed <= size:
             return size
     raise NeuronConfigError(too_large)
+
+
+def prefill_slices(tokens: int, chunk_size: int) -> list[slice]:
+    """The pieces a prefill of `tokens` tokens runs in: chunks of chunk_size (the last may be
+    shorter), or one whole piece for a standard export (chunk_size 0)."""
+    step = chunk_size or tokens
+    return [slice(start, min(start + step, tokens)) for start in range(0, tokens, step)]

@@ -6,7 +6,7 @@ import logging
 
 import torch
 
-from .block_pool import block_table
+from .config import prefill_slices
 from .graph_runner import GraphRunner
 from .modeling.sampler import sample, sampling_params
 from .prompt_lookup import accept_greedy, propose
@@ -117,10 +117,10 @@ def _generate_tokens(
                 continue
             ids = torch.tensor([tokens[i][-1] for i in live])
             positions = torch.tensor([len(prompts[i]) + len(tokens[i]) - 1 for i in live])
-            rows = block_table(kvs)
-            sampled, _ = runner.decode(
-                ids, positions, rows, params[live], _rand(len(live), generator), need_logits=False
-            )
+            sampling = (params[live], _rand(len(live), generator))
+            sampled, logits = runner.decode(ids, positions, kvs, sampling, need_logits=False)
+            if sampled is None:  # an export that samples on the host
+                sampled = sample(logits, *sampling, config.max_topk)
             for i, token in zip(live, sampled.tolist(), strict=True):
                 tokens[i].append(token)
             live = [i for i in live if not _finished(tokens[i], eos_ids, max_new_tokens)]
@@ -139,7 +139,7 @@ def _verify_step(runner: GraphRunner, prompts, tokens, kvs, k: int, max_new_toke
     ]
     rows = [torch.tensor([t[-1], *d]) for t, d in zip(tokens, drafts, strict=True)]
     positions = torch.tensor([len(p) + len(t) - 1 for p, t in zip(prompts, tokens, strict=True)])
-    argmax, _ = runner.verify(rows, positions, block_table(kvs), need_logits=False)
+    argmax, _ = runner.verify(rows, positions, kvs, need_logits=False)
     for t, d, row in zip(tokens, drafts, argmax.tolist(), strict=True):
         t.extend(accept_greedy(d, row))
 
@@ -160,9 +160,8 @@ def prefill_prompt(runner: GraphRunner, input_ids: torch.Tensor, blocks: tuple[i
         raise ValueError(
             f"prompt of {n} tokens: must hold 1 to sequence_length={config.sequence_length} tokens"
         )
-    chunk = config.prefill_chunk_size or n
-    for start in range(0, n, chunk):
-        logits = runner.prefill(input_ids[start : start + chunk], start, blocks)
+    for piece in prefill_slices(n, config.prefill_chunk_size):
+        logits = runner.prefill(input_ids[piece], piece.start, blocks)
     return logits
 
 

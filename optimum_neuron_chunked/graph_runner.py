@@ -1,11 +1,13 @@
-"""The runtime side of the graph set: real inputs padded to the graphs' static shapes by the
-one padding rule, in the bucket and width that hold them (graphs.py describes the set).
+"""The engine of one export: real inputs padded to the graphs' static shapes by the one
+padding rule, in the bucket and width that hold them (graphs.py describes the set).
 
-A request's KV address is its pool blocks in position order (a sequence of ints, at least one
-block per P positions it writes; longer is fine): one block, its slot, where a block is a
-whole sequence. Several requests' KV is a tensor of block tables [N, M] (block_pool.block_table).
-Each graph gets the tables cut or padded by the one rule to its bucket's ceil(W / P) columns
-(modeling/kv_cache.py)."""
+Every operation takes rows as tokens, positions and KV blocks: a request's KV address is its
+pool blocks in position order (at least one block per P positions it writes; longer is fine;
+one block, its slot, where a block is a whole sequence). One internal path (GraphRunner._call)
+checks them, pads them, builds the block tables once at the graph's ceil(W / P) columns
+(block_table, modeling/kv_cache.py), calls the graph and returns the real rows' outputs in the
+caller's order. Nothing is sampled here beyond what a graph samples on the device: sampling is
+the callers' (the vLLM runner, generation.py)."""
 
 from __future__ import annotations
 
@@ -16,10 +18,20 @@ import torch
 from transformers import AutoConfig, PretrainedConfig
 
 from .backends import get_backend
-from .config import NeuronConfig
+from .config import NeuronConfig, prefill_slices
 from .export_folder import ExportCapabilities, check_export
-from .graphs import COPY, INDEX_DTYPE, GraphSpec, ce_spec, cp_spec, graph_specs, mx_spec, tg_spec, vf_spec
-from .modeling.sampler import sample, sampling_params
+from .graphs import (
+    COPY,
+    INDEX_DTYPE,
+    GraphKind,
+    GraphSpec,
+    ce_spec,
+    cp_spec,
+    graph_specs,
+    mx_spec,
+    tg_spec,
+    vf_spec,
+)
 
 
 def pad_repeat_last(x: torch.Tensor, length: int, dim: int) -> torch.Tensor:
@@ -38,12 +50,13 @@ def pad_repeat_last(x: torch.Tensor, length: int, dim: int) -> torch.Tensor:
     return torch.cat([x, last.expand(*[missing if d == dim else -1 for d in range(x.dim())])], dim=dim)
 
 
-def _chunk_inputs(token_ids: torch.Tensor, start: int, table: torch.Tensor, width: int) -> list[torch.Tensor]:
-    """A prefill chunk's graph inputs: tokens [1, width] at positions start.. [1, width] of the
-    request with block table [1, ceil(W / P)], padded by the one rule, integers INDEX_DTYPE."""
-    positions = torch.arange(start, start + token_ids.shape[0], dtype=INDEX_DTYPE)
-    ids = pad_repeat_last(token_ids.to(INDEX_DTYPE)[None], width, dim=1)
-    return [ids, pad_repeat_last(positions[None], width, dim=1), table]
+def block_table(rows: Sequence[Sequence[int]], columns: int) -> torch.Tensor:
+    """THE block-table builder: [N, columns] int32 block ids of N requests, each row its blocks
+    in position order cut to `columns`, or padded by the one rule (its last block repeated:
+    modeling/kv_cache.py) - once, at the width of the graph that reads it."""
+    return torch.stack(
+        [pad_repeat_last(torch.tensor(r[:columns], dtype=INDEX_DTYPE)[None], columns, dim=1)[0] for r in rows]
+    )
 
 
 class GraphRunner:
@@ -82,37 +95,105 @@ class GraphRunner:
     def prefill(
         self, token_ids: torch.Tensor, start: int, blocks: Sequence[int], every_position: bool = False
     ) -> torch.Tensor:
-        """Tokens [T] at positions start.. of the request with KV blocks `blocks` -> logits [V] after the last one, or [T, V] after every one if `every_position` (exports
-        with prompt_logprobs).
-
-        Chunked exports take T <= prefill_chunk_size; standard ones take a whole prompt.
-        """
+        """Tokens [T] at positions start.. of the request with KV blocks `blocks` -> logits [V]
+        after the last one, or [T, V] after every one if `every_position` (exports with
+        prompt_logprobs). Chunked exports take T <= prefill_chunk_size; standard ones a whole
+        prompt."""
         if every_position and not self.config.prompt_logprobs:
             raise ValueError(
                 "this export returns the last position's logits only: re-export with --prompt-logprobs"
             )
-        logits = self._prefill(token_ids, start, blocks)
-        if every_position:
-            return logits[0, : token_ids.shape[0]].clone()
-        last = logits[0, token_ids.shape[0] - 1] if self.config.prompt_logprobs else logits[0]
-        return last.clone()
-
-    def _prefill(self, token_ids: torch.Tensor, start: int, blocks: Sequence[int]) -> torch.Tensor:
-        t = token_ids.shape[0]
-        end = start + t
+        t, end = token_ids.shape[0], start + token_ids.shape[0]
         window = self.config.bucket_for(end)
         limit = self.config.prefill_chunk_size or window
         if t == 0 or t > limit:
             raise ValueError(
                 f"a {'cp' if self.config.chunked else 'ce'} call takes 1 to {limit} tokens, got {t}"
             )
-        if self.config.chunked:
-            spec = cp_spec(self.config, self.config.width_for(t), window)
-        else:
-            spec = ce_spec(window)
-        table = self._request_table(blocks, window, end)
-        # callers clone what they keep
-        return self.graphs[spec.name](*_chunk_inputs(token_ids, start, table, spec.width))
+        width = self.config.width_for(t) if self.config.chunked else window
+        spec = cp_spec(self.config, width, window) if self.config.chunked else ce_spec(window)
+        (logits,), _ = self._call(spec, [token_ids], [start], [blocks])
+        if every_position:
+            return logits[0, :t].clone()
+        return (logits[0, t - 1] if self.config.prompt_logprobs else logits[0]).clone()
+
+    def decode(
+        self,
+        token_ids: torch.Tensor,  # [N]
+        positions: torch.Tensor,  # [N]
+        blocks: Sequence[Sequence[int]],  # each row's KV blocks in position order
+        sampling: tuple[torch.Tensor, torch.Tensor] | None = None,  # ([N, 3] params, [N] rand)
+        need_logits: bool = True,
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """One TG step for N <= batch_size rows, in the narrowest TG graph that holds them ->
+        (tokens [N] sampled on the device, or None where the export samples on the host;
+        logits [N, V], or None unless `need_logits` or sampled on the host). On-device sampling
+        takes `sampling` (modeling.sampler.sampling_params rows and uniform draws)."""
+        n = self._check_decode(positions, blocks)
+        window = self.config.bucket_for(int(positions.max()) + 1)
+        spec = tg_spec(self.config, self.config.decode_width_for(n), window)
+        outputs, unsort = self._call(spec, list(token_ids[:, None]), positions.tolist(), blocks, sampling)
+        return self._decode_outputs(outputs, unsort, need_logits)
+
+    def decode_with_chunk(
+        self,
+        token_ids: torch.Tensor,  # [N]
+        positions: torch.Tensor,  # [N]
+        blocks: Sequence[Sequence[int]],
+        sampling: tuple[torch.Tensor, torch.Tensor] | None,
+        chunk_ids: torch.Tensor,  # [C]: a full chunk
+        chunk_start: int,
+        chunk_blocks: Sequence[int],
+        need_logits: bool = True,
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
+        """A decode step and a full prefill chunk of another request in one MX call (mixed_step
+        exports) -> (tokens, decode logits as `decode` returns them, the chunk's last logits [V])."""
+        self._check_decode(positions, blocks)
+        c = self.config.prefill_chunk_size
+        end = chunk_start + c
+        size = self.config.kv_block_positions
+        chunk_writes = set(list(chunk_blocks)[chunk_start // size : (end - 1) // size + 1])
+        if (
+            not self.config.mixed_step
+            or chunk_ids.shape[0] != c
+            or chunk_writes & self._writes(positions, blocks)
+        ):
+            raise ValueError(
+                f"a mixed step takes decode rows and a full chunk of {c} tokens writing other blocks "
+                f"(mixed_step exports): got {chunk_ids.shape[0]} tokens in blocks {list(chunk_blocks)}, "
+                f"decoding rows with blocks {[list(b) for b in blocks]}, mixed_step={self.config.mixed_step}"
+            )
+        spec = mx_spec(self.config, self.config.bucket_for(max(int(positions.max()) + 1, end)))
+        chunk = ([chunk_ids], [chunk_start], [chunk_blocks])
+        outputs, unsort = self._call(
+            spec, list(token_ids[:, None]), positions.tolist(), blocks, sampling, chunk
+        )
+        tokens, logits = self._decode_outputs(outputs[:-1], unsort, need_logits)
+        return tokens, logits, outputs[-1].cpu()[0].clone()
+
+    def verify(
+        self,
+        token_rows: list[torch.Tensor],  # N rows of [1 + d]: a row's last token, then its d <= K drafts
+        positions: torch.Tensor,  # [N]: the position of each row's first token
+        blocks: Sequence[Sequence[int]],
+        need_logits: bool = True,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One VF call (exports with speculation_length K) -> (argmax [N, K + 1], logits
+        [N, K + 1, V] or None): entry j of a row is what follows its token j. A row with fewer
+        than K drafts is padded by the one rule (its last token and position repeated), so
+        entries past its own length repeat its last one. Logits are fetched only if wanted."""
+        width = self.config.verify_width
+        if not self.config.speculation_length:
+            raise ValueError("this export has no verify graphs: re-export with --speculation-length K")
+        if any(not 1 <= len(r) <= width for r in token_rows):
+            raise ValueError(f"a verify row takes 1 to {width} tokens, got {[len(r) for r in token_rows]}")
+        last = torch.tensor([int(p) + len(r) - 1 for p, r in zip(positions, token_rows, strict=True)])
+        n = self._check_decode(last, blocks)
+        spec = vf_spec(
+            self.config, self.config.decode_width_for(n), self.config.bucket_for(int(last.max()) + 1)
+        )
+        (argmax, logits), unsort = self._call(spec, token_rows, positions.tolist(), blocks)
+        return argmax.cpu()[unsort].long(), logits.cpu()[unsort] if need_logits else None
 
     def copy_prefix(self, src_block: int, dst_block: int, length: int) -> int:
         """Copy positions [0, length) of every layer's K/V from one whole-sequence block to
@@ -128,177 +209,85 @@ class GraphRunner:
             raise ValueError(f"{length} positions exceed sequence_length {self.config.sequence_length}")
         width = self.config.prefill_chunk_size
         blocks = torch.tensor([src_block, dst_block], dtype=INDEX_DTYPE)
-        calls = 0
-        for start in range(0, length, width):
-            positions = torch.arange(start, min(start + width, length), dtype=INDEX_DTYPE)
+        for piece in prefill_slices(length, width):
+            positions = torch.arange(piece.start, piece.stop, dtype=INDEX_DTYPE)
             self.graphs[COPY](pad_repeat_last(positions[None], width, dim=1), blocks)
-            calls += 1
-        return calls
+        return len(prefill_slices(length, width))
 
-    def decode(
-        self,
-        token_ids: torch.Tensor,  # [N]
-        positions: torch.Tensor,  # [N]
-        tables: torch.Tensor,  # [N, M] block tables
-        params: torch.Tensor | None = None,  # [N, 3] (sampling.sampling_params rows); greedy
-        rand: torch.Tensor | None = None,  # [N]
-        need_logits: bool = True,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """One TG step for N <= batch_size rows -> (tokens [N], logits [N, V] or None), in the
-        narrowest TG graph that holds N rows.
-
-        Logits are fetched from the graph's outputs only if `need_logits` (or if the export
-        samples on the host, where the tokens come from them)."""
-        n = len(self._decode_writes(tables, positions))
-        if params is None:
-            params = torch.tensor([sampling_params(temperature=0.0)] * n)
-        if rand is None:
-            rand = torch.zeros(n)
-        spec = tg_spec(
-            self.config, self.config.decode_width_for(n), self.config.bucket_for(int(positions.max()) + 1)
+    def _call(self, spec: GraphSpec, token_rows, starts, blocks, sampling=None, chunk=None) -> tuple:
+        """The one path: rows (token ids [T_i] at positions starts[i].., KV blocks) checked
+        against the pool, padded by the one rule to graph `spec`'s rows and width, its block
+        tables built once at its columns; a mixed step's chunk after them, the sampling inputs
+        last where the graph samples -> (the graph's outputs, the permutation back to the
+        caller's row order). Decode rows go longest context first, so the padding repeats the
+        shortest: where each row reads only its live context (the cpu backend's per_row_live),
+        a padded row costs the least it can."""
+        inputs, order = self._row_inputs(
+            spec.batch, spec.width if chunk is None else 1, spec.window, token_rows, starts, blocks
         )
-        rows, sampling, order = self._decode_inputs(
-            spec, token_ids[:, None], positions[:, None], tables, params, rand
-        )
-        outputs = self.graphs[spec.name](*rows, *sampling)
-        if not self.config.on_device_sampling:
-            outputs = (outputs,)
-        return self._decode_outputs(outputs, order, params, rand, need_logits)
+        if chunk is not None:
+            inputs += self._row_inputs(1, spec.width, spec.window, *chunk)[0]
+        if spec.kind in (GraphKind.TG, GraphKind.MX) and self.config.on_device_sampling:
+            if sampling is None:
+                raise ValueError("this export samples on the device: pass sampling=(params, rand)")
+            inputs += [pad_repeat_last(x[order].float(), spec.batch, dim=0) for x in sampling]
+        outputs = self.graphs[spec.name](*inputs)
+        return tuple(outputs) if isinstance(outputs, tuple | list) else (outputs,), torch.argsort(order)
 
-    def decode_with_chunk(
-        self,
-        token_ids: torch.Tensor,  # [N]
-        positions: torch.Tensor,  # [N]
-        tables: torch.Tensor,  # [N, M] block tables
-        params: torch.Tensor,  # [N, 3]
-        rand: torch.Tensor,  # [N]
-        chunk_ids: torch.Tensor,  # [C]: a full chunk
-        chunk_start: int,
-        chunk_blocks: Sequence[int],
-        need_logits: bool = True,
-    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-        """A decode step and a full prefill chunk of another request in one MX call (mixed_step
-        exports) -> (tokens [N], decode logits [N, V] or None, the chunk's last logits [V])."""
-        decode_writes = self._decode_writes(tables, positions)
-        c = self.config.prefill_chunk_size
-        end = chunk_start + c
-        chunk_writes = self._chunk_writes(chunk_blocks, chunk_start, end)
-        if not self.config.mixed_step or chunk_ids.shape[0] != c or set(chunk_writes) & set(decode_writes):
-            raise ValueError(
-                f"a mixed step takes decode rows and a full chunk of {c} tokens writing other blocks "
-                f"(mixed_step exports): got {chunk_ids.shape[0]} tokens in blocks {list(chunk_blocks)}, "
-                f"decoding with block tables {tables.tolist()}, mixed_step={self.config.mixed_step}"
-            )
-        spec = mx_spec(self.config, self.config.bucket_for(max(int(positions.max()) + 1, end)))
-        rows, sampling, order = self._decode_inputs(
-            spec, token_ids[:, None], positions[:, None], tables, params, rand
-        )
-        chunk = _chunk_inputs(chunk_ids, chunk_start, self._request_table(chunk_blocks, spec.window, end), c)
-        outputs = self.graphs[spec.name](*rows, *chunk, *sampling)
-        tokens, logits = self._decode_outputs(outputs[:-1], order, params, rand, need_logits)
-        return tokens, logits, outputs[-1].cpu()[0].clone()
+    def _row_inputs(
+        self, rows: int, width: int, window: int, token_rows, starts, blocks
+    ) -> tuple[list, torch.Tensor]:
+        """[rows, width] token ids and positions and [rows, ceil(window / P)] block tables, real
+        rows longest context first -> (inputs, that order), integers INDEX_DTYPE."""
+        ends = torch.tensor([s + len(t) for s, t in zip(starts, token_rows, strict=True)])
+        blocks = self._check_blocks(blocks, ends - 1)
+        order = torch.argsort(ends, descending=True, stable=True)
+        ids, pos, table_rows = [], [], []
+        for i in order.tolist():
+            span = torch.arange(starts[i], int(ends[i]), dtype=INDEX_DTYPE)
+            ids.append(pad_repeat_last(token_rows[i].to(INDEX_DTYPE)[None], width, dim=1)[0])
+            pos.append(pad_repeat_last(span[None], width, dim=1)[0])
+            table_rows.append(blocks[i])
+        tables = block_table(table_rows, self.config.table_columns(window))
+        return [pad_repeat_last(x, rows, dim=0) for x in (torch.stack(ids), torch.stack(pos), tables)], order
 
-    def verify(
-        self,
-        token_rows: list[torch.Tensor],  # N rows of [1 + d]: a row's last token, then its d <= K drafts
-        positions: torch.Tensor,  # [N]: the position of each row's first token
-        tables: torch.Tensor,  # [N, M] block tables
-        need_logits: bool = True,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """One VF call (exports with speculation_length K) -> (argmax [N, K + 1], logits
-        [N, K + 1, V] or None): entry j of a row is what follows its token j. A row with fewer
-        than K drafts is padded by the one rule (its last token and position repeated), so
-        entries past its own length repeat its last one. Logits are fetched only if wanted."""
-        width = self.config.verify_width
-        if not self.config.speculation_length:
-            raise ValueError("this export has no verify graphs: re-export with --speculation-length K")
-        if any(not 1 <= len(r) <= width for r in token_rows):
-            raise ValueError(f"a verify row takes 1 to {width} tokens, got {[len(r) for r in token_rows]}")
-        ids = torch.stack([pad_repeat_last(r.to(INDEX_DTYPE)[None], width, dim=1)[0] for r in token_rows])
-        spans = [
-            torch.arange(int(p), int(p) + len(r), dtype=INDEX_DTYPE)
-            for p, r in zip(positions, token_rows, strict=True)
-        ]
-        pos = torch.stack([pad_repeat_last(s[None], width, dim=1)[0] for s in spans])
-        n = len(self._decode_writes(tables, pos[:, -1]))
-        spec = vf_spec(
-            self.config, self.config.decode_width_for(n), self.config.bucket_for(int(pos.max()) + 1)
-        )
-        rows, _, order = self._decode_inputs(spec, ids, pos, tables)
-        argmax, logits = self.graphs[spec.name](*rows)
-        unsort = torch.argsort(order)
-        return argmax.cpu()[unsort].long(), logits.cpu()[unsort] if need_logits else None
-
-    def _decode_writes(self, tables: torch.Tensor, positions: torch.Tensor) -> list[int]:
-        """Checked decode rows (1 to batch_size, each writing a block of its own) -> the block
-        each row writes: the one holding its position."""
-        n, batch = tables.shape[0], self.config.batch_size
-        if not 0 < n <= batch:
-            raise ValueError(f"a decode step takes 1 to {batch} rows, got {n}")
-        self._check_tables(tables, positions)
-        column = torch.div(positions.long(), self.config.kv_block_positions, rounding_mode="floor")
-        writes = tables.long().gather(1, column[:, None])[:, 0].tolist()
-        if len(set(writes)) != n:
-            # two rows writing one block: one would overwrite the other's positions
-            raise ValueError(
-                f"a decode step takes rows writing distinct blocks, got block tables {tables.tolist()}"
-            )
-        return writes
-
-    def _request_table(self, blocks: Sequence[int], window: int, end: int) -> torch.Tensor:
-        """One request's block table [1, ceil(window / P)] for a graph writing positions below `end`."""
-        table = self._block_ids(blocks)[None]
-        self._check_tables(table, torch.tensor([end - 1]))
-        return self._fit_tables(table, window)
-
-    def _chunk_writes(self, blocks: Sequence[int], start: int, end: int) -> list[int]:
-        """The blocks a chunk at positions start..end-1 writes."""
-        size = self.config.kv_block_positions
-        return self._block_ids(blocks)[start // size : (end - 1) // size + 1].tolist()
-
-    def _block_ids(self, blocks: Sequence[int]) -> torch.Tensor:
-        return torch.as_tensor(blocks).long().reshape(-1)
-
-    def _check_tables(self, tables: torch.Tensor, last_positions: torch.Tensor) -> None:
-        """Each row [N, M] holds pool blocks (0..kv_pool_blocks - 1) for every position up to its last."""
-        size, pool = self.config.kv_block_positions, self.config.kv_pool_blocks
-        if tables.dim() != 2 or tables.shape[0] != last_positions.shape[0]:
-            raise ValueError(f"block tables are [rows, blocks], got {tuple(tables.shape)}")
-        needed = int(last_positions.long().max()) // size + 1
-        if needed > tables.shape[1] or bool(((tables < 0) | (tables >= pool)).any()):
-            raise ValueError(
-                f"block tables {tables.tolist()} must hold pool blocks 0..{pool - 1} for positions up to "
-                f"{last_positions.tolist()} ({size} positions a block)"
-            )
-
-    def _fit_tables(self, tables: torch.Tensor, window: int) -> torch.Tensor:
-        """Block tables [N, M] cut, or padded by the one rule, to ceil(window / P) columns."""
-        columns = self.config.table_columns(window)
-        return pad_repeat_last(tables.to(INDEX_DTYPE)[:, :columns], columns, dim=1).contiguous()
-
-    def _decode_inputs(self, spec: GraphSpec, token_ids, positions, tables, params=None, rand=None) -> tuple:
-        """Decode rows (token ids and positions [N, T], block tables [N, M]) as graph `spec` takes
-        them (spec.batch rows, tables fit to its window) -> (token inputs, sampling inputs, order).
-        Rows go longest context first, so the padding (the one rule: repeat the last row) repeats
-        the shortest: where each row reads only its live context (the cpu backend's
-        per_row_live), a padded row costs the least it can.
-        Integers are INDEX_DTYPE; the sampling inputs are there where the graph samples on device."""
-        rows, tables = spec.batch, self._fit_tables(tables, spec.window)
-        order = torch.argsort(positions[:, -1], descending=True, stable=True)
-        tokens = [
-            pad_repeat_last(x[order].to(INDEX_DTYPE), rows, dim=0) for x in (token_ids, positions, tables)
-        ]
-        sampling = []
-        if params is not None and self.config.on_device_sampling:
-            sampling = [pad_repeat_last(x[order].float(), rows, dim=0) for x in (params, rand)]
-        return tokens, sampling, order
-
-    def _decode_outputs(self, outputs: tuple, order: torch.Tensor, params, rand, need_logits: bool):
-        """(tokens, logits) or (logits,) of a decode graph, rows in `order` -> (tokens [N],
-        logits [N, V] or None) in the caller's row order (indexing copies off the graph's buffers)."""
-        unsort = torch.argsort(order)
+    def _decode_outputs(self, outputs: tuple, unsort: torch.Tensor, need_logits: bool) -> tuple:
+        """(tokens, logits) or (logits,) of a decode graph -> (tokens [N] or None, logits [N, V]
+        or None) of the real rows in the caller's order (indexing copies off the graph's buffers)."""
         if self.config.on_device_sampling:
             tokens, logits = outputs
             return tokens.cpu()[unsort], logits.cpu()[unsort] if need_logits else None
-        logits = outputs[0].cpu()[unsort]
-        return sample(logits, params.float(), rand.float(), self.config.max_topk), logits
+        return None, outputs[0].cpu()[unsort]
+
+    def _check_decode(self, last_positions: torch.Tensor, blocks: Sequence[Sequence[int]]) -> int:
+        """Decode rows: 1 to batch_size, each writing a block of its own -> their count."""
+        n, batch = len(blocks), self.config.batch_size
+        if not 0 < n <= batch:
+            raise ValueError(f"a decode step takes 1 to {batch} rows, got {n}")
+        if len(self._writes(last_positions, blocks)) != n:
+            # two rows writing one block: one would overwrite the other's positions
+            raise ValueError(
+                f"a decode step takes rows writing distinct blocks, got blocks {[list(b) for b in blocks]}"
+            )
+        return n
+
+    def _writes(self, positions: torch.Tensor, blocks: Sequence[Sequence[int]]) -> set[int]:
+        """The blocks rows write at `positions` (the one holding each position)."""
+        size = self.config.kv_block_positions
+        rows = self._check_blocks(blocks, positions)
+        return {row[int(p) // size] for p, row in zip(positions, rows, strict=True)}
+
+    def _check_blocks(self, blocks: Sequence[Sequence[int]], last_positions: torch.Tensor) -> list[list[int]]:
+        """Each row holds pool blocks (0..kv_pool_blocks - 1) for every position up to its last
+        -> the rows as lists (a row may be given as a tensor, or one block as an int)."""
+        size, pool = self.config.kv_block_positions, self.config.kv_pool_blocks
+        rows = [torch.as_tensor(row).reshape(-1).tolist() for row in blocks]
+        if len(rows) != len(last_positions):
+            raise ValueError(f"{len(rows)} rows of blocks for {len(last_positions)} rows of tokens")
+        for row, last in zip(rows, last_positions.tolist(), strict=True):
+            if int(last) // size + 1 > len(row) or any(not 0 <= b < pool for b in row):
+                raise ValueError(
+                    f"blocks {rows} must hold pool blocks 0..{pool - 1} for positions up to "
+                    f"{last_positions.tolist()} ({size} positions a block)"
+                )
+        return rows

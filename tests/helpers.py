@@ -35,6 +35,13 @@ def greedy(n: int = NEW_TOKENS, **kwargs):
     return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, **kwargs)
 
 
+def greedy_rows(n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """On-device sampling inputs of n greedy decode rows: (sampling params [n, 3], rand [n])."""
+    from optimum_neuron_chunked.modeling.sampler import sampling_params
+
+    return torch.tensor([sampling_params(temperature=0.0)] * n), torch.zeros(n)
+
+
 def generate(llm, prompts: list[torch.Tensor], params) -> list:
     return [o.outputs[0] for o in llm.generate([{"prompt_token_ids": p.tolist()} for p in prompts], params)]
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from fixtures.export_models import BUCKETS, CHUNK, SEQUENCE_LENGTH, checkpoint_path
-from helpers import RecordingGraphs
+from helpers import RecordingGraphs, greedy_rows
 from transformers import AutoModelForCausalLM
 
 from optimum_neuron_chunked import NeuronModelForCausalLM
@@ -36,8 +36,9 @@ def test_each_step_runs_in_the_narrowest_width_that_holds_its_rows():
     def step(slots: list[int], positions: list[int]) -> list[int]:
         n = len(slots)
         tables = torch.tensor([[s] for s in slots])  # one whole-sequence block a row
-        tokens, _ = runner.decode(torch.ones(n), torch.tensor(positions), tables,
-                                  torch.ones(n, 3), torch.zeros(n))  # fmt: skip
+        tokens, _ = runner.decode(
+            torch.ones(n), torch.tensor(positions), tables, (torch.ones(n, 3), torch.zeros(n))
+        )
         return tokens.tolist()
 
     assert step([3], [10]) == [3]
@@ -70,7 +71,7 @@ def test_narrow_decode_steps_match_transformers(backend, tmp_path):
     for slots in ([0, 1], [1], [1], [0, 1]):
         last = torch.stack([seqs[s][-1] for s in slots])
         positions = torch.tensor([len(seqs[s]) - 1 for s in slots])
-        tokens, logits = model.runner.decode(last, positions, torch.tensor([[s] for s in slots]))
+        tokens, logits = model.runner.decode(last, positions, [[s] for s in slots], greedy_rows(len(slots)))
         for row, s in enumerate(slots):
             with torch.no_grad():
                 want = hf(seqs[s][None]).logits[0, -1]

@@ -83,13 +83,12 @@ def test_the_runner_feeds_int32():
     runner = GraphRunner(config, {s.name: record(s.kind) for s in graph_specs(config)})
     runner.prefill(torch.tensor([3, 4, 5]), 0, (1,))
     params = torch.tensor([sampling_params(temperature=0.0)])
-    runner.decode(torch.tensor([3]), torch.tensor([3]), torch.tensor([[1]]), params, torch.zeros(1))
+    runner.decode(torch.tensor([3]), torch.tensor([3]), [[1]], (params, torch.zeros(1)))
     runner.decode_with_chunk(
         torch.tensor([3]),
         torch.tensor([3]),
-        torch.tensor([[1]]),
-        params,
-        torch.zeros(1),
+        [[1]],
+        (params, torch.zeros(1)),
         torch.arange(16),
         0,
         (0,),
@@ -102,9 +101,7 @@ def test_a_decode_step_refuses_two_rows_writing_one_block():
     runner = GraphRunner(config, {})
     params = torch.tensor([sampling_params(temperature=0.0)] * 2)
     with pytest.raises(ValueError, match="distinct blocks"):
-        runner.decode(
-            torch.tensor([3, 4]), torch.tensor([3, 5]), torch.tensor([[1], [1]]), params, torch.zeros(2)
-        )
+        runner.decode(torch.tensor([3, 4]), torch.tensor([3, 5]), [[1], [1]], (params, torch.zeros(2)))
 
 
 class DeviceBuffer:
@@ -131,7 +128,7 @@ def test_a_step_sampled_on_device_fetches_tokens_not_logits(need_logits):
     runner = GraphRunner(config, {s.name: tg for s in graph_specs(config) if s.kind == "tg"})
     params = torch.tensor([sampling_params(temperature=0.0)])
     tokens, logits = runner.decode(
-        torch.tensor([3]), torch.tensor([3]), torch.tensor([[1]]), params, torch.zeros(1), need_logits
+        torch.tensor([3]), torch.tensor([3]), [[1]], (params, torch.zeros(1)), need_logits
     )
     assert tokens.tolist() == [7]
     if need_logits:

@@ -85,8 +85,8 @@ def test_a_mixed_call_runs_in_the_bucket_that_covers_both_parts():
 
     def step(slot: int, position: int, chunk_start: int, chunk_slot: int, tokens: int = CHUNK):
         one = torch.ones(1)
-        return runner.decode_with_chunk(one, torch.tensor([position]), torch.tensor([[slot]]), torch.ones(1, 3),
-                                        one, torch.ones(tokens), chunk_start, (chunk_slot,))  # fmt: skip
+        return runner.decode_with_chunk(one, torch.tensor([position]), [[slot]], (torch.ones(1, 3), one),
+                                        torch.ones(tokens), chunk_start, (chunk_slot,))  # fmt: skip
 
     tokens, _, chunk_logits = step(0, 10, 0, 1)
     assert tokens.tolist() == [0] and chunk_logits.tolist() == [1.0] * 4
@@ -117,7 +117,7 @@ def test_mixed_steps_match_transformers(backend, tmp_path):
     seq = torch.cat([a, prefill_prompt(model.runner, a, (0,)).argmax()[None]])
     for start in range(0, b.shape[0], CHUNK):
         tokens, logits, chunk_logits = model.runner.decode_with_chunk(
-            seq[-1:], torch.tensor([len(seq) - 1]), torch.tensor([[0]]), torch.ones(1, 3), torch.zeros(1),
+            seq[-1:], torch.tensor([len(seq) - 1]), [[0]], (torch.ones(1, 3), torch.zeros(1)),
             b[start : start + CHUNK], start, (1,),
         )  # fmt: skip
         with torch.no_grad():

@@ -8,12 +8,11 @@ from __future__ import annotations
 import pytest
 import torch
 from fixtures.export_models import checkpoint_path, export_with
-from helpers import prompt
+from helpers import greedy_rows, prompt
 from transformers import AutoConfig
 
 from optimum_neuron_chunked import NeuronModelForCausalLM
 from optimum_neuron_chunked.backends.cpu.kernels import CpuKernels, KernelChoices
-from optimum_neuron_chunked.block_pool import block_table
 from optimum_neuron_chunked.config import NeuronConfig
 from optimum_neuron_chunked.generation import prefill_prompt
 from optimum_neuron_chunked.modeling import build_model, model_from_spec
@@ -73,8 +72,9 @@ def test_interleaved_requests_in_shuffled_blocks_match_transformers(llama_paged,
         names = ["a", "b", "c"] if step % 2 == 0 else ["c", "b"]
         positions = torch.tensor([len(seqs[n]) - 1 for n in names])
         used = [blocks[n][: int(p) // P + 1] for n, p in zip(names, positions, strict=True)]
-        tables = torch.tensor([blocks[n] for n in names]) if step % 2 == 0 else block_table(used)
-        tokens, logits = model.runner.decode(torch.stack([seqs[n][-1] for n in names]), positions, tables)
+        rows = [blocks[n] for n in names] if step % 2 == 0 else used
+        last = torch.stack([seqs[n][-1] for n in names])
+        tokens, logits = model.runner.decode(last, positions, rows, greedy_rows(len(names)))
         for i, name in enumerate(names):
             assert int(tokens[i]) == check(hf, logits[i], seqs[name])
             seqs[name] = torch.cat([seqs[name], tokens[i : i + 1]])
@@ -84,8 +84,8 @@ def test_interleaved_requests_in_shuffled_blocks_match_transformers(llama_paged,
     positions = torch.tensor([len(seqs[n]) - 1 for n in names])
     params, rand = torch.zeros(2, 3), torch.zeros(2)
     tokens, logits, chunk_logits = model.runner.decode_with_chunk(
-        torch.stack([seqs[n][-1] for n in names]), positions, torch.tensor([blocks[n] for n in names]),
-        params, rand, prompts["d"], 0, blocks["d"],
+        torch.stack([seqs[n][-1] for n in names]), positions, [blocks[n] for n in names],
+        (params, rand), prompts["d"], 0, blocks["d"],
     )  # fmt: skip
     for i, name in enumerate(names):
         assert int(tokens[i]) == check(hf, logits[i], seqs[name])
@@ -181,7 +181,10 @@ def test_a_cpu_paged_export_compiles_and_matches_transformers(hf_reference):
     for names in (["a", "b"], ["b"], ["a", "b"]):  # ["b"]: padded to two rows
         positions = torch.tensor([len(seqs[n]) - 1 for n in names])
         tokens, logits = model.runner.decode(
-            torch.stack([seqs[n][-1] for n in names]), positions, block_table([blocks[n] for n in names])
+            torch.stack([seqs[n][-1] for n in names]),
+            positions,
+            [blocks[n] for n in names],
+            greedy_rows(len(names)),
         )
         for i, name in enumerate(names):
             assert int(tokens[i]) == check(hf, logits[i], seqs[name])

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from fixtures.export_models import BUCKETS, CHUNK, SEQUENCE_LENGTH, checkpoint_path
+from helpers import greedy_rows
 from transformers import AutoModelForCausalLM
 
 from optimum_neuron_chunked import NeuronModelForCausalLM
@@ -83,7 +84,7 @@ def test_narrow_chunks_match_transformers(backend, tmp_path):
         torch.testing.assert_close(row, logits[end - 1], atol=LOGITS_TOLERANCE, rtol=0)
     # and a greedy decode reads what the narrow chunks wrote
     first = logits[-1].argmax()
-    tokens, _ = model.runner.decode(first[None], torch.tensor([ends[-1]]), torch.tensor([[1]]))
+    tokens, _ = model.runner.decode(first[None], torch.tensor([ends[-1]]), [[1]], greedy_rows(1))
     with torch.no_grad():
         want = hf(torch.cat([ids, first[None]])[None]).logits[0, -1].argmax()
     assert tokens.tolist() == [int(want)]

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from fixtures.export_models import CHUNK
-from helpers import export_params, prompt
+from helpers import export_params, greedy_rows, prompt
 
 from optimum_neuron_chunked.generation import prefill_prompt
 
@@ -31,7 +31,7 @@ def test_a_copied_prefix_equals_the_computed_one(export_dir, neuron_model, hf_re
     torch.testing.assert_close(logits, expected, atol=1e-4, rtol=0)
     # and the decode graph reads the copied positions too
     tokens, _ = neuron_model.runner.decode(
-        torch.tensor([int(logits.argmax())]), torch.tensor([len(ids)]), torch.tensor([[1]])
+        torch.tensor([int(logits.argmax())]), torch.tensor([len(ids)]), [[1]], greedy_rows(1)
     )
     with torch.no_grad():
         expected_next = hf(torch.cat([ids, logits.argmax()[None]])[None]).logits[0, -1].argmax()

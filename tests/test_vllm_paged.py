@@ -13,7 +13,7 @@ from fixtures.export_models import BUCKETS, export_with
 from helpers import generate, greedy, prompt
 from vllm_stepper import Engine
 
-from optimum_neuron_chunked.block_pool import block_table
+from optimum_neuron_chunked.graph_runner import block_table
 from optimum_neuron_chunked.testing.reference import hf_greedy
 from optimum_neuron_chunked.vllm.kv_blocks import dropped, next_block_ids, request_blocks
 
@@ -85,10 +85,11 @@ def test_new_blocks_append_and_a_resumed_request_gets_its_list_replaced():
         request_blocks(([],))
 
 
-def test_decode_block_tables_are_padded_by_repeating_each_rows_last_block():
-    table = block_table([(3, 7, 9), (5,), (2, 4), (0,)])
+def test_block_tables_are_cut_or_padded_by_repeating_each_rows_last_block():
+    table = block_table([(3, 7, 9), (5,), (2, 4), (0,)], 4)
     assert table.dtype == torch.int32
-    assert table.tolist() == [[3, 7, 9], [5, 5, 5], [2, 4, 4], [0, 0, 0]]
+    assert table.tolist() == [[3, 7, 9, 9], [5, 5, 5, 5], [2, 4, 4, 4], [0, 0, 0, 0]]
+    assert block_table([(3, 7, 9), (5,)], 2).tolist() == [[3, 7], [5, 5]]
 
 
 def test_paged_limits_give_vllm_the_pool_and_honour_a_smaller_override():

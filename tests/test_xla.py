@@ -24,7 +24,6 @@ from helpers import HLO_CENSUS, export_params  # noqa: E402
 from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
 
 from optimum_neuron_chunked.backends.xla import XlaRuntime, fallback_ops, reset_counters  # noqa: E402
-from optimum_neuron_chunked.block_pool import block_table  # noqa: E402
 from optimum_neuron_chunked.config import NeuronConfig  # noqa: E402
 from optimum_neuron_chunked.graph_runner import GraphRunner  # noqa: E402
 from optimum_neuron_chunked.graphs import example_inputs, graph_module, graph_specs, tg_spec  # noqa: E402
@@ -100,15 +99,15 @@ class Pair:
         got = self.device.prefill(ids, start, blocks, every_position=every)
         torch.testing.assert_close(got, want, atol=TOLERANCE, rtol=0)
 
-    def decode(self, ids, positions, tables, params, rand) -> None:
+    def decode(self, ids, positions, blocks, params, rand) -> None:
         with torch.no_grad():
-            want_tokens, want_logits = self.eager.decode(ids, positions, tables, params, rand)
-        got_tokens, got_logits = self.device.decode(ids, positions, tables, params, rand)
+            want_tokens, want_logits = self.eager.decode(ids, positions, blocks, (params, rand))
+        got_tokens, got_logits = self.device.decode(ids, positions, blocks, (params, rand))
         torch.testing.assert_close(got_logits, want_logits, atol=TOLERANCE, rtol=0)
         assert got_tokens.tolist() == want_tokens.tolist()
 
-    def decode_with_chunk(self, ids, positions, tables, params, rand, chunk, start, chunk_blocks) -> None:
-        args = (ids, positions, tables, params, rand, chunk, start, chunk_blocks)
+    def decode_with_chunk(self, ids, positions, blocks, params, rand, chunk, start, chunk_blocks) -> None:
+        args = (ids, positions, blocks, (params, rand), chunk, start, chunk_blocks)
         with torch.no_grad():
             want_tokens, want_logits, want_chunk = self.eager.decode_with_chunk(*args)
         got_tokens, got_logits, got_chunk = self.device.decode_with_chunk(*args)
@@ -116,10 +115,10 @@ class Pair:
         torch.testing.assert_close(got_chunk, want_chunk, atol=TOLERANCE, rtol=0)
         assert got_tokens.tolist() == want_tokens.tolist()
 
-    def verify(self, rows, positions, tables) -> None:
+    def verify(self, rows, positions, blocks) -> None:
         with torch.no_grad():
-            want_argmax, want_logits = self.eager.verify(rows, positions, tables)
-        got_argmax, got_logits = self.device.verify(rows, positions, tables)
+            want_argmax, want_logits = self.eager.verify(rows, positions, blocks)
+        got_argmax, got_logits = self.device.verify(rows, positions, blocks)
         torch.testing.assert_close(got_logits, want_logits, atol=TOLERANCE, rtol=0)
         assert got_argmax.tolist() == want_argmax.tolist()
 
@@ -243,7 +242,7 @@ def test_verify_graphs_on_xla_equal_eager(family, paged):
     pair.prefill(b, 0, kv[1])
 
     def table(rows):
-        return block_table([kv[r] for r in rows])
+        return [kv[r] for r in rows]
 
     rows = [torch.tensor([5, 6, 7]), torch.tensor([9, 10, 11, 12, 13])]  # 2 and 4 drafts
     pair.verify(rows, torch.tensor([len(a), len(b)]), table([0, 1]))
@@ -273,14 +272,12 @@ def test_paged_graphs_on_xla_equal_eager():
     pair.prefill(b, 0, blocks[1])
     pair.prefill(a[CHUNK : 2 * CHUNK], CHUNK, blocks[0])
     pair.prefill(a[2 * CHUNK :], 2 * CHUNK, blocks[0])  # crosses into bucket 128
-    tables = block_table(blocks[:2])
+    tables = blocks[:2]
     pair.decode(torch.tensor([7, 9]), torch.tensor([len(a), len(b)]), tables, SAMPLING, RAND)
-    pair.decode(
-        torch.tensor([11]), torch.tensor([len(b) + 1]), block_table(blocks[1:2]), SAMPLING[1:], RAND[1:]
-    )
-    row = (torch.tensor([5]), torch.tensor([len(b) + 2]), block_table(blocks[1:2]), SAMPLING[1:], RAND[1:])
+    pair.decode(torch.tensor([11]), torch.tensor([len(b) + 1]), blocks[1:2], SAMPLING[1:], RAND[1:])
+    row = (torch.tensor([5]), torch.tensor([len(b) + 2]), blocks[1:2], SAMPLING[1:], RAND[1:])
     pair.decode_with_chunk(*row, c[:CHUNK], 0, blocks[2])  # mx_w64
-    row = (torch.tensor([6]), torch.tensor([len(a) + 1]), block_table(blocks[:1]), SAMPLING[:1], RAND[:1])
+    row = (torch.tensor([6]), torch.tensor([len(a) + 1]), blocks[:1], SAMPLING[:1], RAND[:1])
     pair.decode_with_chunk(*row, c[CHUNK:], CHUNK, blocks[2])  # mx_w128: a's row is past 64
     pair.assert_caches_equal()
     assert fallback_ops() == []

@@ -118,7 +118,7 @@ def graph_outputs(
             pos = torch.tensor([lengths[s] for s in slots])
             rand = torch.rand(len(slots), generator=generator)
             tables = torch.tensor([[s] for s in slots])  # one whole-sequence block a slot
-            out, _ = runner.decode(ids, pos, tables, params[: len(slots)], rand)
+            out, _ = runner.decode(ids, pos, tables, (params[: len(slots)], rand))
             for s, t in zip(slots, out.tolist(), strict=True):
                 tokens[s], lengths[s] = t, lengths[s] + 1
     return calls

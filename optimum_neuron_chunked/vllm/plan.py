@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from ..config import prefill_slices
 from .prefix_index import SlotCopy
 
 # Where a request's K/V lives: its pool blocks in position order (graph_runner.py).
@@ -159,12 +160,11 @@ def _split_prefill(w: ScheduledWork, chunk_size: int) -> list[PrefillChunk]:
                 "chunked prefill."
             )
         return [PrefillChunk(w.req_id, w.blocks, 0, w.token_ids, True)]
-    pieces = []
-    for offset in range(0, len(w.token_ids), chunk_size):
-        ids = w.token_ids[offset : offset + chunk_size]
-        last = offset + len(ids) == len(w.token_ids)
-        pieces.append(PrefillChunk(w.req_id, w.blocks, w.start + offset, ids, last and w.samples))
-    return pieces
+    pieces = prefill_slices(len(w.token_ids), chunk_size)
+    return [
+        PrefillChunk(w.req_id, w.blocks, w.start + p.start, w.token_ids[p], p is pieces[-1] and w.samples)
+        for p in pieces
+    ]
 
 
 def describe_chunks(plan: StepPlan) -> str:

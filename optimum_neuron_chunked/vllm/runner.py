@@ -14,7 +14,6 @@ from vllm.logger import init_logger
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, LogprobsTensors, ModelRunnerOutput
 
-from ..block_pool import block_table
 from ..graph_runner import GraphRunner
 from ..modeling.kv_layout import PrefixCache
 from ..prompt_lookup import accept_greedy
@@ -155,16 +154,16 @@ class StepRunner:
         on_device = caps.on_device_sampling and all(
             on_device_eligible(p, caps.max_topk, self.vocab_size) for p in params
         )
-        sampling, rand = device_sampling_inputs(params, self.rng)
+        sampling = device_sampling_inputs(params, self.rng) if caps.on_device_sampling else None
         rows = [torch.tensor([getattr(d, f) for d in decodes]) for f in ("token_id", "position")]
-        rows.append(block_table([d.blocks for d in decodes]))
+        rows.append([d.blocks for d in decodes])
         if result.plan.fused is None:
-            tokens, logits = self.graph_runner.decode(*rows, sampling, rand, need_logits=not on_device)
+            tokens, logits = self.graph_runner.decode(*rows, sampling, need_logits=not on_device)
         else:
             chunk = result.plan.chunks[result.plan.fused]
             chunk_args = (torch.tensor(chunk.token_ids), chunk.start, chunk.blocks)
             tokens, logits, chunk_logits = self.graph_runner.decode_with_chunk(
-                *rows, sampling, rand, *chunk_args, not on_device
+                *rows, sampling, *chunk_args, not on_device
             )
             if chunk.samples:
                 result.host_logits[chunk.req_id] = chunk_logits
@@ -183,8 +182,8 @@ class StepRunner:
         greedy = [is_greedy(p) and verifiable(p) for p in params]
         rows = [torch.tensor([d.token_id, *d.drafts]) for d in decodes]
         positions = torch.tensor([d.position for d in decodes])
-        tables = block_table([d.blocks for d in decodes])
-        argmax, logits = self.graph_runner.verify(rows, positions, tables, need_logits=not all(greedy))
+        blocks = [d.blocks for d in decodes]
+        argmax, logits = self.graph_runner.verify(rows, positions, blocks, need_logits=not all(greedy))
         for i, (d, p) in enumerate(zip(decodes, params, strict=True)):
             if greedy[i]:
                 result.verified[d.req_id] = accept_greedy(list(d.drafts), argmax[i].tolist())
