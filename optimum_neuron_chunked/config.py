@@ -16,6 +16,7 @@ CONFIG_NAME = "neuron_config.json"
 BACKENDS = ("cpu", "eager", "neuron", "xla")
 DTYPES = ("float32", "bfloat16", "float16")
 INSTANCE_TYPES = ("trn1", "inf2", "trn2")  # backends/neuron/target.py TARGETS (a test checks)
+ATTENTION_KERNELS = ("auto", "nki", "reference")
 # Smallest context bucket chosen by default: below this a smaller graph saves little.
 MIN_DEFAULT_BUCKET = 512
 # Keys of neuron_config.json renamed since: exports written before keep the old ones.
@@ -165,7 +166,18 @@ class NeuronConfig:
         default=0,
         help="Positions per KV block of --kv-cache-blocks; divides every context bucket.",
     )
+    attention_kernel: str = option(
+        "--attention-kernel",
+        "--attention_kernel",
+        default="auto",
+        choices=ATTENTION_KERNELS,
+        help="Neuron backend: prefill chunks (CP, MX's chunk, CE) attend through AWS's NKI kernel "
+        "nkilib attention_cte - auto: where nkilib imports and the graph fits it (bf16, head_dim <= "
+        "128), else the reference; nki: refused where it cannot; reference: never. Decode rows "
+        "always run the reference.",
+    )
     # Recorded by the export.
+    nki_attention: tuple[str, ...] = ()  # graphs whose prefill chunks run nkilib's attention_cte
     cpu_isa: str = ""  # cpu backend: the vector ISA of the host that compiled (AVX2, AVX512, ...)
     model_type: str = ""
     package_version: str = __version__
@@ -212,6 +224,13 @@ class NeuronConfig:
                 "instance_type goes with the neuron backend and only with it: pass --instance_type "
                 f"trn1|inf2|trn2 with --backend neuron (got backend {self.backend!r}, instance_type "
                 f"{self.instance_type!r})."
+            )
+        if self.attention_kernel not in ATTENTION_KERNELS:
+            fail(f"--attention-kernel {self.attention_kernel}: choose one of {', '.join(ATTENTION_KERNELS)}.")
+        if self.attention_kernel == "nki" and self.backend != "neuron":
+            fail(
+                f"--attention-kernel nki calls AWS's NKI kernel, which the neuron backend compiles: the "
+                f"{self.backend} backend runs the reference attention (pass --attention-kernel auto, or --backend neuron)."
             )
         if self.tp_degree > 1 and self.backend != "neuron":
             fail(
@@ -356,6 +375,7 @@ class NeuronConfig:
         d["context_buckets"] = list(self.context_buckets)
         d["prefill_widths"] = list(self.prefill_widths)
         d["decode_widths"] = list(self.decode_widths)
+        d["nki_attention"] = list(self.nki_attention)
         return d
 
     @classmethod
@@ -371,6 +391,7 @@ class NeuronConfig:
         d["context_buckets"] = tuple(d.get("context_buckets", ()))
         d["prefill_widths"] = tuple(d.get("prefill_widths", ()))  # absent: the chunk size alone
         d["decode_widths"] = tuple(d.get("decode_widths", ()))  # absent: the batch size alone
+        d["nki_attention"] = tuple(d.get("nki_attention", ()))
         return cls(**d)
 
     def save(self, directory: str | Path, files: dict[str, dict] | None = None) -> None:

@@ -11,6 +11,7 @@ the callers' (the vLLM runner, generation.py)."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -32,6 +33,8 @@ from .graphs import (
     tg_spec,
     vf_spec,
 )
+
+logger = logging.getLogger(__name__)
 
 
 def pad_repeat_last(x: torch.Tensor, length: int, dim: int) -> torch.Tensor:
@@ -88,6 +91,12 @@ class GraphRunner:
         file state: integrity._digest_of) then loaded: every graph bound to one set of weights
         and one KV cache."""
         config = check_export(model_dir, backend, verify_weights)
+        if config.nki_attention:
+            logger.warning(
+                "%s: prefill chunks attend through nkilib attention_cte in %s; the reference attention elsewhere",
+                model_dir,
+                ", ".join(config.nki_attention),
+            )
         hf_config = AutoConfig.from_pretrained(model_dir)
         graphs = get_backend(config.backend).load(hf_config, config, graph_specs(config), Path(model_dir))
         return cls(config, graphs, hf_config)

@@ -1,5 +1,5 @@
 from ..config import BACKENDS
-from .base import Backend, BackendUnavailableError
+from .base import Backend, BackendUnavailableError, KernelCompileError, describe_attention
 
 
 def default_backend() -> tuple[str, str]:
@@ -47,4 +47,13 @@ def export_files(config) -> list[str]:
     return impl.weight_files(config) + impl.graph_files(graph_specs(config))
 
 
-__all__ = ["BACKENDS", "Backend", "BackendUnavailableError", "default_backend", "export_files", "get_backend"]
+__all__ = [
+    "BACKENDS",
+    "Backend",
+    "BackendUnavailableError",
+    "KernelCompileError",
+    "default_backend",
+    "describe_attention",
+    "export_files",
+    "get_backend",
+]

@@ -27,6 +27,11 @@ class BackendUnavailableError(RuntimeError):
     """The backend cannot run on this host; the message says what is missing."""
 
 
+class KernelCompileError(RuntimeError):
+    """The compiler rejected graphs that call an NKI kernel (NeuronConfig.nki_attention): under
+    --attention-kernel auto the export compiles them again with the reference attention."""
+
+
 class Backend(ABC):
     name: str
     # What loading an export of this backend runs beyond this package's own code (compiled
@@ -55,6 +60,13 @@ class Backend(ABC):
         """How the model computes on this backend: the reference (what XLA lowers), unless the
         backend's compiler does better with its own strategy. The one per-backend choice."""
         return Kernels()
+
+    def attention_kernels(
+        self, config: NeuronConfig, spec, specs: list[GraphSpec]
+    ) -> tuple[tuple[str, ...], dict[str, str]]:
+        """(graphs whose prefill chunks run an NKI attention kernel, why the others do not),
+        decided at export (NeuronConfig.nki_attention): none but on the neuron backend."""
+        return (), {}
 
     def check_available(self) -> None:
         """Raise BackendUnavailableError, saying what is missing, if this host cannot compile."""
@@ -105,3 +117,13 @@ class Backend(ABC):
         )
         model.load_weights(load_file(export_dir / WEIGHTS_NAME))
         return model.eval()
+
+
+def describe_attention(chosen: tuple[str, ...], reasons: dict[str, str]) -> str:
+    """One line for the export's first lines and the load log."""
+    by_reason: dict[str, list[str]] = {}
+    for name, reason in reasons.items():
+        by_reason.setdefault(reason, []).append(name)
+    parts = [f"nkilib attention_cte in {', '.join(chosen)}"] if chosen else []
+    parts += [f"reference in {', '.join(names)} ({reason})" for reason, names in by_reason.items()]
+    return "attention: " + "; ".join(parts)

@@ -10,14 +10,21 @@ import shutil
 import tempfile
 import time
 from contextlib import contextmanager
-from dataclasses import MISSING
+from dataclasses import MISSING, replace
 from difflib import get_close_matches
 from pathlib import Path
 
 from rich.console import Console
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
-from optimum_neuron_chunked.backends import Backend, default_backend, export_files, get_backend
+from optimum_neuron_chunked.backends import (
+    Backend,
+    KernelCompileError,
+    default_backend,
+    describe_attention,
+    export_files,
+    get_backend,
+)
 from optimum_neuron_chunked.checkpoint_stream import (
     StreamUnsupportedError,
     checkpoint_folder,
@@ -83,6 +90,7 @@ def export(
     _check_shapes(hf_config, config)
     quantization_kwargs(hf_config)  # refuses a quantized checkpoint before any work
     ShardLayout.of(spec, config.tp_degree)  # refuses a tp degree the heads cannot split by
+    config = _choose_attention(impl, config, spec, console)
     staging = Path(tempfile.mkdtemp(prefix=f".{output.name}.partial-", dir=output.parent))
     try:
         started = time.perf_counter()
@@ -90,8 +98,7 @@ def export(
         with console.status(f"loading weights of {model}"):
             decoder = _export_weights(model, hf_config, config, impl, staging, weights, console)
         specs = graph_specs(config)
-        with _progress(console, len(specs)) as on_graph:
-            impl.compile(decoder, config, specs, staging, on_graph)
+        config = _compile(impl, decoder, config, specs, staging, console)
         config.save(staging, files=record_files(staging, export_files(config)))
         write_model_card(staging, model, config)
         if output.exists():
@@ -105,6 +112,36 @@ def export(
         f"in {time.perf_counter() - started:.1f}s"
     )
     return output
+
+
+def _choose_attention(impl, config: NeuronConfig, spec, console: Console) -> NeuronConfig:
+    """The graphs whose prefill chunks run an NKI attention kernel, recorded in the config and
+    said in the export's first lines (Backend.attention_kernels)."""
+    chosen, reasons = impl.attention_kernels(config, spec, graph_specs(config))
+    if chosen or config.attention_kernel != "auto" or config.backend == "neuron":
+        console.print(describe_attention(chosen, reasons))
+    return replace(config, nki_attention=chosen)
+
+
+def _compile(impl, decoder, config: NeuronConfig, specs, staging: Path, console: Console) -> NeuronConfig:
+    """Compile every graph; under --attention-kernel auto, a compiler rejecting the NKI kernel
+    compiles the graphs again with the reference attention (said on the console) -> the config
+    as compiled."""
+    try:
+        with _progress(console, len(specs)) as on_graph:
+            impl.compile(decoder, config, specs, staging, on_graph)
+        return config
+    except KernelCompileError as e:
+        if config.attention_kernel != "auto":
+            raise
+        console.print(
+            f"[yellow]the compiler rejected the NKI attention kernel in {', '.join(config.nki_attention)}[/] "
+            f"({e}): compiling every graph again with the reference attention (--attention-kernel reference)"
+        )
+    config = replace(config, nki_attention=())
+    with _progress(console, len(specs)) as on_graph:
+        impl.compile(decoder, config, specs, staging, on_graph)
+    return config
 
 
 def check_options(options: dict) -> None:

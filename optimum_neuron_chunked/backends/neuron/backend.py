@@ -19,11 +19,14 @@ from torch import nn
 
 from ...checkpoint_stream import WeightFile
 from ...config import NeuronConfig
-from ...graphs import GraphSpec, example_inputs, graph_module
+from ...graphs import GraphKind, GraphSpec, example_inputs, graph_module, graph_specs
 from ...modeling import model_from_spec
 from ...modeling.decoder import DecoderModel
+from ...modeling.kernels import Kernels
 from ...modeling.parallel import ShardLayout, rank_shard, tp_checkpoint
-from ..base import GRAPHS_DIR, Backend, OnGraph
+from ..base import GRAPHS_DIR, Backend, KernelCompileError, OnGraph
+from .attention_choice import choose_nki_graphs
+from .nki_kernels import NkiKernels
 from .sdk import installed_compiler_version
 from .target import (
     TARGETS,
@@ -47,6 +50,21 @@ class NeuronBackend(Backend):
 
     def check_available(self) -> None:
         require_neuron_sdk()
+
+    def kernels(self, config: NeuronConfig) -> Kernels:
+        """nkilib's attention_cte for the prefill chunks of the graphs the export chose."""
+        if not config.nki_attention:
+            return Kernels()
+        chosen = [s for s in graph_specs(config) if s.name in config.nki_attention]
+        shapes = frozenset(
+            (config.prefill_chunk_size if s.kind is GraphKind.MX else s.width, s.window) for s in chosen
+        )
+        target = TARGETS[config.instance_type]
+        # NxD Inference repeats K/V heads where the platform target is trn1 (attention_base.py).
+        return NkiKernels(shapes, native_gqa=target.compiler_target != "trn1", grid=target.logical_nc_config)
+
+    def attention_kernels(self, config: NeuronConfig, spec, specs: list[GraphSpec]):
+        return choose_nki_graphs(config, spec, specs)
 
     def check_serving_host(self, config: NeuronConfig, dp_size: int = 1) -> None:
         self.device_env(config, dp_size - 1, dp_size)  # the last rank's cores fit: every rank's do
@@ -92,7 +110,7 @@ class NeuronBackend(Backend):
         on_graph: OnGraph,
     ) -> None:
         require_neuron_sdk()
-        from neuronx_distributed import ModelBuilder, NxDParallelState
+        from neuronx_distributed import NxDParallelState
 
         from .layers import NxdLayers
 
@@ -103,24 +121,21 @@ class NeuronBackend(Backend):
         with NxDParallelState(
             world_size=tp, tensor_model_parallel_size=tp, lnc_size=target.logical_nc_config
         ):
-            sharded = model_from_spec(model.spec, config, NxdLayers(tp), functional_cache=True)
+            sharded = model_from_spec(
+                model.spec, config, NxdLayers(tp), functional_cache=True, kernels=self.kernels(config)
+            )
             # rank 0's shard as save_weights wrote it: `model` may hold no weights (a streamed
             # export builds it on the meta device), and the shard is 1/tp of the model
             sharded.load_weights(
                 written_shard(out_dir / self.weight_files(config)[0], sharded.weight_names())
             )
             bundle = GraphBundle(sharded.eval(), config, specs)
-            builder = ModelBuilder(bundle)
-            for spec in specs:
-                with on_graph(spec):
-                    bundle.select(spec.name)
-                    builder.trace(args=example_inputs(spec, config), tag=spec.name)
-            with tempfile.TemporaryDirectory(prefix="nxd-compile-") as workdir:
-                nxd_model = builder.compile(
-                    priority_model_key=priority_graph(specs),
-                    compiler_workdir=workdir,
-                    compiler_args=compiler_args(target, installed_compiler_version()),
-                )
+            try:
+                nxd_model = _trace_and_compile(bundle, config, specs, target, on_graph)
+            except Exception as e:  # tracing the kernel or neuronx-cc: failures of many types
+                if not config.nki_attention:
+                    raise
+                raise KernelCompileError(f"{type(e).__name__}: {str(e)[:500]}") from e
         (out_dir / GRAPHS_DIR).mkdir(parents=True, exist_ok=True)
         nxd_model.save(str(out_dir / BUNDLE))
 
@@ -168,6 +183,23 @@ def priority_graph(specs: list[GraphSpec]) -> str:
 
 # The most inputs a graph takes: MX with on-device sampling (graphs.example_inputs).
 BUNDLE_INPUTS = 8
+
+
+def _trace_and_compile(bundle, config: NeuronConfig, specs: list[GraphSpec], target, on_graph: OnGraph):
+    """Every graph traced by NxD's ModelBuilder (one tag each), then compiled into one bundle."""
+    from neuronx_distributed import ModelBuilder
+
+    builder = ModelBuilder(bundle)
+    for spec in specs:
+        with on_graph(spec):
+            bundle.select(spec.name)
+            builder.trace(args=example_inputs(spec, config), tag=spec.name)
+    with tempfile.TemporaryDirectory(prefix="nxd-compile-") as workdir:
+        return builder.compile(
+            priority_model_key=priority_graph(specs),
+            compiler_workdir=workdir,
+            compiler_args=compiler_args(target, installed_compiler_version()),
+        )
 
 
 class GraphBundle(nn.Module):
