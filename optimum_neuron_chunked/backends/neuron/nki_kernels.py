@@ -88,7 +88,7 @@ class NkiKernels(Kernels):
             v_prior=prior_v,
             prior_used_len=positions[:1].to(torch.int32),
             sink=None if sinks is None else sinks.float()[:, None],
-            sliding_window=spec.sliding_window,
+            sliding_window=spec.sliding_window or 0,  # 0: none (the torch reference compares it)
             tp_q=self.native_gqa,
             tp_k=True,
             tp_out=False,
