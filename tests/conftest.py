@@ -58,9 +58,11 @@ def pytest_terminal_summary(terminalreporter):
         return
     ops = ["instructions", "sort", "scatter", "gather", "dot", "reduce", "s64 values"]
     terminalreporter.section("HLO census (graphs as the neuron backend traces them)")
-    terminalreporter.write_line(f"{'graph':<30}" + "".join(f"{op:>13}" for op in [*ops, "widest sort"]))
+    terminalreporter.write_line(
+        f"{'graph':<30}" + "".join(f"{op:>13}" for op in [*ops, "widest sort", "largest KiB"])
+    )
     for name, report in sorted(HLO_CENSUS.items()):
-        counts = [report.census[op] for op in ops] + [report.widest_sort]
+        counts = [report.census[op] for op in ops] + [report.widest_sort, report.largest_bytes // 1024]
         terminalreporter.write_line(f"{name:<30}" + "".join(f"{c:>13}" for c in counts))
 
 

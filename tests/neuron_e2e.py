@@ -3,6 +3,7 @@ compare greedy tokens with transformers. One process per run: a Neuron runtime t
 a model of one tp degree cannot load another in the same process.
 
     python tests/neuron_e2e.py --family llama --tp 2 --chunk 32 [--vllm]
+    python tests/neuron_e2e.py --attention-kernel   # nkilib attention_cte against the reference
 """
 
 from __future__ import annotations
@@ -43,11 +44,16 @@ def main() -> int:
     parser.add_argument("--chunk", type=int, default=32, help="0: standard export")
     parser.add_argument("--vllm", action="store_true", help="generate through vllm.LLM instead")
     parser.add_argument(
+        "--attention-kernel", action="store_true", help="a kernel-sized bf16 model: nki against reference"
+    )
+    parser.add_argument(
         "--backend",
         default="neuron",
         help="eager/cpu/xla (tp 1) to check this script off device; xla in the SDK-mirror environment runs the neuron graphs on torch-xla",
     )
     args = parser.parse_args()
+    if args.attention_kernel:
+        return check_attention_kernel(args.backend)
     from optimum_neuron_chunked.export.pipeline import export
 
     new = 8
@@ -86,6 +92,36 @@ def main() -> int:
         failures += not ok
         print(f"prompt {len(prompt):4d}: {'ok' if ok else 'MISMATCH'} {list(tokens)} vs HF {expected}")
     return 1 if failures else 0
+
+
+KERNEL_SIZED = dict(model_type="llama", hidden_size=256, intermediate_size=256, num_hidden_layers=2,
+                    num_attention_heads=4, num_key_value_heads=2, head_dim=128, vocab_size=512,
+                    initializer_range=0.05, tie_word_embeddings=False)  # fmt: skip
+
+
+def check_attention_kernel(backend: str) -> int:
+    """bf16 exports of a kernel-sized model (head_dim 128, buckets 512 and 1024, chunks of 256)
+    with --attention-kernel nki and reference: a 900-token prompt's last logits, each against
+    transformers in fp32; the kernel's error within 1.5x the reference's."""
+    from optimum_neuron_chunked import NeuronModelForCausalLM
+    from optimum_neuron_chunked.export.pipeline import export
+    from optimum_neuron_chunked.generation import prefill_prompt
+    from optimum_neuron_chunked.testing.checkpoints import build_checkpoint
+
+    ids = torch.randint(4, 500, (900,), generator=torch.Generator().manual_seed(1))
+    with tempfile.TemporaryDirectory() as tmp:
+        path = build_checkpoint("kernel", Path(tmp) / "ckpt", config=KERNEL_SIZED)
+        with torch.no_grad():
+            truth = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)(ids[None]).logits[0, -1]
+        errors = {}
+        for kernel in ("nki", "reference"):
+            out = export(str(path), Path(tmp) / kernel, batch_size=1, sequence_length=1024, prefill_chunk_size=256,
+                         context_buckets=(512, 1024), dtype="bfloat16", backend=backend, attention_kernel=kernel)  # fmt: skip
+            logits = prefill_prompt(NeuronModelForCausalLM.from_pretrained(out).runner, ids, (0,)).float()
+            errors[kernel] = float((logits - truth).abs().max() / truth.abs().max())
+    ok = errors["nki"] <= 1.5 * errors["reference"]
+    print(f"{'ok' if ok else 'MISMATCH'}: error against fp32 transformers {errors}")
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

@@ -40,7 +40,7 @@ import traceback
 import types
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 os.environ.setdefault("PJRT_DEVICE", "CPU")
@@ -246,19 +246,25 @@ class _QuietStops(logging.Filter):
         return "generate_hlo reached for graph" not in record.getMessage()
 
 
-def check_compile(name: str, tp: int) -> list[str]:
-    """The real NeuronBackend.compile on a llama export, each trace up to generate_hlo."""
+def check_compile(name: str, tp: int, nki: bool = False) -> list[str]:
+    """The real NeuronBackend.compile on a llama export, each trace up to generate_hlo; `nki`:
+    with nkilib's attention_cte (testing/nki_stand_in.py) in every CP and MX graph."""
     global RUN_TRACED_MODULE
     from fixtures.export_models import checkpoint_path
     from helpers import every_graph_kind
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    from optimum_neuron_chunked.backends import KernelCompileError
     from optimum_neuron_chunked.backends.neuron.backend import NeuronBackend
     from optimum_neuron_chunked.checkpoint_stream import stream_weights
-    from optimum_neuron_chunked.graphs import example_inputs, graph_module, graph_specs
+    from optimum_neuron_chunked.graphs import GraphKind, example_inputs, graph_module, graph_specs
     from optimum_neuron_chunked.modeling import build_model, model_from_spec
 
     config = every_graph_kind(tp)[name]
+    if nki:
+        kinds = (GraphKind.CP, GraphKind.MX)
+        config = replace(config, nki_attention=tuple(s.name for s in graph_specs(config) if s.kind in kinds))
+        name += "-nki"
     path = checkpoint_path("llama")
     hf_config = AutoConfig.from_pretrained(path)
     # the eager reference graphs below: unsharded, plain layers, HF weights
@@ -297,6 +303,8 @@ def check_compile(name: str, tp: int) -> list[str]:
         stream_weights(path, hf_config, config, meta, *NeuronBackend().stream_targets(config), Path(out))
         try:
             NeuronBackend().compile(meta, config, specs, Path(out), on_graph)
+        except KernelCompileError as e:  # with the kernel in the graphs: its cause is the end
+            end = f"{_refusal(e.__cause__)}"
         except ValueError as e:
             end = f"{_refusal(e)}"
         finally:
@@ -390,10 +398,19 @@ def main() -> int:
     from helpers import every_graph_kind
 
     traced = [p for tp in (1, 2) for name in every_graph_kind(tp) for p in check_compile(name, tp)]
+    from optimum_neuron_chunked.testing.nki_stand_in import installed
+
+    with installed() as kernel:
+        traced += [
+            p for tp in (1, 2) for name in ("chunked", "paged") for p in check_compile(name, tp, nki=True)
+        ]
+    if not kernel.calls:
+        traced.append("the NKI attention kernel was never called")
     print(
         "\n".join(traced)
         if traced
-        else "OK: NeuronBackend.compile traced every graph to generate_hlo; positional calls route to its tag"
+        else "OK: NeuronBackend.compile traced every graph (CP and MX with the NKI attention kernel too) to "
+        "generate_hlo; positional calls route to its tag"
     )
     return 1 if problems or traced else 0
 

@@ -2,18 +2,14 @@
 which graphs run it (decided at export, refused by name under --attention-kernel nki), and
 what NkiKernels computes with it, against the reference attention.
 
-No nkilib runs here: a stand-in `nki` / `nkilib` pair (sys.modules) runs `cte_semantics`, the
-kernel's documented semantics written down here from nki-library's attention_cte.py
-(2.29_release) independently of the package's code: the prior's first `prior_used_len`
-positions visible to every query, the chunk's own keys causal by index, the sliding window
-and the sink column, query row i over KV row i // groups, the layouts of tp_q / tp_k / tp_out.
-tests/nkilib_source_check.py runs AWS's own torch reference by hand instead.
+No nkilib runs here: testing/nki_stand_in.py puts a stand-in `nki` / attention_cte in
+sys.modules, computing the kernel's documented semantics (written down independently of
+nki_kernels.py). tests/nkilib_source_check.py runs AWS's own torch reference by hand instead.
 """
 
 from __future__ import annotations
 
 import sys
-import types
 
 import pytest
 import torch
@@ -21,64 +17,22 @@ from fixtures.export_models import checkpoint_path
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from optimum_neuron_chunked.backends.neuron.attention_choice import KERNEL_MODULE, choose_nki_graphs
-from optimum_neuron_chunked.backends.neuron.nki_kernels import NkiKernels, attention_cte
+from optimum_neuron_chunked.backends.neuron.nki_kernels import NkiKernels
 from optimum_neuron_chunked.config import NeuronConfig, NeuronConfigError
 from optimum_neuron_chunked.graph_runner import GraphRunner
 from optimum_neuron_chunked.graphs import GraphKind, graph_module, graph_specs
 from optimum_neuron_chunked.modeling import build_model, family_spec
 from optimum_neuron_chunked.modeling.kernels import Kernels
+from optimum_neuron_chunked.testing.nki_stand_in import installed
 
 CHUNK, SEQ = 16, 64
 
 
-def cte_semantics(q, k, v, scale=1.0, causal_mask=True, k_prior=None, v_prior=None, prior_used_len=None,
-                  sink=None, sliding_window=None, tp_q=True, tp_k=False, tp_out=False, **_):  # fmt: skip
-    """attention_cte's result, float32 math, in q's dtype."""
-    q = (q if tp_q else q.transpose(1, 2)).float()  # [B, Sq, d]
-    k, k_prior = ((x if tp_k else x.transpose(1, 2)) for x in (k, k_prior))  # [Bkv, S, d]
-    p = int(prior_used_len[0])
-    keys = torch.cat([k_prior[:, :p], k], 1).float()
-    values = torch.cat([v_prior[:, :p], v], 1).float()
-    groups = q.shape[0] // keys.shape[0]
-    keys, values = keys.repeat_interleave(groups, 0), values.repeat_interleave(groups, 0)
-    scores = q @ keys.transpose(1, 2) * scale  # [B, Sq, p + S]
-    distance = (torch.arange(keys.shape[1]) - p)[None] - torch.arange(q.shape[1])[:, None]
-    masked = distance > 0 if causal_mask else torch.zeros_like(distance, dtype=torch.bool)
-    if sliding_window:
-        masked = masked | (distance <= -sliding_window)
-    scores = scores.masked_fill(masked, float("-inf"))
-    if sink is not None:
-        scores = torch.cat([scores, sink.float()[:, None, :].expand(-1, q.shape[1], 1)], -1)
-    out = scores.softmax(-1)[..., : keys.shape[1]] @ values
-    return (out.transpose(1, 2) if tp_out else out).to(q.dtype if q.dtype != torch.float32 else out.dtype)
-
-
-class StandInKernel:
-    """nki.jit(kernel): called as it is, or with a grid (`kernel[2](...)`)."""
-
-    def __init__(self, fn):
-        self.fn, self.calls = fn, []
-
-    def __getitem__(self, grid):
-        return self
-
-    def __call__(self, *args, **kwargs):
-        self.calls.append(kwargs)
-        return self.fn(*args, **kwargs)
-
-
 @pytest.fixture
-def nkilib(monkeypatch):
-    """Stand-in `nki` and nkilib's attention_cte module; yields the jitted kernel."""
-    nki = types.ModuleType("nki")
-    nki.jit = StandInKernel
-    module = types.ModuleType(KERNEL_MODULE)
-    module.attention_cte = cte_semantics
-    monkeypatch.setitem(sys.modules, "nki", nki)
-    monkeypatch.setitem(sys.modules, KERNEL_MODULE, module)
-    attention_cte.cache_clear()
-    yield attention_cte()
-    attention_cte.cache_clear()
+def nkilib():
+    """The stand-in kernel (testing/nki_stand_in.py) in sys.modules; yields its jitted form."""
+    with installed() as kernel:
+        yield kernel
 
 
 def neuron_config(**fields) -> NeuronConfig:

@@ -27,5 +27,10 @@ def test_generate_equals_hf(family, tp, chunk):
 
 
 @pytest.mark.neuron
+def test_prefill_chunks_through_the_nki_kernel_are_as_accurate_as_the_reference():
+    run_isolated("--attention-kernel")
+
+
+@pytest.mark.neuron
 def test_vllm_engine_equals_hf():
     run_isolated("--family", "llama", "--tp", "2", "--chunk", "32", "--vllm")

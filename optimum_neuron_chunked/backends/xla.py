@@ -140,6 +140,21 @@ class XlaGraph:
         return self.runtime.run(self.name, *inputs)
 
 
+ELEMENT_BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "f32": 4, "s32": 4, "u32": 4,
+                 "f64": 8, "s64": 8, "u64": 8}  # fmt: skip
+
+
+def array_bytes(shape: str) -> int:
+    """Bytes of an HLO array type (`f32[2,64]{1,0}`); 0 for a tuple or a token."""
+    found = re.match(r"(\w+)\[([\d,]*)\]", shape)
+    if found is None or found.group(1) not in ELEMENT_BYTES:
+        return 0
+    size = ELEMENT_BYTES[found.group(1)]
+    for dim in filter(None, found.group(2).split(",")):
+        size *= int(dim)
+    return size
+
+
 @dataclass
 class HloReport:
     """What one graph lowered to: forbidden constructs, dynamic dims and an op census."""
@@ -149,6 +164,7 @@ class HloReport:
     dynamic_shapes: list[str] = field(default_factory=list)
     census: Counter = field(default_factory=Counter)
     widest_sort: int = 0  # length of the longest sorted dimension (top-k lowers to sort)
+    largest_bytes: int = 0  # the largest array an instruction computes (parameters, tuples aside)
 
     @classmethod
     def of(cls, graph: str, hlo: str) -> HloReport:
@@ -164,6 +180,8 @@ class HloReport:
                 report.widest_sort = max(report.widest_sort, int(dims[-1]))
             if shape.startswith("s64["):
                 report.census["s64 values"] += 1
+            if opcode != "parameter":
+                report.largest_bytes = max(report.largest_bytes, array_bytes(shape))
             report.census["instructions"] += 1
         return report
 
