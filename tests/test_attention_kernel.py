@@ -131,3 +131,22 @@ def test_a_kernel_the_compiler_rejects_is_compiled_again_with_the_reference(monk
     assert "attention: nkilib attention_cte in cp_w64; reference in tg_w64 (decode rows" in said
     assert "rejected the NKI attention kernel in cp_w64" in said and "NCC_EXXX" in said
     assert compiled == [("cp_w64",), ()] and NeuronConfig.load(out).nki_attention == ()
+
+
+def test_the_graphs_that_run_the_kernel_are_recorded_and_logged_at_load(monkeypatch, tmp_path, caplog):
+    from rich.console import Console
+
+    from optimum_neuron_chunked.backends.eager import EagerBackend
+    from optimum_neuron_chunked.export import pipeline
+
+    class AcceptingCompiler(EagerBackend):
+        def attention_kernels(self, config, spec, specs):
+            return ("cp_w64",), {}
+
+    monkeypatch.setattr(pipeline, "get_backend", lambda name: AcceptingCompiler())
+    out = pipeline.export(str(checkpoint_path("llama")), tmp_path / "out", batch_size=2, sequence_length=SEQ,
+                          prefill_chunk_size=CHUNK, backend="eager", console=Console(quiet=True))  # fmt: skip
+    assert NeuronConfig.load(out).nki_attention == ("cp_w64",)
+    with caplog.at_level("WARNING"):
+        GraphRunner.load(out)
+    assert "prefill chunks attend through nkilib attention_cte in cp_w64" in caplog.text
