@@ -225,13 +225,6 @@ class NeuronConfig:
                 f"trn1|inf2|trn2 with --backend neuron (got backend {self.backend!r}, instance_type "
                 f"{self.instance_type!r})."
             )
-        if self.attention_kernel not in ATTENTION_KERNELS:
-            fail(f"--attention-kernel {self.attention_kernel}: choose one of {', '.join(ATTENTION_KERNELS)}.")
-        if self.attention_kernel == "nki" and self.backend != "neuron":
-            fail(
-                f"--attention-kernel nki calls AWS's NKI kernel, which the neuron backend compiles: the "
-                f"{self.backend} backend runs the reference attention (pass --attention-kernel auto, or --backend neuron)."
-            )
         if self.tp_degree > 1 and self.backend != "neuron":
             fail(
                 f"--tensor_parallel_size {self.tp_degree} needs --backend neuron (cpu, eager and xla run on one process)."
@@ -265,6 +258,7 @@ class NeuronConfig:
                 "export, pass --prefill-chunk-size too."
             )
         self._validate_speculation()
+        self._validate_attention_kernel()
         if self.context_buckets[0] < max(self.prefill_chunk_size, 1):
             fail(
                 f"context bucket {self.context_buckets[0]} is smaller than the chunk size "
@@ -287,6 +281,18 @@ class NeuronConfig:
             raise NeuronConfigError(
                 "--speculation-length and --mixed-step do not combine: verify rows run in their own VF "
                 "graphs, never beside a chunk in an MX graph. Drop one of them."
+            )
+
+    def _validate_attention_kernel(self) -> None:
+        kernel = self.attention_kernel
+        if kernel not in ATTENTION_KERNELS:
+            raise NeuronConfigError(
+                f"--attention-kernel {kernel}: choose one of {', '.join(ATTENTION_KERNELS)}."
+            )
+        if kernel == "nki" and self.backend != "neuron":
+            raise NeuronConfigError(
+                f"--attention-kernel nki calls AWS's NKI kernel, which the neuron backend compiles: the "
+                f"{self.backend} backend runs the reference attention (pass --attention-kernel auto, or --backend neuron)."
             )
 
     def _validate_paged(self) -> None:
