@@ -138,7 +138,7 @@ class GraphRunner:
         (tokens [N] sampled on the device, or None where the export samples on the host;
         logits [N, V], or None unless `need_logits` or sampled on the host). On-device sampling
         takes `sampling` (modeling.sampler.sampling_params rows and uniform draws)."""
-        n = self._check_decode(positions, blocks)
+        n = len(self._decode_writes(positions, blocks))
         window = self.config.bucket_for(int(positions.max()) + 1)
         spec = tg_spec(self.config, self.config.decode_width_for(n), window)
         outputs, unsort = self._call(spec, list(token_ids[:, None]), positions.tolist(), blocks, sampling)
@@ -157,16 +157,12 @@ class GraphRunner:
     ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
         """A decode step and a full prefill chunk of another request in one MX call (mixed_step
         exports) -> (tokens, decode logits as `decode` returns them, the chunk's last logits [V])."""
-        self._check_decode(positions, blocks)
+        decode_writes = self._decode_writes(positions, blocks)
         c = self.config.prefill_chunk_size
         end = chunk_start + c
         size = self.config.kv_block_positions
         chunk_writes = set(list(chunk_blocks)[chunk_start // size : (end - 1) // size + 1])
-        if (
-            not self.config.mixed_step
-            or chunk_ids.shape[0] != c
-            or chunk_writes & self._writes(positions, blocks)
-        ):
+        if not self.config.mixed_step or chunk_ids.shape[0] != c or chunk_writes & decode_writes:
             raise ValueError(
                 f"a mixed step takes decode rows and a full chunk of {c} tokens writing other blocks "
                 f"(mixed_step exports): got {chunk_ids.shape[0]} tokens in blocks {list(chunk_blocks)}, "
@@ -197,7 +193,7 @@ class GraphRunner:
         if any(not 1 <= len(r) <= width for r in token_rows):
             raise ValueError(f"a verify row takes 1 to {width} tokens, got {[len(r) for r in token_rows]}")
         last = torch.tensor([int(p) + len(r) - 1 for p, r in zip(positions, token_rows, strict=True)])
-        n = self._check_decode(last, blocks)
+        n = len(self._decode_writes(last, blocks))
         spec = vf_spec(
             self.config, self.config.decode_width_for(n), self.config.bucket_for(int(last.max()) + 1)
         )
@@ -218,10 +214,11 @@ class GraphRunner:
             raise ValueError(f"{length} positions exceed sequence_length {self.config.sequence_length}")
         width = self.config.prefill_chunk_size
         blocks = torch.tensor([src_block, dst_block], dtype=INDEX_DTYPE)
-        for piece in prefill_slices(length, width):
+        pieces = prefill_slices(length, width)
+        for piece in pieces:
             positions = torch.arange(piece.start, piece.stop, dtype=INDEX_DTYPE)
             self.graphs[COPY](pad_repeat_last(positions[None], width, dim=1), blocks)
-        return len(prefill_slices(length, width))
+        return len(pieces)
 
     def _call(self, spec: GraphSpec, token_rows, starts, blocks, sampling=None, chunk=None) -> tuple:
         """The one path: rows (token ids [T_i] at positions starts[i].., KV blocks) checked
@@ -268,23 +265,21 @@ class GraphRunner:
             return tokens.cpu()[unsort], logits.cpu()[unsort] if need_logits else None
         return None, outputs[0].cpu()[unsort]
 
-    def _check_decode(self, last_positions: torch.Tensor, blocks: Sequence[Sequence[int]]) -> int:
-        """Decode rows: 1 to batch_size, each writing a block of its own -> their count."""
+    def _decode_writes(self, last_positions: torch.Tensor, blocks: Sequence[Sequence[int]]) -> set[int]:
+        """Decode rows checked (1 to batch_size, each writing a block of its own) -> the blocks
+        they write (the one holding each row's last position)."""
         n, batch = len(blocks), self.config.batch_size
         if not 0 < n <= batch:
             raise ValueError(f"a decode step takes 1 to {batch} rows, got {n}")
-        if len(self._writes(last_positions, blocks)) != n:
+        size = self.config.kv_block_positions
+        rows = self._check_blocks(blocks, last_positions)
+        writes = {row[int(p) // size] for p, row in zip(last_positions, rows, strict=True)}
+        if len(writes) != n:
             # two rows writing one block: one would overwrite the other's positions
             raise ValueError(
                 f"a decode step takes rows writing distinct blocks, got blocks {[list(b) for b in blocks]}"
             )
-        return n
-
-    def _writes(self, positions: torch.Tensor, blocks: Sequence[Sequence[int]]) -> set[int]:
-        """The blocks rows write at `positions` (the one holding each position)."""
-        size = self.config.kv_block_positions
-        rows = self._check_blocks(blocks, positions)
-        return {row[int(p) // size] for p, row in zip(positions, rows, strict=True)}
+        return writes
 
     def _check_blocks(self, blocks: Sequence[Sequence[int]], last_positions: torch.Tensor) -> list[list[int]]:
         """Each row holds pool blocks (0..kv_pool_blocks - 1) for every position up to its last
