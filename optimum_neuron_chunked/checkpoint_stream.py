@@ -31,6 +31,8 @@ from .modeling.decoder import DecoderModel, rotary_buffer, split_fused_projectio
 from .modeling.layers import Rotary
 from .modeling.moe import moe_layer_from_hf
 from .modeling.parallel import ShardLayout, rank_shard, tp_checkpoint
+from .modeling.quantization import fit_neuron_fp8, quantize, scale_name
+from .quantized_checkpoint import SourceQuantization, source_scale
 from .safetensors_io import CheckpointFiles, SafetensorsWriter
 
 _FUSED = {
@@ -71,11 +73,22 @@ def checkpoint_folder(model: str) -> Path | None:
 
 class ConvertedCheckpoint:
     """The decoder's unsharded weights (its names, lm_head included) converted from the
-    checkpoint's tensors on request, each cast to the decoder's dtype for it."""
+    checkpoint's tensors on request, each cast to the decoder's dtype for it; quantized ones
+    (the decoder's `quantized_weights`) with their scales, quantized here or kept from an FP8
+    checkpoint (`source`)."""
 
-    def __init__(self, files: CheckpointFiles, hf_config, decoder: DecoderModel):
+    def __init__(
+        self,
+        files: CheckpointFiles,
+        hf_config,
+        decoder: DecoderModel,
+        source: SourceQuantization | None = None,
+    ):
         self.files, self.hf_config, self.spec = files, hf_config, decoder.spec
         self.dtypes = {name: t.dtype for name, t in decoder.state_dict(keep_vars=True).items()}
+        self.quantization, self.source = decoder.quantization, source
+        self.quantized = decoder.quantized_weights()  # weight or scale name -> weight name
+        self._pending: dict[str, torch.Tensor] = {}  # the other half of a pair computed together
         # A checkpoint saved from the base model (LlamaModel) lacks the "model." prefix;
         # from_pretrained adds it (base_model_prefix), and so does this map.
         bare = "model.embed_tokens.weight" not in files and "embed_tokens.weight" in files
@@ -85,7 +98,24 @@ class ConvertedCheckpoint:
         self._fused: tuple[str, torch.Tensor] | None = None
 
     def tensor(self, name: str) -> torch.Tensor:
-        return self._convert(name).to(self.dtypes[name])
+        if name in self._pending:
+            return self._pending.pop(name)
+        weight = self.quantized.get(name)
+        if weight is None:
+            return self._convert(name).to(self.dtypes[name])
+        stored, scale = self._quantized(weight)
+        other = scale_name(weight) if name == weight else weight
+        self._pending[other] = scale if name == weight else stored
+        return stored if name == weight else scale
+
+    def _quantized(self, weight: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """A weight as stored, and its scale: the FP8 checkpoint's own (fitted into Neuron's
+        range), or quantized here from full precision."""
+        if self.source is not None and self.source.fp8:
+            stored = self._read(weight)
+            disk_scale = weight.removesuffix("weight") + self.source.scale_suffix
+            return fit_neuron_fp8(stored, source_scale(stored, self._read(disk_scale), self.source))
+        return quantize(self._convert(weight), self.quantization.dtype)
 
     def _convert(self, name: str) -> torch.Tensor:
         if name.startswith("model.rotary_emb"):
@@ -175,11 +205,12 @@ def stream_weights(
     files: list[WeightFile],
     tied: bool,
     out_dir: Path,
+    quantized: SourceQuantization | None = None,
 ) -> int:
     """Write `files` (relative to `out_dir`) from the checkpoint in `folder`; `decoder` (meta
     is enough) gives the names, shapes and dtypes. Returns the checkpoint's bytes."""
     checkpoint = CheckpointFiles(folder)
-    source = ConvertedCheckpoint(checkpoint, hf_config, decoder)
+    source = ConvertedCheckpoint(checkpoint, hf_config, decoder, quantized)
     layout = ShardLayout.of(decoder.spec, config.tp_degree)
     names = decoder.weight_names() + (sorted(decoder._tied_names()) if tied else [])
     shapes = _rank_shapes(decoder, names, layout)
@@ -190,7 +221,7 @@ def stream_weights(
             writers.append(
                 SafetensorsWriter(out_dir / f.path, {f.prefix + n: shapes[f.rank][n] for n in names})
             )
-        for name in [n.removeprefix(files[0].prefix) for n in writers[0].order]:
+        for name in names:  # a quantized weight, then its scale (ConvertedCheckpoint.tensor)
             full = tp_checkpoint({name: source.tensor(name)}, layout)[name]
             for f, writer in zip(files, writers, strict=True):
                 writer.write(f.prefix + name, rank_shard({name: full}, config.tp_degree, f.rank)[name])

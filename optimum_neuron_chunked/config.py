@@ -17,6 +17,7 @@ BACKENDS = ("cpu", "eager", "neuron", "xla")
 DTYPES = ("float32", "bfloat16", "float16")
 INSTANCE_TYPES = ("trn1", "inf2", "trn2")  # backends/neuron/target.py TARGETS (a test checks)
 ATTENTION_KERNELS = ("auto", "nki", "reference")
+QUANTIZATIONS = ("int8", "fp8")  # weight-only, symmetric (modeling/quantization.py)
 # Smallest context bucket chosen by default: below this a smaller graph saves little.
 MIN_DEFAULT_BUCKET = 512
 # Keys of neuron_config.json renamed since: exports written before keep the old ones.
@@ -176,7 +177,25 @@ class NeuronConfig:
         "128), else the reference; nki: refused where it cannot; reference: never. Decode rows "
         "always run the reference.",
     )
+    quantization: str = option(
+        "--quantization",
+        default="",
+        choices=QUANTIZATIONS,
+        resolved=True,
+        help="Store the attention and MLP projections and MoE experts as int8 or fp8 weights with a "
+        "float32 scale per output channel (weight-only; embeddings, lm_head, routers and norms keep "
+        "--dtype): half the weight bytes a decode step reads. Default: none, except for an FP8 "
+        "checkpoint, exported as fp8 (its own scales, per channel or block-wise).",
+    )
+    quantization_skip: tuple[str, ...] = option(
+        "--quantization-skip",
+        "--quantization_skip",
+        default=(),
+        help="With --quantization: modules kept in --dtype, by name suffix at a dot (down_proj, "
+        "layers.0.mlp) or glob over the whole name (model.layers.1?.*).",
+    )
     # Recorded by the export.
+    quantization_block: tuple[int, ...] = ()  # FP8 checkpoints' block-wise scales: (rows, columns)
     nki_attention: tuple[str, ...] = ()  # graphs whose prefill chunks run nkilib's attention_cte
     cpu_isa: str = ""  # cpu backend: the vector ISA of the host that compiled (AVX2, AVX512, ...)
     model_type: str = ""
@@ -258,6 +277,7 @@ class NeuronConfig:
                 "export, pass --prefill-chunk-size too."
             )
         self._validate_speculation()
+        self._validate_quantization()
         self._validate_attention_kernel()
         if self.context_buckets[0] < max(self.prefill_chunk_size, 1):
             fail(
@@ -293,6 +313,20 @@ class NeuronConfig:
             raise NeuronConfigError(
                 f"--attention-kernel nki calls AWS's NKI kernel, which the neuron backend compiles: the "
                 f"{self.backend} backend runs the reference attention (pass --attention-kernel auto, or --backend neuron)."
+            )
+
+    def _validate_quantization(self) -> None:
+        if self.quantization not in ("", *QUANTIZATIONS):
+            raise NeuronConfigError(
+                f"--quantization {self.quantization}: choose one of {', '.join(QUANTIZATIONS)}."
+            )
+        if self.quantization_skip and not self.quantization:
+            raise NeuronConfigError(
+                "--quantization-skip names modules kept unquantized: pass it with --quantization int8|fp8."
+            )
+        if self.quantization_block and (self.quantization != "fp8" or len(self.quantization_block) != 2):
+            raise NeuronConfigError(
+                f"block-wise scales {list(self.quantization_block)} come with fp8 weights, as (rows, columns)."
             )
 
     def _validate_paged(self) -> None:
@@ -372,7 +406,9 @@ class NeuronConfig:
             if f.default is not dataclasses.MISSING and value == f.default:
                 continue
             words.append(f.metadata["flags"][0])
-            if not isinstance(value, bool):
+            if f.type == "tuple[str, ...]":
+                words.extend(value)
+            elif not isinstance(value, bool):
                 words.append(",".join(map(str, value)) if isinstance(value, tuple) else str(value))
         return shlex.join([*words, str(out)])
 
@@ -382,6 +418,8 @@ class NeuronConfig:
         d["prefill_widths"] = list(self.prefill_widths)
         d["decode_widths"] = list(self.decode_widths)
         d["nki_attention"] = list(self.nki_attention)
+        d["quantization_skip"] = list(self.quantization_skip)
+        d["quantization_block"] = list(self.quantization_block)
         return d
 
     @classmethod
@@ -398,6 +436,8 @@ class NeuronConfig:
         d["prefill_widths"] = tuple(d.get("prefill_widths", ()))  # absent: the chunk size alone
         d["decode_widths"] = tuple(d.get("decode_widths", ()))  # absent: the batch size alone
         d["nki_attention"] = tuple(d.get("nki_attention", ()))
+        d["quantization_skip"] = tuple(d.get("quantization_skip", ()))
+        d["quantization_block"] = tuple(d.get("quantization_block", ()))
         return cls(**d)
 
     def save(self, directory: str | Path, files: dict[str, dict] | None = None) -> None:

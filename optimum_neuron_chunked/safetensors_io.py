@@ -8,7 +8,7 @@ Reading uses plain file reads into a fresh tensor, not a memory map: pages of a 
 file count in the process's resident set for as long as the map lives, and the point of
 streaming an export is a resident set near one tensor, not near the checkpoint. Writing
 computes the whole header first (names, dtypes, shapes, offsets), then takes each tensor's
-bytes in header order, so no more than the tensor at hand is ever held.
+bytes at its offset, so no more than the tensor at hand is ever held.
 """
 
 from __future__ import annotations
@@ -117,9 +117,10 @@ class CheckpointFiles:
 
 
 class SafetensorsWriter:
-    """Writes a safetensors file whose header is fixed up front: `write` takes the tensors in
-    `order` (by element size, largest first, then by name, as safetensors' own serializer
-    sorts them, so every tensor starts aligned to its element size), one at a time."""
+    """Writes a safetensors file whose header is fixed up front: tensors laid out by element
+    size, largest first, then by name (`order`, as safetensors' own serializer sorts them, so
+    every tensor starts aligned to its element size); `write` takes them one at a time, in any
+    order (a quantized weight and its scale are computed together, and stored apart)."""
 
     def __init__(
         self,
@@ -130,7 +131,7 @@ class SafetensorsWriter:
         self.path = Path(path)
         self.order = sorted(entries, key=lambda n: (-entries[n][0].itemsize, n))
         self.entries = entries
-        header, offset = ({"__metadata__": metadata} if metadata else {}), 0
+        header, offset, self._offsets = ({"__metadata__": metadata} if metadata else {}), 0, {}
         for name in self.order:
             dtype, shape = entries[name]
             size = dtype.itemsize * _numel(shape)
@@ -139,28 +140,31 @@ class SafetensorsWriter:
                 "shape": list(shape),
                 "data_offsets": [offset, offset + size],
             }
+            self._offsets[name] = offset
             offset += size
         blob = json.dumps(header, separators=(",", ":")).encode()
         blob += b" " * (-len(blob) % 8)  # the data starts 8-byte aligned
+        self._data_start = 8 + len(blob)
         self._file = open(self.path, "wb")
         self._file.write(struct.pack("<Q", len(blob)) + blob)
-        self._next = 0
+        self._file.truncate(self._data_start + offset)
+        self._written: set[str] = set()
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
-        expected = self.order[self._next] if self._next < len(self.order) else None
         dtype, shape = self.entries.get(name, (None, None))
-        if name != expected or tensor.dtype != dtype or tuple(tensor.shape) != tuple(shape):
-            raise ValueError(
-                f"{self.path.name}: got {name} {tensor.dtype} {tuple(tensor.shape)}, "
-                f"expected {expected} {dtype} {shape}"
-            )
+        if name in self._written or tensor.dtype != dtype or tuple(tensor.shape) != tuple(shape):
+            state = "written twice" if name in self._written else f"expected {dtype} {shape}"
+            raise ValueError(f"{self.path.name}: got {name} {tensor.dtype} {tuple(tensor.shape)}, {state}")
+        self._file.seek(self._data_start + self._offsets[name])
         self._file.write(tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy().data)
-        self._next += 1
+        self._written.add(name)
 
     def close(self) -> None:
         self._file.close()
-        if self._next != len(self.order):
-            raise ValueError(f"{self.path.name}: {len(self.order) - self._next} tensors never written")
+        if len(self._written) != len(self.order):
+            raise ValueError(
+                f"{self.path.name}: {len(self.order) - len(self._written)} tensors never written"
+            )
 
     def abort(self) -> None:
         self._file.close()

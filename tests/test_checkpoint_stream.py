@@ -159,7 +159,7 @@ def test_mxfp4_experts_dequantise_per_tensor_as_transformers_does(tmp_path):
     assert_same_tensors(got, want)
 
 
-def test_the_writer_takes_tensors_in_its_order_and_files_load(tmp_path):
+def test_the_writer_lays_tensors_out_aligned_takes_them_in_any_order_and_files_load(tmp_path):
     tensors = {
         "b": torch.randn(3, 5).to(torch.bfloat16),
         "a": torch.randn(7),
@@ -171,10 +171,12 @@ def test_the_writer_takes_tensors_in_its_order_and_files_load(tmp_path):
         tmp_path / "x.safetensors", {n: (t.dtype, tuple(t.shape)) for n, t in tensors.items()}
     )
     assert writer.order == ["a", "empty", "scalar", "b", "mask"]  # element size, then name
-    with pytest.raises(ValueError, match="expected a"):
-        writer.write("b", tensors["b"])
-    for name in writer.order:
+    with pytest.raises(ValueError, match=r"expected torch.float32 \(7,\)"):
+        writer.write("a", tensors["b"])
+    for name in reversed(writer.order):
         writer.write(name, tensors[name])
+    with pytest.raises(ValueError, match="written twice"):
+        writer.write("a", tensors["a"])
     writer.close()
     assert_same_tensors(load_file(tmp_path / "x.safetensors"), tensors)
 

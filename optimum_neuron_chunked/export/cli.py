@@ -47,6 +47,8 @@ def argument(option: dataclasses.Field) -> dict:
     if isinstance(option.default, bool):
         return kwargs | {"action": "store_false" if option.default else "store_true"}
     default = None if meta["resolved"] else option.default
+    if option.type == "tuple[str, ...]":
+        return kwargs | {"nargs": "+", "default": default, "metavar": "PATTERN"}
     return kwargs | {"type": PARSERS[option.type], "choices": meta["choices"], "default": default}
 
 

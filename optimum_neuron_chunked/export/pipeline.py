@@ -40,7 +40,13 @@ from optimum_neuron_chunked.modeling import (
     model_from_spec,
     torch_dtype,
 )
-from optimum_neuron_chunked.modeling.parallel import ShardLayout
+from optimum_neuron_chunked.modeling.parallel import ShardLayout, check_block_shards
+from optimum_neuron_chunked.quantized_checkpoint import (
+    export_quantization,
+    source_quantization,
+    unquantized_modules,
+)
+from optimum_neuron_chunked.safetensors_io import CheckpointFiles
 
 from .errors import ExportError
 from .model_card import write_model_card
@@ -81,15 +87,17 @@ def export(
     impl.check_available()
     hf_config = _load_hf_config(model)
     spec = family_spec(hf_config)
+    source = source_quantization(hf_config)  # refuses a checkpoint it cannot serve, before any work
     config = NeuronConfig(
-        **options,
+        **options | _quantization_fields(model, source, spec, options, weights),
         backend=backend,
         **impl.host_fields(instance_type),
         model_type=spec.model_type,
     )
     _check_shapes(hf_config, config)
-    quantization_kwargs(hf_config)  # refuses a quantized checkpoint before any work
     ShardLayout.of(spec, config.tp_degree)  # refuses a tp degree the heads cannot split by
+    if config.quantization_block:
+        check_block_shards(spec, config.quantization_block, config.tp_degree)
     config = _choose_attention(impl, config, spec, console)
     staging = Path(tempfile.mkdtemp(prefix=f".{output.name}.partial-", dir=output.parent))
     try:
@@ -112,6 +120,27 @@ def export(
         f"in {time.perf_counter() - started:.1f}s"
     )
     return output
+
+
+def _quantization_fields(model: str, source, spec, options: dict, weights: str) -> dict:
+    """--quantization as exported (quantized_checkpoint.export_quantization) and, for an FP8
+    checkpoint, its block-wise scales and the projections it keeps unquantized."""
+    fields = {"quantization": export_quantization(options.get("quantization"), source)}
+    if source is None or not source.fp8:
+        return fields
+    folder = checkpoint_folder(model) if weights == "stream" else None
+    if folder is None or spec.fused_projections or spec.moe is not None:
+        raise ExportError(
+            f"FP8 checkpoints export from their safetensors, {'' if folder else 'streamed, '}for dense families "
+            f"without fused projections ({spec.model_type}{' with weights=' + weights if not folder else ''}): "
+            "export a dequantized copy with --quantization fp8 instead."
+        )
+    dtypes = {name: info.dtype for name, (_, info) in CheckpointFiles(folder).tensors.items()}
+    kept = unquantized_modules(dtypes)
+    return fields | {
+        "quantization_block": source.block or (),
+        "quantization_skip": tuple(options.get("quantization_skip") or ()) + kept,
+    }
 
 
 def _choose_attention(impl, config: NeuronConfig, spec, console: Console) -> NeuronConfig:
@@ -210,7 +239,15 @@ def _export_weights(
     if folder is not None:
         decoder = model_from_spec(family_spec(hf_config), config, kernels=impl.kernels(config), device="meta")
         try:
-            stream_weights(folder, hf_config, config, decoder, *impl.stream_targets(config), out)
+            stream_weights(
+                folder,
+                hf_config,
+                config,
+                decoder,
+                *impl.stream_targets(config),
+                out,
+                source_quantization(hf_config),
+            )
         except StreamUnsupportedError as e:
             console.print(f"[yellow]warning[/]: {e}; loading the whole model with transformers instead.")
         else:
@@ -235,19 +272,13 @@ def _load_hf_model(model: str, hf_config, config: NeuronConfig):
 def quantization_kwargs(hf_config) -> dict:
     """gpt-oss's MXFP4 experts are dequantised to the export dtype by transformers' own
     Mxfp4 quantizer (Mxfp4Config(dequantize=True), quantizers/quantizer_mxfp4.py, 4.57 and
-    5.x), whatever kernels the build host has; other quantized checkpoints are refused."""
-    quant = getattr(hf_config, "quantization_config", None)
-    if quant is None:
+    5.x), whatever kernels the build host has; FP8 checkpoints only stream (_quantization_fields)."""
+    source = source_quantization(hf_config)
+    if source is None or source.method != "mxfp4":
         return {}
-    method = quant.get("quant_method") if isinstance(quant, dict) else getattr(quant, "quant_method", None)
-    if str(method) in ("mxfp4", "QuantizationMethod.MXFP4"):
-        from transformers import Mxfp4Config
+    from transformers import Mxfp4Config
 
-        return {"quantization_config": Mxfp4Config(dequantize=True)}
-    raise ExportError(
-        f"the checkpoint is quantized ({method}): the graphs compute in --dtype; "
-        "export the unquantized checkpoint (or one dequantized with transformers)."
-    )
+    return {"quantization_config": Mxfp4Config(dequantize=True)}
 
 
 def _save_hf_files(model: str, hf_config, out: Path) -> None:

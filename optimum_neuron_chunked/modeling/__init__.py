@@ -7,6 +7,7 @@ from .decoder import DecoderModel
 from .family import SUPPORTED_ARCHITECTURES, FamilySpec, UnsupportedArchitectureError, family_spec
 from .kernels import Kernels
 from .kv_layout import KVLayout
+from .quantization import QuantSpec
 
 
 def build_model(
@@ -36,7 +37,9 @@ def model_from_spec(
     "meta": the names, shapes and dtypes alone (a streamed export holds no weights it does not
     need)."""
     with torch.device(device):
-        return DecoderModel(spec, KVLayout.of(config, spec), layers, functional_cache, kernels)
+        return DecoderModel(
+            spec, KVLayout.of(config, spec), layers, functional_cache, kernels, QuantSpec.of(config)
+        )
 
 
 def torch_dtype(config: NeuronConfig) -> torch.dtype:

@@ -16,6 +16,7 @@ from .kv_layout import KVLayout
 from .layers import MLP, Rotary, rms_norm
 from .moe import SparseMoE, moe_state_from_hf
 from .parallel import ShardLayout, TorchLayers, rank_shard, tp_checkpoint
+from .quantization import EXPERT_WEIGHTS, QuantSpec, quantize, quantize_modules, scale_name
 
 
 class PartInputs(NamedTuple):
@@ -114,6 +115,9 @@ class DecoderModel(nn.Module):
 
     `kernels`: how linear layers, attention and experts compute (modeling/kernels.py: the
     reference unless a backend supplies its own, Backend.kernels).
+
+    `quantization`: the projections stored quantized (quantization.py), built by the layer
+    factory's `quantized`.
     """
 
     def __init__(
@@ -123,6 +127,7 @@ class DecoderModel(nn.Module):
         layers=None,
         functional_cache: bool = False,
         kernels: Kernels | None = None,
+        quantization: QuantSpec | None = None,
     ):
         super().__init__()
         self.kernels = kernels or Kernels()
@@ -152,6 +157,9 @@ class DecoderModel(nn.Module):
         for rotary in self.model.modules():
             if isinstance(rotary, Rotary):
                 rotary.float()  # rotary angles stay fp32, as in transformers
+        # after the cast to the model dtype, which would cast fp8 weights too
+        self.quantization = quantization
+        self.quantized_modules = quantize_modules(self, quantization, layers) if quantization else []
 
     def weight_names(self) -> list[str]:
         """Names of the stored weights: every tensor once, under the first name it has."""
@@ -171,6 +179,15 @@ class DecoderModel(nn.Module):
                 aliases.add(name)
             seen.add(id(tensor))
         return aliases
+
+    def quantized_weights(self) -> dict[str, str]:
+        """Each stored quantized weight and its scale -> the weight's name."""
+        named = {}
+        for module in self.quantized_modules:
+            experts = module.endswith(".experts")
+            for weight in [f"{module}.{w}" for w in EXPERT_WEIGHTS] if experts else [f"{module}.weight"]:
+                named[weight] = named[scale_name(weight)] = weight
+        return named
 
     def _tied_names(self) -> set[str]:
         return {"lm_head.weight"} if self.tied else set()
@@ -291,8 +308,12 @@ class DecoderModel(nn.Module):
             hf_state = split_fused_projections(hf_state, self.spec)
         if self.spec.moe is not None:
             hf_state = moe_state_from_hf(hf_state, self.spec.model_type, self.spec.moe)
-        state = {}
+        state, quantized = {}, self.quantized_weights()
+        for weight in set(quantized.values()):
+            state[weight], state[scale_name(weight)] = quantize(hf_state[weight], self.quantization.dtype)
         for name in self.weight_names() + ["lm_head.weight"]:
+            if name in quantized:
+                continue
             if name.startswith("model.rotary_emb"):
                 buffer = rotary_buffer(hf_model, *name.split(".")[1:])
                 state[name] = buffer if buffer is not None else self.state_dict()[name].clone()

@@ -116,25 +116,41 @@ class Experts(nn.Module):
         gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)  # GptOssExperts._apply_gate
         return (up + 1) * gate * torch.sigmoid(gate * self.spec.swiglu_alpha)
 
+    def _scaled(
+        self, y: torch.Tensor, name: str, idx: torch.Tensor | None, dtype: torch.dtype
+    ) -> torch.Tensor:
+        """A projection's output y [..., out] times its per-channel scale where the experts are
+        quantized (quantization.quantize_experts: `<name>_scale` [E, out, 1])."""
+        scale = getattr(self, f"{name}_scale", None)
+        if scale is None:
+            return y
+        scale = scale[..., 0] if idx is None else scale[idx][..., 0]  # [E, out] | [M*k, out]
+        return (y * (scale if idx is not None else scale[:, None])).to(dtype)
+
     def selected(self, x: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         """x [M, H], experts [M, k] -> partial outputs [M, k, H] of the selected experts only."""
         m, k = experts.shape
         idx = experts.reshape(-1)
         xk = x.repeat_interleave(k, dim=0)[:, :, None]  # [M*k, H, 1]
-        gate = torch.bmm(self.gate_proj[idx], xk)[..., 0]  # [M*k, I]
-        up = torch.bmm(self.up_proj[idx], xk)[..., 0]
+        dt = x.dtype
+        gate = self._scaled(
+            torch.bmm(self.gate_proj[idx].to(dt), xk)[..., 0], "gate_proj", idx, dt
+        )  # [M*k, I]
+        up = self._scaled(torch.bmm(self.up_proj[idx].to(dt), xk)[..., 0], "up_proj", idx, dt)
         if self.gate_bias is not None:
             gate, up = gate + self.gate_bias[idx], up + self.up_bias[idx]
-        out = torch.bmm(self.down_proj[idx], self.activation(gate, up)[:, :, None])[..., 0]
-        return out.view(m, k, -1)
+        out = torch.bmm(self.down_proj[idx].to(dt), self.activation(gate, up)[:, :, None])[..., 0]
+        return self._scaled(out, "down_proj", idx, dt).view(m, k, -1)
 
     def every(self, x: torch.Tensor) -> torch.Tensor:
         """x [M, H] -> partial outputs [E, M, H] of every expert."""
-        gate = torch.matmul(x, self.gate_proj.transpose(1, 2))  # [E, M, I]
-        up = torch.matmul(x, self.up_proj.transpose(1, 2))
+        dt = x.dtype
+        gate = self._scaled(torch.matmul(x, self.gate_proj.to(dt).transpose(1, 2)), "gate_proj", None, dt)
+        up = self._scaled(torch.matmul(x, self.up_proj.to(dt).transpose(1, 2)), "up_proj", None, dt)
         if self.gate_bias is not None:
             gate, up = gate + self.gate_bias[:, None], up + self.up_bias[:, None]
-        return torch.matmul(self.activation(gate, up), self.down_proj.transpose(1, 2))
+        down = torch.matmul(self.activation(gate, up), self.down_proj.to(dt).transpose(1, 2))
+        return self._scaled(down, "down_proj", None, dt)
 
 
 class SparseMoE(nn.Module):

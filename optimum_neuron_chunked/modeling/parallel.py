@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from ..config import NeuronConfigError
+from . import quantization
 from .family import FamilySpec
 
 # Weight name suffix -> dimension split across ranks (absent: replicated on every rank).
@@ -49,6 +50,13 @@ PARTITION_DIMS = {
     "experts.up_bias": 1,
     "experts.down_proj": 2,
     "self_attn.sinks": 0,  # gpt-oss: one sink per query head
+}
+# Quantized weights' scales (quantization.py) split along their weight's dimension; a scale of
+# size 1 there (per-channel scales of row-parallel weights) is replicated.
+PARTITION_DIMS |= {
+    quantization.scale_name(weight): dim
+    for weight, dim in list(PARTITION_DIMS.items())
+    if weight.endswith((".weight", "_proj")) and not weight.startswith(("embed", "lm_head"))
 }
 
 
@@ -103,16 +111,41 @@ def _check_divisible(what: str, value: int, tp: int) -> None:
         )
 
 
+def check_block_shards(spec: FamilySpec, block: tuple[int, int], tp_degree: int) -> None:
+    """Block-wise scales shard with their weights only where every rank's slice is whole
+    blocks (a KV head copied to several ranks: whole blocks per head)."""
+    layout = ShardLayout.of(spec, tp_degree)
+    bo, bi = block
+    q, kv = spec.num_heads * spec.head_dim, layout.kv_heads * spec.head_dim
+    per_rank = {
+        "q_proj rows": (q // tp_degree, bo),
+        "k_proj/v_proj rows": (kv // tp_degree, bo),
+        "a KV head's rows": (spec.head_dim if layout.kv_heads != layout.num_kv_heads else bo, bo),
+        "o_proj columns": (q // tp_degree, bi),
+        "gate_proj/up_proj rows": (spec.intermediate_size // tp_degree, bo),
+        "down_proj columns": (spec.intermediate_size // tp_degree, bi),
+        "hidden_size": (spec.hidden_size, bi),
+    }
+    for what, (size, unit) in per_rank.items():
+        if size % unit:
+            raise NeuronConfigError(
+                f"{what} per rank ({size}) is not a whole number of the checkpoint's {bo}x{bi} "
+                f"scale blocks at --tensor_parallel_size {tp_degree}: choose a tensor parallel size "
+                "that splits every projection into whole blocks."
+            )
+
+
 def tp_checkpoint(full: dict[str, torch.Tensor], layout: ShardLayout) -> dict[str, torch.Tensor]:
     """The tp-1 checkpoint with KV heads replicated and the vocabulary padded, so that every
     partitioned weight splits into tp_degree equal contiguous slices. Each tensor converts on
     its own: `full` may hold any subset of the names (checkpoint_stream passes one at a time)."""
     out = dict(full)
     source = layout.kv_source()
+    kv_tensors = tuple(f"{p}_proj.{t}" for p in "kv" for t in ("weight", "bias", "scale"))
     for name, tensor in full.items():
-        if name.endswith(("k_proj.weight", "k_proj.bias", "v_proj.weight", "v_proj.bias")):
-            per_head = tensor.view(layout.num_kv_heads, layout.head_dim, *tensor.shape[1:])
-            out[name] = per_head[source].reshape(layout.kv_heads * layout.head_dim, *tensor.shape[1:])
+        if name.endswith(kv_tensors):  # a block-wise scale holds head_dim / block rows per head
+            per_head = tensor.view(layout.num_kv_heads, -1, *tensor.shape[1:])
+            out[name] = per_head[source].reshape(-1, *tensor.shape[1:])
     lm_head = out.get("lm_head.weight")  # absent when a streamed export converts other tensors
     missing = 0 if lm_head is None else layout.padded_vocab - lm_head.shape[0]
     if missing:
@@ -132,7 +165,8 @@ def rank_shard(tp_state: dict[str, torch.Tensor], tp_degree: int, rank: int) -> 
     shard = {}
     for name, tensor in tp_state.items():
         dim = partition_dim(name)
-        shard[name] = tensor if dim is None else tensor.chunk(tp_degree, dim=dim)[rank].contiguous()
+        replicated = dim is None or (tensor.shape[dim] == 1 and name.endswith("scale"))
+        shard[name] = tensor if replicated else tensor.chunk(tp_degree, dim=dim)[rank].contiguous()
     return shard
 
 
@@ -153,6 +187,10 @@ class TorchLayers:
 
     def embedding(self, vocab_size: int, hidden_size: int):
         return nn.Embedding(vocab_size, hidden_size)
+
+    @staticmethod
+    def quantized(linear: nn.Module, spec: quantization.QuantSpec) -> nn.Module:
+        return quantization.QuantizedLinear(linear, spec)
 
     @staticmethod
     def reduce(x: torch.Tensor) -> torch.Tensor:

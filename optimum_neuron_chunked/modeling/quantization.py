@@ -1,0 +1,185 @@
+"""Weight-only quantization: int8 or fp8 weights with float32 scales, symmetric.
+
+Rule (NxD Inference's per-channel weight quantization, neuronx_distributed/quantization/):
+each output channel (row of a [out, in] weight) gets scale = amax / qmax, qmax 127 for int8
+and 240 for fp8 (Neuron's float8 e4m3 saturates at +-240, not OCP e4m3fn's +-448:
+neuronx_distributed/quantization/README_rescaling_fp8_for_neuron.md), and the stored weight
+is round-to-nearest(w / scale). A zero row gets scale 1.
+
+A scale has as many dimensions as its weight, so the one sharding rule (parallel.py) splits
+it with its weight: per channel [out, 1] (experts [E, out, 1]), block-wise (FP8 checkpoints)
+[out / bo, in / bi]. A dimension of 1 is replicated.
+
+The graphs compute y = (x @ cast(W).T) * scale for per-channel weights - the cast is exact
+(int8 and e4m3 values are bfloat16 values) - and dequantize block-wise weights per block.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ..config import QUANTIZATIONS
+
+STORAGE = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
+QMAX = {"int8": 127.0, "fp8": 240.0}
+NEURON_FP8_MAX = 240.0
+# Module-name suffixes of the projections quantized (attention, MLP, MoE experts); embeddings,
+# lm_head, routers and norms are kept in --dtype.
+QUANTIZED_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "experts")
+EXPERT_WEIGHTS = ("gate_proj", "up_proj", "down_proj")
+
+
+@dataclass(frozen=True)
+class QuantSpec:
+    """How an export stores its quantized weights (NeuronConfig.quantization*)."""
+
+    dtype: str  # "int8" | "fp8"
+    block: tuple[int, int] | None = None  # block-wise scales (out, in); None: per output channel
+    skip: tuple[str, ...] = ()  # module-name patterns kept in --dtype (`skips`)
+
+    @classmethod
+    def of(cls, config) -> QuantSpec | None:
+        if not config.quantization:
+            return None
+        block = tuple(config.quantization_block) or None
+        return cls(config.quantization, block, tuple(config.quantization_skip))
+
+    @property
+    def storage(self) -> torch.dtype:
+        return STORAGE[self.dtype]
+
+    def skips(self, module: str) -> bool:
+        return any(module_matches(module, pattern) for pattern in self.skip)
+
+    def quantizes(self, module: str) -> bool:
+        """`module` (a decoder module name, e.g. model.layers.3.self_attn.q_proj) is stored quantized."""
+        return module.rsplit(".", 1)[-1] in QUANTIZED_MODULES and not self.skips(module)
+
+    def scale_shape(self, weight_shape: tuple[int, ...]) -> tuple[int, ...]:
+        *lead, out, inner = weight_shape
+        if self.block is None:
+            return (*lead, out, 1)
+        return (*lead, out // self.block[0], inner // self.block[1])
+
+
+def module_matches(module: str, pattern: str) -> bool:
+    """A --quantization-skip pattern matches a module by name suffix at a dot (`down_proj`,
+    `layers.0.mlp`), as NxD's modules_to_not_convert, or as a glob over the whole name
+    (`model.layers.1?.*`)."""
+    return module == pattern or module.endswith("." + pattern) or fnmatch.fnmatchcase(module, pattern)
+
+
+def quantize(weight: torch.Tensor, dtype: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """[..., out, in] -> (stored weight, float32 scale [..., out, 1]) by the rule above."""
+    w = weight.float()
+    scale = w.abs().amax(-1, keepdim=True) / QMAX[dtype]
+    scale = torch.where(scale == 0, torch.ones_like(scale), scale)
+    q = torch.round(w / scale).clamp(-QMAX[dtype], QMAX[dtype])
+    return q.to(STORAGE[dtype]), scale
+
+
+def block_expand(scale: torch.Tensor, weight_shape: tuple[int, ...]) -> torch.Tensor:
+    """A scale [..., out / bo, in / bi] (or [..., out, 1]) broadcast to its weight's shape."""
+    *_, out, inner = weight_shape
+    bo, bi = out // scale.shape[-2], inner // scale.shape[-1]
+    return scale.repeat_interleave(bo, -2).repeat_interleave(bi, -1)
+
+
+def dequantize(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The weight as its scale means it, in `dtype` (scaled in float32)."""
+    return (weight.float() * block_expand(scale, tuple(weight.shape))).to(dtype)
+
+
+def fit_neuron_fp8(weight: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """An e4m3fn weight and its scale (blocks or channels) with every value inside Neuron's
+    +-240: the scale groups holding a larger value are halved and their scale doubled (exact
+    but for the smallest subnormals; NxD's recipe, dividing by 448 / 240, rounds every value)."""
+    groups = _group_amax(weight.float().abs(), scale.shape) > NEURON_FP8_MAX
+    if not groups.any():
+        return weight, scale
+    factor = torch.where(groups, 0.5, 1.0)
+    halved = weight.float() * block_expand(factor, tuple(weight.shape))
+    return halved.to(weight.dtype), scale / factor
+
+
+def _group_amax(values: torch.Tensor, scale_shape: torch.Size) -> torch.Tensor:
+    *lead, out, inner = values.shape
+    go, gi = scale_shape[-2], scale_shape[-1]
+    grouped = values.reshape(*lead, go, out // go, gi, inner // gi)
+    return grouped.amax(dim=(-3, -1))
+
+
+class QuantizedLinear(nn.Module):
+    """nn.Linear with a quantized weight and its float32 scale (same names + `scale`)."""
+
+    def __init__(self, linear: nn.Linear, spec: QuantSpec):
+        super().__init__()
+        shape = tuple(linear.weight.shape)
+        device = linear.weight.device
+        self.weight = nn.Parameter(torch.empty(shape, dtype=spec.storage, device=device), requires_grad=False)
+        self.scale = nn.Parameter(
+            torch.ones(spec.scale_shape(shape), dtype=torch.float32, device=device), requires_grad=False
+        )
+        self.bias = linear.bias
+        self.blockwise = spec.block is not None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.blockwise:
+            return nn.functional.linear(x, dequantize(self.weight, self.scale, x.dtype), self.bias)
+        y = (nn.functional.linear(x, self.weight.to(x.dtype)) * self.scale[:, 0]).to(x.dtype)
+        return y if self.bias is None else y + self.bias
+
+
+def quantize_experts(experts: nn.Module, spec: QuantSpec) -> None:
+    """The stacked expert weights of moe.Experts replaced by quantized ones and their
+    `<name>_scale` [E, out, 1] (per channel only)."""
+    if spec.block is not None:
+        raise ValueError("block-wise quantized experts are not supported: export a per-channel checkpoint")
+    for name in EXPERT_WEIGHTS:
+        weight = getattr(experts, name)
+        shape = tuple(weight.shape)
+        setattr(
+            experts, name, nn.Parameter(torch.empty(shape, dtype=spec.storage, device=weight.device), False)
+        )
+        scale = torch.ones(spec.scale_shape(shape), dtype=torch.float32, device=weight.device)
+        setattr(experts, f"{name}_scale", nn.Parameter(scale, requires_grad=False))
+
+
+def quantize_modules(model: nn.Module, spec: QuantSpec, layers) -> list[str]:
+    """Swap every module `spec` quantizes for its quantized form (`layers.quantized`: the
+    backend's layer factory); returns their names."""
+    names = [name for name, _ in model.named_modules() if spec.quantizes(name)]
+    for name in names:
+        parent, _, child = name.rpartition(".")
+        owner = model.get_submodule(parent)
+        module = getattr(owner, child)
+        if child == "experts":
+            quantize_experts(module, spec)
+        else:
+            setattr(owner, child, layers.quantized(module, spec))
+    return names
+
+
+def scale_name(weight_name: str) -> str:
+    """The scale of a stored quantized weight: q_proj.weight -> q_proj.scale, experts.gate_proj
+    -> experts.gate_proj_scale."""
+    if weight_name.endswith(".weight"):
+        return weight_name.removesuffix(".weight") + ".scale"
+    return weight_name + "_scale"
+
+
+__all__ = [
+    "QUANTIZATIONS",
+    "QuantSpec",
+    "QuantizedLinear",
+    "dequantize",
+    "fit_neuron_fp8",
+    "module_matches",
+    "quantize",
+    "quantize_modules",
+    "scale_name",
+]
