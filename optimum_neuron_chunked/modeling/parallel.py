@@ -143,7 +143,8 @@ def tp_checkpoint(full: dict[str, torch.Tensor], layout: ShardLayout) -> dict[st
     source = layout.kv_source()
     kv_tensors = tuple(f"{p}_proj.{t}" for p in "kv" for t in ("weight", "bias", "scale"))
     for name, tensor in full.items():
-        if name.endswith(kv_tensors):  # a block-wise scale holds head_dim / block rows per head
+        replicated = layout.kv_heads != layout.num_kv_heads
+        if replicated and name.endswith(kv_tensors):  # block-wise scales: head_dim / block rows a head
             per_head = tensor.view(layout.num_kv_heads, -1, *tensor.shape[1:])
             out[name] = per_head[source].reshape(-1, *tensor.shape[1:])
     lm_head = out.get("lm_head.weight")  # absent when a streamed export converts other tensors

@@ -4,7 +4,7 @@ Rule (NxD Inference's per-channel weight quantization, neuronx_distributed/quant
 each output channel (row of a [out, in] weight) gets scale = amax / qmax, qmax 127 for int8
 and 240 for fp8 (Neuron's float8 e4m3 saturates at +-240, not OCP e4m3fn's +-448:
 neuronx_distributed/quantization/README_rescaling_fp8_for_neuron.md), and the stored weight
-is round-to-nearest(w / scale). A zero row gets scale 1.
+is w / scale rounded to nearest (int8: an integer; fp8: an e4m3 value, ties to even). A zero row gets scale 1.
 
 A scale has as many dimensions as its weight, so the one sharding rule (parallel.py) splits
 it with its weight: per channel [out, 1] (experts [E, out, 1]), block-wise (FP8 checkpoints)
@@ -78,8 +78,8 @@ def quantize(weight: torch.Tensor, dtype: str) -> tuple[torch.Tensor, torch.Tens
     w = weight.float()
     scale = w.abs().amax(-1, keepdim=True) / QMAX[dtype]
     scale = torch.where(scale == 0, torch.ones_like(scale), scale)
-    q = torch.round(w / scale).clamp(-QMAX[dtype], QMAX[dtype])
-    return q.to(STORAGE[dtype]), scale
+    q = (w / scale).clamp(-QMAX[dtype], QMAX[dtype])  # e4m3fn: the cast rounds to nearest even
+    return (torch.round(q) if dtype == "int8" else q).to(STORAGE[dtype]), scale
 
 
 def block_expand(scale: torch.Tensor, weight_shape: tuple[int, ...]) -> torch.Tensor:

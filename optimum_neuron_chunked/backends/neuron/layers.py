@@ -28,6 +28,35 @@ class NxdLayers:
         return self._nxd.ParallelEmbedding(vocab_size, hidden_size, shard_across_embedding=True)
 
     @staticmethod
+    def quantized(linear, spec):
+        """NxD's quantized layer of a Column/RowParallelLinear (quantization/quantization_layers.py,
+        Release 2.29 / 0.18.0: `from_float` keeps its sharding): a `weight` in spec.storage and a
+        float32 `scale` sharded as modeling/parallel.py shards it - per channel [out/tp, 1] column,
+        [out, 1] replicated row; block-wise along the weight's partition dimension. Its forward
+        is ours (quantization.QuantizedLinear): cast, matmul, output times scale; block-wise,
+        dequantize then matmul. MoE experts are moe.Experts on every backend: NxD's quantized
+        expert layers take its ExpertFused layout, not ours."""
+        from neuronx_distributed.quantization import quantization_config as qc
+        from neuronx_distributed.quantization.quantization_layers import (
+            QuantizedColumnParallel,
+            QuantizedRowParallel,
+        )
+
+        dtype = qc.QuantizedDtype.INT8 if spec.dtype == "int8" else qc.QuantizedDtype.F8E4M3
+        if spec.block is None:
+            q_config = qc.get_default_per_channel_custom_qconfig_dict()
+        else:
+            q_config = qc.get_default_blockwise_custom_qconfig_dict()
+            q_config |= {"block_axis": [0, 1], "block_size": list(spec.block)}
+        q_config["quantized_dtype"] = dtype
+        layer = (
+            QuantizedColumnParallel
+            if type(linear).__name__ == "ColumnParallelLinear"
+            else QuantizedRowParallel
+        )
+        return layer.from_float(linear, q_config)
+
+    @staticmethod
     def reduce(x):
         # sum of the ranks' partial outputs (MoE experts split by intermediate dimension)
         from neuronx_distributed.parallel_layers.mappings import reduce_from_tensor_model_parallel_region

@@ -1,0 +1,193 @@
+"""Quantized exports (--quantization int8|fp8, FP8 checkpoints), checked against a rule written
+down here, independently of the export's code: per output channel, scale = amax / 127 (int8) or
+amax / 240 (fp8, Neuron's range), stored = w / scale rounded to nearest (int8: an integer;
+fp8: an e4m3 value). Tokens are compared with transformers running the same weights."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+import torch
+from fixtures.export_models import cache_root, checkpoint_path, export_with
+from helpers import prompt
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+
+from optimum_neuron_chunked import NeuronModelForCausalLM
+from optimum_neuron_chunked.config import NeuronConfig, NeuronConfigError
+from optimum_neuron_chunked.export.pipeline import export
+from optimum_neuron_chunked.testing.checkpoints import checkpoint_key
+from optimum_neuron_chunked.testing.fp8_checkpoints import KEPT, fp8_checkpoint, load_dequantized
+from optimum_neuron_chunked.testing.reference import hf_greedy
+
+SHAPE = dict(batch_size=2, sequence_length=128, prefill_chunk_size=32, context_buckets=(64, 128))
+QMAX = {"int8": 127.0, "fp8": 240.0}
+STORAGE = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
+NEW_TOKENS = 10
+
+
+def rule(w: torch.Tensor, quantization: str) -> tuple[torch.Tensor, torch.Tensor]:
+    w = w.float()
+    qmax = QMAX[quantization]
+    scale = w.abs().amax(-1, keepdim=True) / qmax
+    values = (w / scale).clamp(-qmax, qmax)
+    return (torch.round(values) if quantization == "int8" else values).to(STORAGE[quantization]), scale
+
+
+def expected_tensors(hf, quantization: str, keep=lambda module: False) -> dict[str, torch.Tensor]:
+    """The export's quantized tensors, by the rule, from transformers' parameters (5.x stacks
+    experts: gate_up_proj [E, 2I, H] gate rows first, down_proj [E, H, I])."""
+    out = {}
+    for name, param in hf.named_parameters():
+        if name.endswith("experts.gate_up_proj"):
+            stored, scale = rule(param.data, quantization)
+            half = param.shape[1] // 2
+            prefix = name.removesuffix("gate_up_proj")
+            for which, rows in (("gate_proj", slice(0, half)), ("up_proj", slice(half, None))):
+                out[prefix + which], out[f"{prefix}{which}_scale"] = stored[:, rows], scale[:, rows]
+        elif name.endswith("experts.down_proj"):
+            out[name], out[name + "_scale"] = rule(param.data, quantization)
+        elif name.endswith("_proj.weight") and ".layers." in name and not keep(name.removesuffix(".weight")):
+            module = name.removesuffix(".weight")
+            out[name], out[module + ".scale"] = rule(param.data, quantization)
+    return out
+
+
+def fake_quantize(hf, quantization: str, keep=lambda module: False) -> None:
+    """transformers' weights replaced by the rule's dequantized values (stored * scale)."""
+    with torch.no_grad():
+        for name, param in hf.named_parameters():
+            stacked = name.endswith(("experts.gate_up_proj", "experts.down_proj"))
+            projection = name.endswith("_proj.weight") and ".layers." in name
+            if stacked or (projection and not keep(name.removesuffix(".weight"))):
+                stored, scale = rule(param.data, quantization)
+                param.copy_(stored.float() * scale)
+
+
+def assert_bitwise_equal(got: torch.Tensor, want: torch.Tensor, name: str) -> None:
+    assert (got.dtype, got.shape) == (want.dtype, want.shape), name
+    assert torch.equal(got.contiguous().view(torch.uint8), want.contiguous().view(torch.uint8)), name
+
+
+def assert_generates_as(model: NeuronModelForCausalLM, hf) -> None:
+    for length in (7, 3 * SHAPE["prefill_chunk_size"] + 5):  # one chunk; several, the last partial
+        ids = prompt(length)
+        output = model.generate(ids[None], max_new_tokens=NEW_TOKENS, do_sample=False)
+        assert output[0, length:].tolist() == hf_greedy(hf, ids, NEW_TOKENS)
+
+
+@pytest.mark.parametrize("quantization", ["int8", "fp8"])
+@pytest.mark.parametrize("family", ["llama", "qwen3", "mixtral"])
+def test_quantized_export_stores_the_rule_and_generates_as_transformers_on_its_weights(family, quantization):
+    out = export_with(family, "eager", quantization=quantization, **SHAPE)
+    stored = load_file(out / "model.safetensors")
+    hf = AutoModelForCausalLM.from_pretrained(checkpoint_path(family), dtype=torch.float32).eval()
+    expected = expected_tensors(hf, quantization)
+    assert len(expected) > 0
+    for name, tensor in expected.items():
+        assert_bitwise_equal(stored[name], tensor, name)
+    weights = [n for n in expected if not n.endswith("scale")]
+    quantized_bytes = sum(stored[n].nbytes for n in weights)
+    bf16_bytes = sum(stored[n].numel() * 2 for n in weights)
+    scale_bytes = sum(stored[n].nbytes for n in expected if n.endswith("scale"))
+    assert quantized_bytes + scale_bytes <= 0.5 * bf16_bytes + scale_bytes
+    kept = [n for n in stored if n not in expected]
+    assert all(stored[n].dtype == torch.float32 for n in kept)  # embeddings, lm_head, norms, routers
+    assert NeuronConfig.load(out).quantization == quantization
+
+    fake_quantize(hf, quantization)
+    assert_generates_as(NeuronModelForCausalLM.from_pretrained(out), hf)
+
+
+def test_skipped_modules_keep_the_export_dtype():
+    """--quantization-skip: a suffix at a dot and a glob over the whole name."""
+    skip = ("down_proj", "model.layers.1.*")
+    out = export_with("llama", "eager", quantization="int8", quantization_skip=skip, **SHAPE)
+    stored = load_file(out / "model.safetensors")
+
+    def keep(module: str) -> bool:
+        return module.endswith(".down_proj") or module.startswith("model.layers.1.")
+
+    assert stored["model.layers.0.mlp.down_proj.weight"].dtype == torch.float32
+    assert stored["model.layers.1.self_attn.q_proj.weight"].dtype == torch.float32
+    assert "model.layers.1.self_attn.q_proj.scale" not in stored
+    hf = AutoModelForCausalLM.from_pretrained(checkpoint_path("llama"), dtype=torch.float32).eval()
+    expected = expected_tensors(hf, "int8", keep)
+    for name, tensor in expected.items():
+        assert_bitwise_equal(stored[name], tensor, name)
+    fake_quantize(hf, "int8", keep)
+    assert_generates_as(NeuronModelForCausalLM.from_pretrained(out), hf)
+
+
+@pytest.fixture(scope="module", params=["block", "channel"])
+def fp8_source(request):
+    key = checkpoint_key("llama")
+    return fp8_checkpoint(
+        checkpoint_path("llama"),
+        cache_root() / "checkpoints" / f"llama-fp8-{request.param}-{key}",
+        request.param,
+    )
+
+
+def test_fp8_checkpoint_exports_its_own_weights_in_neurons_range(fp8_source, tmp_path, caplog):
+    """Block-wise (transformers' fine-grained FP8) and per-channel (compressed-tensors) FP8
+    checkpoints: exported as FP8 without --quantization, values past +-240 halved with their
+    scale doubled, the ignored projection kept; tokens equal transformers 5 running its own
+    dequantization of the checkpoint."""
+    with caplog.at_level(logging.WARNING):
+        out = export(str(fp8_source), tmp_path / "out", backend="eager", **SHAPE)
+    config = NeuronConfig.load(out)
+    block = json.loads((fp8_source / "config.json").read_text())["quantization_config"].get(
+        "weight_block_size"
+    )
+    assert (config.quantization, config.quantization_block) == ("fp8", tuple(block or ()))
+    assert KEPT in config.quantization_skip
+    assert ("activation scales are ignored" in caplog.text) == (block is None)  # W8A8 FP8_DYNAMIC
+
+    source, stored = load_file(fp8_source / "model.safetensors"), load_file(out / "model.safetensors")
+    assert stored[f"{KEPT}.weight"].dtype == torch.float32
+    halved = 0
+    for name in [n for n in stored if n.endswith(".scale")]:
+        module = name.removesuffix(".scale")
+        weight, scale = stored[f"{module}.weight"], stored[name]
+        src_weight = source[f"{module}.weight"]
+        src_scale = source.get(f"{module}.weight_scale_inv", source.get(f"{module}.weight_scale"))
+        assert weight.dtype == torch.float8_e4m3fn and weight.float().abs().max() <= 240
+        ratio = (scale / src_scale).unique().tolist()
+        assert set(ratio) <= {1.0, 2.0}
+        halved += 2.0 in ratio
+        expand = [weight.shape[0] // scale.shape[0], weight.shape[1] // scale.shape[1]]
+        factor = (scale / src_scale).repeat_interleave(expand[0], 0).repeat_interleave(expand[1], 1)
+        normal = src_weight.float().abs() >= 2**-5  # halving is exact but for e4m3's subnormals
+        assert torch.equal(weight.float()[normal] * factor[normal], src_weight.float()[normal]), name
+    assert halved > 0  # amax / 448 scales: some groups reach past 240
+
+    reference = load_dequantized(fp8_source)
+    assert_generates_as(NeuronModelForCausalLM.from_pretrained(out), reference)
+
+
+def test_quantized_checkpoints_refused_by_name(tmp_path, fp8_source):
+    with pytest.raises(NeuronConfigError, match="round its FP8 weights again"):
+        export(str(fp8_source), tmp_path / "a", backend="eager", quantization="int8", **SHAPE)
+    gptq = tmp_path / "gptq"
+    gptq.mkdir()
+    config = json.loads((checkpoint_path("llama") / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "gptq", "bits": 4}
+    (gptq / "config.json").write_text(json.dumps(config))
+    with pytest.raises(NeuronConfigError, match="quantized with gptq.*dequantized copy"):
+        export(str(gptq), tmp_path / "b", backend="eager", **SHAPE)
+    with pytest.raises(NeuronConfigError, match="--quantization-skip .* with --quantization"):
+        NeuronConfig(backend="eager", quantization_skip=("down_proj",), **SHAPE)
+
+
+def test_blockwise_scales_shard_in_whole_blocks_only():
+    from optimum_neuron_chunked.export.pipeline import _load_hf_config
+    from optimum_neuron_chunked.modeling import family_spec
+    from optimum_neuron_chunked.modeling.parallel import check_block_shards
+
+    spec = family_spec(_load_hf_config(str(checkpoint_path("llama"))))  # 4 heads of 16, 2 KV heads
+    check_block_shards(spec, (32, 32), 1)
+    with pytest.raises(NeuronConfigError, match="not a whole number of the checkpoint's 32x32 scale blocks"):
+        check_block_shards(spec, (32, 32), 4)
