@@ -221,12 +221,12 @@ def test_moe_layouts_read_off_the_config():
 def test_quantized_checkpoints_are_dequantized_or_refused():
     from transformers import LlamaConfig
 
-    from optimum_neuron_chunked.export.pipeline import ExportError, quantization_kwargs
+    from optimum_neuron_chunked.export.pipeline import quantization_kwargs
 
     assert quantization_kwargs(LlamaConfig()) == {}
     mxfp4 = quantization_kwargs(LlamaConfig(quantization_config={"quant_method": "mxfp4"}))
     assert mxfp4["quantization_config"].dequantize
-    with pytest.raises(ExportError, match=r"quantized \(gptq\).*export the unquantized checkpoint"):
+    with pytest.raises(NeuronConfigError, match=r"quantized with gptq.*export a dequantized copy"):
         quantization_kwargs(LlamaConfig(quantization_config={"quant_method": "gptq", "bits": 4}))
 
 

@@ -168,16 +168,9 @@ def test_fp8_checkpoint_exports_its_own_weights_in_neurons_range(fp8_source, tmp
     assert_generates_as(NeuronModelForCausalLM.from_pretrained(out), reference)
 
 
-def test_quantized_checkpoints_refused_by_name(tmp_path, fp8_source):
+def test_int8_on_an_fp8_checkpoint_and_skip_without_quantization_are_refused(tmp_path, fp8_source):
     with pytest.raises(NeuronConfigError, match="round its FP8 weights again"):
         export(str(fp8_source), tmp_path / "a", backend="eager", quantization="int8", **SHAPE)
-    gptq = tmp_path / "gptq"
-    gptq.mkdir()
-    config = json.loads((checkpoint_path("llama") / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "gptq", "bits": 4}
-    (gptq / "config.json").write_text(json.dumps(config))
-    with pytest.raises(NeuronConfigError, match="quantized with gptq.*dequantized copy"):
-        export(str(gptq), tmp_path / "b", backend="eager", **SHAPE)
     with pytest.raises(NeuronConfigError, match="--quantization-skip .* with --quantization"):
         NeuronConfig(backend="eager", quantization_skip=("down_proj",), **SHAPE)
 

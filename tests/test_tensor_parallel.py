@@ -40,6 +40,12 @@ def checkpoints() -> dict[str, str]:
 
 
 CASES = [(model, kind) for model in [*FAMILIES, *EXTRA_LAYOUTS] for kind in ("std", "chunked")]
+# Quantized weights and their scales shard with the same rule: per-channel scales of column
+# layers split, of row layers replicated; KV heads copied to every rank (qwen3: 1 KV head),
+# split (llama), converted to MHA (llama-mha); experts' scales split by intermediate (mixtral).
+CASES += [(m, "chunked-int8") for m in ("llama", "qwen3", "llama-mha", "mixtral")] + [
+    ("qwen3_moe", "chunked-fp8")
+]
 
 
 @pytest.fixture(scope="module")

@@ -14,6 +14,7 @@ from optimum_neuron_chunked.config import NeuronConfig
 from optimum_neuron_chunked.graph_runner import GraphRunner
 from optimum_neuron_chunked.graphs import graph_module, graph_specs
 from optimum_neuron_chunked.modeling import build_model
+from optimum_neuron_chunked.modeling.quantization import QuantizedLinear
 from optimum_neuron_chunked.modeling.sampler import sampling_params
 
 
@@ -32,6 +33,12 @@ class DistLayers:
 
     def embedding(self, vocab_size: int, hidden_size: int):
         return _EmbeddingParallel(vocab_size, hidden_size // self.tp_degree)
+
+    @staticmethod
+    def quantized(linear: nn.Module, spec) -> nn.Module:
+        if isinstance(linear, _ColumnParallel):
+            return _QuantizedColumn(linear, spec)
+        return _QuantizedRow(linear, spec)
 
     @staticmethod
     def reduce(x: torch.Tensor) -> torch.Tensor:
@@ -65,6 +72,23 @@ class _RowParallel(nn.Linear):
         return y if self.bias is None else y + self.bias
 
 
+class _QuantizedColumn(QuantizedLinear):
+    def __init__(self, linear: _ColumnParallel, spec):
+        super().__init__(linear, spec)
+        self.gather_output = linear.gather_output
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = super().forward(x)
+        return _all_gather_last(y) if self.gather_output else y
+
+
+class _QuantizedRow(QuantizedLinear):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.project(x)
+        dist.all_reduce(y)
+        return y if self.bias is None else y + self.bias
+
+
 class _EmbeddingParallel(nn.Embedding):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return _all_gather_last(super().forward(ids))
@@ -76,7 +100,12 @@ PROMPTS = {0: 40, 1: 13}  # slot -> prompt length: spans both buckets and a part
 
 def configs() -> dict[str, NeuronConfig]:
     common = dict(batch_size=2, sequence_length=SEQ, context_buckets=BUCKETS, backend="eager")
-    return {"std": NeuronConfig(**common), "chunked": NeuronConfig(**common, prefill_chunk_size=CHUNK)}
+    chunked = dict(common, prefill_chunk_size=CHUNK)
+    return {
+        "std": NeuronConfig(**common),
+        "chunked": NeuronConfig(**chunked),
+        **{f"chunked-{q}": NeuronConfig(**chunked, quantization=q) for q in ("int8", "fp8")},
+    }
 
 
 def graph_outputs(

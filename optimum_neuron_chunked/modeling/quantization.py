@@ -127,10 +127,14 @@ class QuantizedLinear(nn.Module):
         self.bias = linear.bias
         self.blockwise = spec.block is not None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def project(self, x: torch.Tensor) -> torch.Tensor:
+        """x @ W.T without the bias (a row-parallel layer adds it once, after the sum)."""
         if self.blockwise:
-            return nn.functional.linear(x, dequantize(self.weight, self.scale, x.dtype), self.bias)
-        y = (nn.functional.linear(x, self.weight.to(x.dtype)) * self.scale[:, 0]).to(x.dtype)
+            return nn.functional.linear(x, dequantize(self.weight, self.scale, x.dtype))
+        return (nn.functional.linear(x, self.weight.to(x.dtype)) * self.scale[:, 0]).to(x.dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.project(x)
         return y if self.bias is None else y + self.bias
 
 
