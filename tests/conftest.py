@@ -56,7 +56,7 @@ def pytest_terminal_summary(terminalreporter):
     """The HLO census of every graph the XLA tests lowered, so that changes show in CI logs."""
     if not HLO_CENSUS:
         return
-    ops = ["instructions", "sort", "scatter", "gather", "dot", "reduce", "s64 values"]
+    ops = ["instructions", "sort", "scatter", "gather", "dot", "reduce", "s64 values", "8-bit params"]
     terminalreporter.section("HLO census (graphs as the neuron backend traces them)")
     terminalreporter.write_line(
         f"{'graph':<30}" + "".join(f"{op:>13}" for op in [*ops, "widest sort", "largest KiB"])

@@ -48,8 +48,10 @@ def export_config(
     kv_cache_blocks: int = 0,
     kv_block_size: int = 0,
     speculation_length: int = 0,
+    **quantization,
 ) -> NeuronConfig:
     return NeuronConfig(
+        **quantization,
         batch_size=2,
         sequence_length=SEQUENCE_LENGTH,
         prefill_chunk_size=CHUNK if chunked else 0,
@@ -77,12 +79,13 @@ class Pair:
     eager backend's graphs (in-place cache) on CPU, each behind its own GraphRunner (the one
     padding rule)."""
 
-    def __init__(self, family: str, config: NeuronConfig):
+    def __init__(self, family: str, config: NeuronConfig, weights: dict[str, torch.Tensor] | None = None):
         path = checkpoint_path(family)
         self.hf_config = AutoConfig.from_pretrained(path)
-        hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
         self.eager_model = build_model(self.hf_config, config)
-        weights = self.eager_model.weights_from_hf(hf)
+        if weights is None:
+            hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+            weights = self.eager_model.weights_from_hf(hf)
         self.eager_model.load_weights(weights)
         self.eager_model.eval()
         xla_model = build_model(self.hf_config, config, functional_cache=True)
@@ -320,6 +323,53 @@ def test_standard_graphs_on_xla_equal_eager(family):
     pair.assert_caches_equal()
     assert fallback_ops() == []
     check_hlo(pair, family, "standard")
+
+
+def fp8_checkpoint_weights(tmp_path) -> dict[str, torch.Tensor]:
+    """The exported weights of a block-wise FP8 checkpoint of llama (32x32 blocks)."""
+    from safetensors.torch import load_file
+
+    from optimum_neuron_chunked.export.pipeline import export
+    from optimum_neuron_chunked.testing.fp8_checkpoints import fp8_checkpoint
+
+    source = fp8_checkpoint(checkpoint_path("llama"), tmp_path / "fp8", "block")
+    out = export(str(source), tmp_path / "out", backend="xla", batch_size=2, sequence_length=SEQUENCE_LENGTH,
+                 prefill_chunk_size=CHUNK, context_buckets=BUCKETS)  # fmt: skip
+    return load_file(out / "model.safetensors"), NeuronConfig.load(out)
+
+
+@pytest.mark.parametrize(
+    "family,quantization",
+    [("llama", "int8"), ("qwen3_moe", "int8"), ("mixtral", "fp8"), ("llama", "fp8 blocks")],
+)
+def test_quantized_graphs_on_xla_equal_eager(family, quantization, tmp_path):
+    """int8 / fp8 weights with per-channel scales (experts too), and an FP8 checkpoint's
+    block-wise scales: every graph of a chunked export with mixed steps on XLA equals eager,
+    its quantized weights parameters of 8 bits."""
+    if quantization == "fp8 blocks":
+        weights, exported = fp8_checkpoint_weights(tmp_path)
+        fields = {
+            f: getattr(exported, f) for f in ("quantization", "quantization_block", "quantization_skip")
+        }
+    else:
+        weights, fields = None, {"quantization": quantization}
+    pair = Pair(family, export_config(chunked=True, mixed_step=True, **fields), weights)
+    reset_counters()
+    a, b = tokens(3 * CHUNK + 7, seed=3), tokens(CHUNK - 5, seed=4)
+    pair.prefill(b, 0, (1,))
+    for i, start in enumerate(range(0, 3 * CHUNK, CHUNK)):  # mixed steps in buckets 64, 64, 128
+        row = (torch.tensor([5 + i]), torch.tensor([len(b) + i]), torch.tensor([[1]]), SAMPLING[1:], RAND[1:])
+        pair.decode_with_chunk(*row, a[start : start + CHUNK], start, (0,))
+    pair.prefill(a[3 * CHUNK :], 3 * CHUNK, (0,))
+    pair.decode(
+        torch.tensor([7, 9]), torch.tensor([len(a), len(b) + 3]), torch.tensor([[0], [1]]), SAMPLING, RAND
+    )
+    pair.decode(torch.tensor([4]), torch.tensor([len(b) + 4]), torch.tensor([[1]]), SAMPLING[1:], RAND[1:])
+    pair.copy_prefix(0, 1, CHUNK)
+    pair.assert_caches_equal()
+    assert fallback_ops() == []
+    check_hlo(pair, family, quantization.replace(" ", "-"))
+    assert all(report.census["8-bit params"] > 0 for report in pair.xla.hlo.values() if report.census["dot"])
 
 
 def check_hlo(pair: Pair, family: str, kind: str) -> None:

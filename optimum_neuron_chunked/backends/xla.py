@@ -180,6 +180,8 @@ class HloReport:
                 report.widest_sort = max(report.widest_sort, int(dims[-1]))
             if shape.startswith("s64["):
                 report.census["s64 values"] += 1
+            if opcode == "parameter" and shape.startswith(("s8[", "f8e4m3fn[")):
+                report.census["8-bit params"] += 1  # quantized weights reach the device as stored
             if opcode != "parameter":
                 report.largest_bytes = max(report.largest_bytes, array_bytes(shape))
             report.census["instructions"] += 1

@@ -134,12 +134,12 @@ class Experts(nn.Module):
         xk = x.repeat_interleave(k, dim=0)[:, :, None]  # [M*k, H, 1]
         dt = x.dtype
         gate = self._scaled(
-            torch.bmm(self.gate_proj[idx].to(dt), xk)[..., 0], "gate_proj", idx, dt
+            torch.bmm(_rows(self.gate_proj, idx, dt), xk)[..., 0], "gate_proj", idx, dt
         )  # [M*k, I]
-        up = self._scaled(torch.bmm(self.up_proj[idx].to(dt), xk)[..., 0], "up_proj", idx, dt)
+        up = self._scaled(torch.bmm(_rows(self.up_proj, idx, dt), xk)[..., 0], "up_proj", idx, dt)
         if self.gate_bias is not None:
             gate, up = gate + self.gate_bias[idx], up + self.up_bias[idx]
-        out = torch.bmm(self.down_proj[idx].to(dt), self.activation(gate, up)[:, :, None])[..., 0]
+        out = torch.bmm(_rows(self.down_proj, idx, dt), self.activation(gate, up)[:, :, None])[..., 0]
         return self._scaled(out, "down_proj", idx, dt).view(m, k, -1)
 
     def every(self, x: torch.Tensor) -> torch.Tensor:
@@ -151,6 +151,12 @@ class Experts(nn.Module):
             gate, up = gate + self.gate_bias[:, None], up + self.up_bias[:, None]
         down = torch.matmul(self.activation(gate, up), self.down_proj.to(dt).transpose(1, 2))
         return self._scaled(down, "down_proj", None, dt)
+
+
+def _rows(weights: torch.Tensor, idx: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """weights[idx] in `dtype`: index_select, which has a float8 kernel on CPU where
+    indexing has none (torch 2.9)."""
+    return weights.index_select(0, idx).to(dtype)
 
 
 class SparseMoE(nn.Module):
