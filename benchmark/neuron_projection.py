@@ -18,6 +18,9 @@ reference read every backend but cpu compiles, modeling/kv_cache.py gather_block
 step's KV crosses HBM three times (blocks read, the copy written, the copy read) where a slot
 export's attention reads each slot's cache once.
 
+Quantized decode (`--quantization int8|fp8`): the layers' projections read as 1 byte a weight
+plus a float32 scale per output channel; embeddings, lm_head and KV keep bf16.
+
 Hardware (AWS Neuron docs, "Trainium Architecture"): a Trainium chip is 2 NeuronCore-v2 with
 190 BF16 TFLOPS and 820 GiB/s of HBM bandwidth. A graph's time is taken as
 max(bytes / (bandwidth * bw_eff), flops / (peak * mfu)) + the all-reduces' fixed cost; the
@@ -31,7 +34,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -48,11 +51,28 @@ class Model:  # Llama-3.1-8B (config.json of meta-llama/Llama-3.1-8B)
     head_dim: int = 128
     vocab: int = 128256
     dtype_bytes: int = 2
+    projection_bytes: int = (
+        2  # 1: --quantization int8|fp8 (the layers' projections; embeddings, lm_head kept)
+    )
 
     @property
     def layer_params(self) -> int:
         attn = self.hidden * self.head_dim * (2 * self.heads + 2 * self.kv_heads)
         return attn + 3 * self.hidden * self.intermediate
+
+    @property
+    def layer_channels(self) -> int:
+        """Output channels of a layer's projections: one float32 scale each when quantized."""
+        return (
+            self.head_dim * (self.heads + 2 * self.kv_heads)
+            + self.hidden
+            + 2 * self.intermediate
+            + self.hidden
+        )
+
+    def layer_bytes(self) -> int:
+        scales = 4 * self.layer_channels if self.projection_bytes < self.dtype_bytes else 0
+        return self.layer_params * self.projection_bytes + scales
 
     def kv_bytes_per_token(self) -> int:
         return self.layers * 2 * self.kv_heads * self.head_dim * self.dtype_bytes
@@ -70,7 +90,7 @@ def graph_ms(m: Model, hw: Hardware, tp: int, rows: int, lm_rows: int, attn_toke
     """One graph call on one core of a TP group: `rows` tokens through every layer, the LM head
     on `lm_rows`, attention of (queries, keys attended) pairs; the KV bytes cross HBM
     `kv_passes` times."""
-    weight_bytes = (m.layers * m.layer_params + m.hidden * m.vocab) * m.dtype_bytes / tp
+    weight_bytes = (m.layers * m.layer_bytes() + m.hidden * m.vocab * m.dtype_bytes) / tp
     kv_bytes = kv_passes * sum(keys for _, keys in attn_tokens) * m.kv_bytes_per_token() / tp
     flops = 2 * rows * m.layers * m.layer_params / tp + 2 * lm_rows * m.hidden * m.vocab / tp
     flops += sum(4 * q * k * m.heads * m.head_dim * m.layers for q, k in attn_tokens) / tp
@@ -168,12 +188,40 @@ def verify_lines(args: argparse.Namespace, rows: list[dict]) -> list[str]:
     return lines
 
 
+def quantized_lines(args: argparse.Namespace, hw: Hardware, contexts: list[int]) -> tuple[list[str], list]:
+    """Decode steps with 8-bit projections (--quantization int8|fp8): the weight bytes a TG call
+    reads halve; the HBM they free holds more KV."""
+    bf16, q8 = Model(), replace(Model(), projection_bytes=1)
+    freed = (bf16.layers * (bf16.layer_bytes() - q8.layer_bytes())) / args.tp
+    lines = [
+        "", f"Decode with 8-bit weights (--quantization int8|fp8), B={args.batch}:", "",
+        "| context | bf16 TG ms (GiB/core) | 8-bit TG ms (GiB/core) | decode tok/s 8-bit / bf16 |",
+        "|---|---|---|---|",
+    ]  # fmt: skip
+    rows = []
+    for c in contexts:
+        decodes = [(1, c)] * args.batch
+        a = graph_ms(bf16, hw, args.tp, args.batch, args.batch, decodes, args.mfu, args.bw)
+        b = graph_ms(q8, hw, args.tp, args.batch, args.batch, decodes, args.mfu, args.bw)
+        rows.append(dict(context=c, bf16=a, quantized=b, speedup=a["ms"] / b["ms"]))
+        lines.append(
+            f"| {c} | {a['ms']:.2f} ({a['weights_gib'] + a['kv_gib']:.2f}) | {b['ms']:.2f} "
+            f"({b['weights_gib'] + b['kv_gib']:.2f}) | **{a['ms'] / b['ms']:.2f}x** |"
+        )
+    tokens = freed / (bf16.kv_bytes_per_token() / args.tp)
+    lines += [
+        "",
+        f"HBM freed per core: {freed / GIB:.2f} GiB, the KV of {tokens:,.0f} more tokens (bf16 KV).",
+    ]
+    return lines, rows
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--chunk", type=int, default=256)
     p.add_argument("--tp", type=int, default=8)
-    p.add_argument("--contexts", default="512,2048,8192")
+    p.add_argument("--contexts", default="512,2048,4096,8192")
     p.add_argument("--paged-rows", type=int, default=32, help="decode rows of W4's paged export")
     p.add_argument("--speculation-length", type=int, default=4, help="drafts K a verify row carries")
     p.add_argument(
@@ -194,11 +242,17 @@ def main(argv: list[str] | None = None) -> int:
         for c in args.contexts.split(",")
     ]
     w4 = project_w4(m, hw, args.tp, args.batch, args.paged_rows, args.chunk, args.mfu, args.bw)
-    lines = mixed_lines(args, hw, rows, w4) + verify_lines(args, rows)
+    contexts = [int(c) for c in args.contexts.split(",")]
+    q_lines, q_rows = quantized_lines(args, hw, contexts)
+    lines = mixed_lines(args, hw, rows, w4) + verify_lines(args, rows) + q_lines
     args.results.mkdir(parents=True, exist_ok=True)
     out = args.results / f"neuron-projection-{datetime.date.today().isoformat()}"
     out.with_suffix(".json").write_text(
-        json.dumps({"args": vars(args), "model": asdict(m), "rows": rows, "w4": w4}, indent=1, default=str)
+        json.dumps(
+            {"args": vars(args), "model": asdict(m), "rows": rows, "w4": w4, "quantized": q_rows},
+            indent=1,
+            default=str,
+        )
     )
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

@@ -153,7 +153,7 @@ def _generate_hlo(model, example_inputs, **flags):
     raise ClosedCallReached(model, dict(example_inputs), flags, chain, outputs)
 
 
-def check_family(family: str, tp: int) -> list[str]:
+def check_family(family: str, tp: int, quantization: str = "") -> list[str]:
     from fixtures.export_models import checkpoint_path
     from helpers import small_neuron_config
     from neuronx_distributed import NxDParallelState
@@ -168,8 +168,8 @@ def check_family(family: str, tp: int) -> list[str]:
 
     path = checkpoint_path(family)
     hf_config = AutoConfig.from_pretrained(path)
-    config = small_neuron_config(tp)
-    full = build_model(hf_config, NeuronConfig(batch_size=2, sequence_length=64))
+    config = small_neuron_config(tp, quantization=quantization)
+    full = build_model(hf_config, NeuronConfig(batch_size=2, sequence_length=64, quantization=quantization))
     full.load_weights(full.weights_from_hf(AutoModelForCausalLM.from_pretrained(path)))
     problems = []
     with tempfile.TemporaryDirectory() as out, NxDParallelState(world_size=tp, tensor_model_parallel_size=tp):
@@ -188,6 +188,7 @@ def check_family(family: str, tp: int) -> list[str]:
                 problems.append(
                     f"{family} tp{tp} rank {rank}: shard {sorted(shard.items() ^ expected.items())}"
                 )
+        family = f"{family} {quantization}".strip()
         print(
             f"{family} tp{tp}: {len(expected)} weights per rank, {len(aliases)} master_weight aliases skipped"
         )
@@ -246,9 +247,10 @@ class _QuietStops(logging.Filter):
         return "generate_hlo reached for graph" not in record.getMessage()
 
 
-def check_compile(name: str, tp: int, nki: bool = False) -> list[str]:
+def check_compile(name: str, tp: int, nki: bool = False, quantization: str = "") -> list[str]:
     """The real NeuronBackend.compile on a llama export, each trace up to generate_hlo; `nki`:
-    with nkilib's attention_cte (testing/nki_stand_in.py) in every CP and MX graph."""
+    with nkilib's attention_cte (testing/nki_stand_in.py) in every CP and MX graph;
+    `quantization`: int8 / fp8 per channel, or "fp8-blocks" (a block-wise FP8 checkpoint)."""
     global RUN_TRACED_MODULE
     from fixtures.export_models import checkpoint_path
     from helpers import every_graph_kind
@@ -259,17 +261,27 @@ def check_compile(name: str, tp: int, nki: bool = False) -> list[str]:
     from optimum_neuron_chunked.checkpoint_stream import stream_weights
     from optimum_neuron_chunked.graphs import GraphKind, example_inputs, graph_module, graph_specs
     from optimum_neuron_chunked.modeling import build_model, model_from_spec
+    from optimum_neuron_chunked.quantized_checkpoint import source_quantization
 
     config = every_graph_kind(tp)[name]
+    path = checkpoint_path("llama")
+    if quantization == "fp8-blocks":
+        path = fp8_blocks_checkpoint()
+        fields = dict(quantization="fp8", quantization_block=FP8_BLOCK, quantization_skip=(FP8_KEPT,))
+        config = replace(config, **fields)
+    elif quantization:
+        config = replace(config, quantization=quantization)
+    name += f"-{quantization}" if quantization else ""
     if nki:
         kinds = (GraphKind.CP, GraphKind.MX)
         config = replace(config, nki_attention=tuple(s.name for s in graph_specs(config) if s.kind in kinds))
         name += "-nki"
-    path = checkpoint_path("llama")
     hf_config = AutoConfig.from_pretrained(path)
-    # the eager reference graphs below: unsharded, plain layers, HF weights
+    # the eager reference graphs below: unsharded, plain layers, HF weights (an FP8
+    # checkpoint's: rank 0's streamed file at tp 1)
     decoder = build_model(hf_config, config)
-    decoder.load_weights(decoder.weights_from_hf(AutoModelForCausalLM.from_pretrained(path)))
+    if not quantization.endswith("blocks"):
+        decoder.load_weights(decoder.weights_from_hf(AutoModelForCausalLM.from_pretrained(path)))
     # as export/pipeline.py hands it to the backend: the shard files streamed from the
     # checkpoint, a decoder on the meta device (compile loads rank 0's shard from its file)
     meta = model_from_spec(decoder.spec, config, device="meta")
@@ -296,11 +308,19 @@ def check_compile(name: str, tp: int, nki: bool = False) -> list[str]:
             sys.setprofile(None)
 
     RUN_TRACED_MODULE = tp == 1
+    source = source_quantization(hf_config)
     end = "compile returned"
     quiet = _QuietStops()
     logging.getLogger("Neuron").addFilter(quiet)
     with tempfile.TemporaryDirectory() as out:
-        stream_weights(path, hf_config, config, meta, *NeuronBackend().stream_targets(config), Path(out))
+        stream_weights(
+            path, hf_config, config, meta, *NeuronBackend().stream_targets(config), Path(out), source
+        )
+        if quantization.endswith("blocks") and tp == 1:
+            from optimum_neuron_chunked.backends.neuron.backend import written_shard
+
+            files = NeuronBackend().weight_files(config)
+            decoder.load_weights(written_shard(Path(out) / files[0], decoder.weight_names()))
         try:
             NeuronBackend().compile(meta, config, specs, Path(out), on_graph)
         except KernelCompileError as e:  # with the kernel in the graphs: its cause is the end
@@ -348,6 +368,21 @@ def check_compile(name: str, tp: int, nki: bool = False) -> list[str]:
     return problems
 
 
+FP8_BLOCK = (16, 16)  # whole blocks per rank at tp 2 for llama's 16-row KV heads
+FP8_KEPT = "model.layers.0.mlp.down_proj"
+
+
+def fp8_blocks_checkpoint() -> Path:
+    from fixtures.export_models import cache_root, checkpoint_path
+
+    from optimum_neuron_chunked.testing.checkpoints import checkpoint_key
+    from optimum_neuron_chunked.testing.fp8_checkpoints import KEPT, fp8_checkpoint
+
+    assert KEPT == FP8_KEPT
+    out = cache_root() / "checkpoints" / f"llama-fp8-block16-{checkpoint_key('llama')}"
+    return fp8_checkpoint(checkpoint_path("llama"), out, "block", FP8_BLOCK)
+
+
 def _refusal(e: BaseException) -> str:
     """The exception and the function that raised it (NxD's check, when it is one)."""
     where = traceback.extract_tb(e.__traceback__)[-1]
@@ -393,11 +428,24 @@ def main() -> int:
         print(__doc__)
         return 2
     install_stubs(Path(sys.argv[1]))
-    problems = [p for family in ("llama", "qwen3") for tp in (1, 2) for p in check_family(family, tp)]
+    quantized = ("", "int8", "fp8")
+    problems = [
+        p
+        for family in ("llama", "qwen3")
+        for tp in (1, 2)
+        for q in quantized
+        for p in check_family(family, tp, q)
+    ]
     print("\n".join(problems) if problems else "OK: bundle names == shard files; tp 1 forward == eager")
     from helpers import every_graph_kind
 
     traced = [p for tp in (1, 2) for name in every_graph_kind(tp) for p in check_compile(name, tp)]
+    traced += [
+        p
+        for tp in (1, 2)
+        for q in ("int8", "fp8", "fp8-blocks")
+        for p in check_compile("chunked", tp, quantization=q)
+    ]
     from optimum_neuron_chunked.testing.nki_stand_in import installed
 
     with installed() as kernel:
@@ -409,8 +457,9 @@ def main() -> int:
     print(
         "\n".join(traced)
         if traced
-        else "OK: NeuronBackend.compile traced every graph (CP and MX with the NKI attention kernel too) to "
-        "generate_hlo; positional calls route to its tag"
+        else "OK: NeuronBackend.compile traced every graph (CP and MX with the NKI attention kernel too; "
+        "int8, fp8 and block-wise fp8 weights through NxD's quantized layers) to generate_hlo; positional "
+        "calls route to its tag"
     )
     return 1 if problems or traced else 0
 

@@ -129,6 +129,45 @@ def test_neuron_projection_writes_its_tables(tmp_path):
     assert "decode tok/s on / off" in (tmp_path / report.name.replace(".json", ".md")).read_text()
 
 
+def test_perplexity_of_an_int8_export_is_transformers_on_its_weights_and_near_the_source(tmp_path):
+    """perplexity.py scores windows through the prompt-logits path: on an export it equals
+    transformers on the same weights (fp32); a quantized export's sits near its source's."""
+    from fixtures.export_models import checkpoint_path, export_with
+    from perplexity import main
+
+    from optimum_neuron_chunked.testing.checkpoints import CORPUS
+
+    shape = dict(batch_size=1, sequence_length=128, prefill_chunk_size=32, context_buckets=(64, 128))
+    text = tmp_path / "text.txt"
+    text.write_text(" ".join(CORPUS * 3))
+    model = str(checkpoint_path("llama"))
+    figures = {}
+    for quantization in ("", "int8"):
+        out = export_with("llama", "eager", prompt_logprobs=True, quantization=quantization, **shape)
+        assert (
+            main(
+                [
+                    str(out),
+                    "--text",
+                    str(text),
+                    "--model",
+                    model,
+                    "--window",
+                    "100",
+                    "--results",
+                    str(tmp_path),
+                ]
+            )
+            == 0
+        )
+        (report,) = tmp_path.glob("perplexity-*.json")
+        figures[quantization] = json.loads(report.read_text())
+    assert figures[""]["windows"] > 1 and figures[""]["export_ppl"] > 1
+    assert figures[""]["export_ppl"] == pytest.approx(figures[""]["reference_ppl"], rel=1e-4)
+    assert figures["int8"]["export_ppl"] != figures[""]["export_ppl"]
+    assert figures["int8"]["ratio"] == pytest.approx(1, abs=0.05)
+
+
 @pytest.mark.slow
 def test_verify_proxy_tiny_runs_on_cpu(tmp_path):
     from verify_proxy import main

@@ -184,3 +184,25 @@ def test_blockwise_scales_shard_in_whole_blocks_only():
     check_block_shards(spec, (32, 32), 1)
     with pytest.raises(NeuronConfigError, match="not a whole number of the checkpoint's 32x32 scale blocks"):
         check_block_shards(spec, (32, 32), 4)
+
+
+def test_export_summary_prints_the_bytes_saved_and_the_kv_blocks_they_hold(tmp_path):
+    import io
+
+    from rich.console import Console
+
+    paged = dict(SHAPE, kv_cache_blocks=16, kv_block_size=16)
+    text = io.StringIO()
+    export(str(checkpoint_path("llama")), tmp_path / "out", backend="eager", quantization="int8",
+           console=Console(file=text, width=300), **paged)  # fmt: skip
+    hf = AutoModelForCausalLM.from_pretrained(checkpoint_path("llama"), dtype=torch.float32)
+    weights = [p for n, p in hf.named_parameters() if n.endswith("_proj.weight") and ".layers." in n]
+    saved = sum(w.numel() * 3 - w.shape[0] * 4 for w in weights)  # fp32 -> int8 + a float32 scale a row
+    c = hf.config
+    block = (
+        2 * c.num_hidden_layers * c.num_key_value_heads * 16 * (c.hidden_size // c.num_attention_heads) * 4
+    )
+    assert (
+        f"{saved / 2**20:.2f} MiB saved, the HBM of {saved // block} more KV blocks of 16 positions"
+        in text.getvalue()
+    )

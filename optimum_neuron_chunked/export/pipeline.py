@@ -53,6 +53,7 @@ from .model_card import write_model_card
 from .tokenizer import check_loads, copy_tokenizer
 
 WEIGHT_PATHS = ("stream", "transformers")
+GIB = 2**30
 
 
 def export(
@@ -106,6 +107,8 @@ def export(
         with console.status(f"loading weights of {model}"):
             decoder = _export_weights(model, hf_config, config, impl, staging, weights, console)
         specs = graph_specs(config)
+        if config.quantization:
+            console.print(quantization_summary(decoder, config))
         config = _compile(impl, decoder, config, specs, staging, console)
         config.save(staging, files=record_files(staging, export_files(config)))
         write_model_card(staging, model, config)
@@ -141,6 +144,37 @@ def _quantization_fields(model: str, source, spec, options: dict, weights: str) 
         "quantization_block": source.block or (),
         "quantization_skip": tuple(options.get("quantization_skip") or ()) + kept,
     }
+
+
+def quantization_summary(decoder: DecoderModel, config: NeuronConfig) -> str:
+    """The weight bytes quantization saves per rank and, for a paged export, the KV blocks of
+    --kv-block-size positions that the same HBM holds."""
+    state, quantized = decoder.state_dict(), decoder.quantized_weights()
+    weights = set(quantized.values())
+    full = sum(state[n].numel() * torch_dtype(config).itemsize for n in weights)
+    stored = sum(state[n].numel() * state[n].element_size() for n in quantized)
+    saved, tp = (full - stored) / config.tp_degree, config.tp_degree
+    blocks = ""
+    if config.kv_cache_blocks:
+        caches = [getattr(decoder, n) for n in decoder.cache_names()]
+        per_head = (
+            sum(c.numel() * c.element_size() for c in caches)
+            / decoder.kv.num_blocks
+            / decoder.layout.kv_heads
+        )
+        block_bytes = per_head * ShardLayout.of(decoder.spec, tp).kv_heads_per_rank
+        blocks = (
+            f", the HBM of {int(saved // block_bytes)} more KV blocks of {config.kv_block_size} positions"
+        )
+    where = "" if tp == 1 else " per rank"
+    return (
+        f"quantization {config.quantization}: {len(weights)} weights {_size(full / tp)} -> {_size(stored / tp)}"
+        f"{where} (scales included), {_size(saved)} saved{blocks}"
+    )
+
+
+def _size(n: float) -> str:
+    return f"{n / GIB:.2f} GiB" if n >= GIB / 10 else f"{n / 2**20:.2f} MiB"
 
 
 def _choose_attention(impl, config: NeuronConfig, spec, console: Console) -> NeuronConfig:

@@ -146,7 +146,7 @@ def tp_checkpoint(full: dict[str, torch.Tensor], layout: ShardLayout) -> dict[st
         replicated = layout.kv_heads != layout.num_kv_heads
         if replicated and name.endswith(kv_tensors):  # block-wise scales: head_dim / block rows a head
             per_head = tensor.view(layout.num_kv_heads, -1, *tensor.shape[1:])
-            out[name] = per_head[source].reshape(-1, *tensor.shape[1:])
+            out[name] = per_head.index_select(0, source).reshape(-1, *tensor.shape[1:])  # float8 too
     lm_head = out.get("lm_head.weight")  # absent when a streamed export converts other tensors
     missing = 0 if lm_head is None else layout.padded_vocab - lm_head.shape[0]
     if missing:
