@@ -192,7 +192,8 @@ class NeuronConfig:
         "--quantization_skip",
         default=(),
         help="With --quantization: modules kept in --dtype, by name suffix at a dot (down_proj, "
-        "layers.0.mlp) or glob over the whole name (model.layers.1?.*).",
+        "layers.0.mlp) or glob over the whole name ('model.layers.1?.*'); end the patterns with -- "
+        "when OUT follows.",
     )
     # Recorded by the export.
     quantization_block: tuple[int, ...] = ()  # FP8 checkpoints' block-wise scales: (rows, columns)
@@ -211,6 +212,8 @@ class NeuronConfig:
         object.__setattr__(
             self, "decode_widths", tuple(sorted(set(self.decode_widths or (self.batch_size,))))
         )
+        for name in ("quantization_skip", "quantization_block"):  # the CLI gives lists
+            object.__setattr__(self, name, tuple(getattr(self, name)))
         self._validate()
 
     def _validate(self) -> None:
@@ -400,17 +403,18 @@ class NeuronConfig:
     def export_command(self, out: str | Path, model: str = "M") -> str:
         """The `optimum-cli export neuron` command line that makes this export again: every
         option that differs from its default, by its first flag (export/cli.py parses them)."""
-        words = ["optimum-cli", "export", "neuron", "--model", model]
+        words, patterns = ["optimum-cli", "export", "neuron", "--model", model], []
         for f in EXPORT_OPTIONS:
             value = getattr(self, f.name)
             if f.default is not dataclasses.MISSING and value == f.default:
                 continue
+            if f.type == "tuple[str, ...]":  # PATTERN...: last, ended by "--" before OUT
+                patterns += [f.metadata["flags"][0], *value, "--"]
+                continue
             words.append(f.metadata["flags"][0])
-            if f.type == "tuple[str, ...]":
-                words.extend(value)
-            elif not isinstance(value, bool):
+            if not isinstance(value, bool):
                 words.append(",".join(map(str, value)) if isinstance(value, tuple) else str(value))
-        return shlex.join([*words, str(out)])
+        return shlex.join([*words, *patterns, str(out)])
 
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)

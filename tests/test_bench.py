@@ -129,6 +129,17 @@ def test_neuron_projection_writes_its_tables(tmp_path):
     assert "decode tok/s on / off" in (tmp_path / report.name.replace(".json", ".md")).read_text()
 
 
+def test_export_memory_quick_mode_reports_every_setting(tmp_path):
+    from export_memory import main
+
+    assert main(["--quick", "--scratch", str(tmp_path), "--results", str(tmp_path)]) == 0
+    (report,) = tmp_path.glob("export-memory-*-quick.json")
+    rows = json.loads(report.read_text())["rows"]
+    assert [r["setting"] for r in rows] == ["bf16", "int8", "fp8"]
+    assert all(r["peak_gib"] > 0 and r["seconds"] > 0 for r in rows)
+    assert [p.name for p in tmp_path.iterdir() if p.is_dir()] == []  # scratch deleted
+
+
 def test_perplexity_of_an_int8_export_is_transformers_on_its_weights_and_near_the_source(tmp_path):
     """perplexity.py scores windows through the prompt-logits path: on an export it equals
     transformers on the same weights (fp32); a quantized export's sits near its source's."""

@@ -268,7 +268,8 @@ def test_the_export_command_of_a_config_makes_the_same_config():
 
     config = NeuronConfig(batch_size=8, sequence_length=4096, prefill_chunk_size=256, mixed_step=True,
                           kv_cache_blocks=64, kv_block_size=128, decode_widths=(4, 8), backend="neuron",
-                          on_device_sampling=False, instance_type="trn1")  # fmt: skip
+                          on_device_sampling=False, instance_type="trn1", quantization="int8",
+                          quantization_skip=("down_proj", "model.layers.1?.*"))  # fmt: skip
     parser = argparse.ArgumentParser()
     add_export_arguments(parser)
     words = shlex.split(config.export_command("out dir/", model="org/model"))

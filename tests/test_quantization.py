@@ -121,14 +121,16 @@ def test_skipped_modules_keep_the_export_dtype():
     assert_generates_as(NeuronModelForCausalLM.from_pretrained(out), hf)
 
 
-@pytest.fixture(scope="module", params=["block", "channel"])
-def fp8_source(request):
+def fp8_llama(layout: str):
     key = checkpoint_key("llama")
     return fp8_checkpoint(
-        checkpoint_path("llama"),
-        cache_root() / "checkpoints" / f"llama-fp8-{request.param}-{key}",
-        request.param,
+        checkpoint_path("llama"), cache_root() / "checkpoints" / f"llama-fp8-{layout}-{key}", layout
     )
+
+
+@pytest.fixture(scope="module", params=["block", "channel"])
+def fp8_source(request):
+    return fp8_llama(request.param)
 
 
 def test_fp8_checkpoint_exports_its_own_weights_in_neurons_range(fp8_source, tmp_path, caplog):
@@ -206,3 +208,28 @@ def test_export_summary_prints_the_bytes_saved_and_the_kv_blocks_they_hold(tmp_p
         f"{saved / 2**20:.2f} MiB saved, the HBM of {saved // block} more KV blocks of 16 positions"
         in text.getvalue()
     )
+
+
+@pytest.mark.parametrize("source", ["int8", "fp8-block-checkpoint"])
+def test_vllm_serve_of_quantized_exports_answers_with_transformers_on_their_weights(source, tmp_path):
+    """`vllm serve` of an int8 export and of an exported FP8 checkpoint (no flag: the export
+    records its quantization): concurrent requests, chunks mixed with decodes."""
+    from openai import OpenAI
+
+    from optimum_neuron_chunked.testing.server import Server, concurrent_greedy_tokens
+
+    if source == "int8":
+        export_dir = export_with("llama", "eager", quantization="int8", **SHAPE)
+        hf = AutoModelForCausalLM.from_pretrained(checkpoint_path("llama"), dtype=torch.float32).eval()
+        fake_quantize(hf, "int8")
+    else:
+        export_dir = export(str(fp8_llama("block")), tmp_path / "fp8", backend="eager", **SHAPE)
+        hf = load_dequantized(fp8_llama("block"))
+    prompts = [prompt(n, seed=50 + i) for i, n in enumerate((1, 33, 3 * 32 + 5, 70))]
+    expected = [hf_greedy(hf, p, 8) for p in prompts]
+    server = Server(export_dir, tmp_path / "serve.log").wait_ready()
+    try:
+        model = OpenAI(base_url=f"{server.url}/v1", api_key="none").models.list().data[0].id
+        assert concurrent_greedy_tokens(server.url, model, [p.tolist() for p in prompts], 8) == expected
+    finally:
+        assert server.stop() == []

@@ -6,6 +6,7 @@ complete, so a failed export never leaves a folder that looks like one.
 
 from __future__ import annotations
 
+import copy
 import shutil
 import tempfile
 import time
@@ -316,9 +317,14 @@ def quantization_kwargs(hf_config) -> dict:
 
 
 def _save_hf_files(model: str, hf_config, out: Path) -> None:
+    """config.json without the source's quantization_config: the export's weights are laid
+    out as neuron_config.json records them (vLLM would otherwise pick its own quantization
+    method for them)."""
     from transformers import GenerationConfig
 
-    hf_config.save_pretrained(out)
+    exported = copy.deepcopy(hf_config)
+    exported.__dict__.pop("quantization_config", None)
+    exported.save_pretrained(out)
     try:
         GenerationConfig.from_pretrained(model).save_pretrained(out)
     except OSError:
