@@ -31,7 +31,7 @@ from .modeling.decoder import DecoderModel, rotary_buffer, split_fused_projectio
 from .modeling.layers import Rotary
 from .modeling.moe import moe_layer_from_hf
 from .modeling.parallel import ShardLayout, rank_shard, tp_checkpoint
-from .modeling.quantization import fit_neuron_fp8, quantize, scale_name
+from .modeling.quantization import dequantize, fit_neuron_fp8, quantize, scale_name
 from .quantized_checkpoint import SourceQuantization, source_scale
 from .safetensors_io import CheckpointFiles, SafetensorsWriter
 
@@ -101,12 +101,23 @@ class ConvertedCheckpoint:
         if name in self._pending:
             return self._pending.pop(name)
         weight = self.quantized.get(name)
+        if weight is None and self.source is not None and self.source.fp8 and name.endswith(".weight"):
+            return self._fp8_dequantized(name).to(self.dtypes[name])
         if weight is None:
             return self._convert(name).to(self.dtypes[name])
         stored, scale = self._quantized(weight)
         other = scale_name(weight) if name == weight else weight
         self._pending[other] = scale if name == weight else stored
         return stored if name == weight else scale
+
+    def _fp8_dequantized(self, name: str) -> torch.Tensor:
+        """A weight of an FP8 checkpoint the export keeps in --dtype (--quantization-skip):
+        its stored values times its scale; other tensors as they are."""
+        stored = self._convert(name)
+        if stored.dtype != torch.float8_e4m3fn:
+            return stored
+        disk_scale = name.removesuffix("weight") + self.source.scale_suffix
+        return dequantize(stored, source_scale(stored, self._read(disk_scale), self.source), torch.float32)
 
     def _quantized(self, weight: str) -> tuple[torch.Tensor, torch.Tensor]:
         """A weight as stored, and its scale: the FP8 checkpoint's own (fitted into Neuron's

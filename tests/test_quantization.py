@@ -68,7 +68,7 @@ def fake_quantize(hf, quantization: str, keep=lambda module: False) -> None:
 
 def assert_bitwise_equal(got: torch.Tensor, want: torch.Tensor, name: str) -> None:
     assert (got.dtype, got.shape) == (want.dtype, want.shape), name
-    assert torch.equal(got.contiguous().view(torch.uint8), want.contiguous().view(torch.uint8)), name
+    assert torch.equal(got.reshape(-1).view(torch.uint8), want.reshape(-1).view(torch.uint8)), name
 
 
 def assert_generates_as(model: NeuronModelForCausalLM, hf) -> None:
@@ -168,6 +168,16 @@ def test_fp8_checkpoint_exports_its_own_weights_in_neurons_range(fp8_source, tmp
 
     reference = load_dequantized(fp8_source)
     assert_generates_as(NeuronModelForCausalLM.from_pretrained(out), reference)
+    # --quantization fp8 keeps the same weights; a skipped projection is dequantized by its scale
+    skipped = export(str(fp8_source), tmp_path / "skip", backend="eager", quantization="fp8",
+                     quantization_skip=("o_proj",), **SHAPE)  # fmt: skip
+    kept = load_file(skipped / "model.safetensors")
+    for name in [n for n in stored if "o_proj" not in n]:
+        assert_bitwise_equal(kept[name], stored[name], name)
+    o_proj = "model.layers.1.self_attn.o_proj"
+    assert kept[f"{o_proj}.weight"].dtype == torch.float32 and f"{o_proj}.scale" not in kept
+    assert torch.equal(kept[f"{o_proj}.weight"], reference.state_dict()[f"{o_proj}.weight"])
+    assert_generates_as(NeuronModelForCausalLM.from_pretrained(skipped), reference)
 
 
 def test_int8_on_an_fp8_checkpoint_and_skip_without_quantization_are_refused(tmp_path, fp8_source):
