@@ -97,6 +97,16 @@ class GraphRunner:
                 model_dir,
                 ", ".join(config.nki_attention),
             )
+        if config.quantization:
+            scales = "block-wise" if config.quantization_block else "per output channel"
+            kept = (
+                f"; kept in {config.dtype}: {', '.join(config.quantization_skip)}"
+                if config.quantization_skip
+                else ""
+            )
+            logger.warning(
+                "%s: %s projection weights, scales %s%s", model_dir, config.quantization, scales, kept
+            )
         hf_config = AutoConfig.from_pretrained(model_dir)
         graphs = get_backend(config.backend).load(hf_config, config, graph_specs(config), Path(model_dir))
         return cls(config, graphs, hf_config)

@@ -112,3 +112,29 @@ def saved_by_transformers_5(checkpoint, out):
     }
     (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
     return out
+
+
+QMAX = {"int8": 127.0, "fp8": 240.0}
+STORAGE = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
+
+
+def quantization_rule(w: torch.Tensor, quantization: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """--quantization written down independently of the export's code: per output channel (the
+    last dim reduced), scale = amax / 127 (int8) or amax / 240 (fp8, Neuron's range), stored =
+    w / scale rounded to nearest (int8: an integer; fp8: an e4m3 value)."""
+    w = w.float()
+    qmax = QMAX[quantization]
+    scale = w.abs().amax(-1, keepdim=True) / qmax
+    values = (w / scale).clamp(-qmax, qmax)
+    return (torch.round(values) if quantization == "int8" else values).to(STORAGE[quantization]), scale
+
+
+def fake_quantize(hf, quantization: str, keep=lambda module: False) -> None:
+    """transformers' weights replaced by the rule's dequantized values (stored * scale)."""
+    with torch.no_grad():
+        for name, param in hf.named_parameters():
+            stacked = name.endswith(("experts.gate_up_proj", "experts.down_proj"))
+            projection = name.endswith("_proj.weight") and ".layers." in name
+            if stacked or (projection and not keep(name.removesuffix(".weight"))):
+                stored, scale = quantization_rule(param.data, quantization)
+                param.copy_(stored.float() * scale)

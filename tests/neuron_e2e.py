@@ -2,7 +2,7 @@
 compare greedy tokens with transformers. One process per run: a Neuron runtime that loaded
 a model of one tp degree cannot load another in the same process.
 
-    python tests/neuron_e2e.py --family llama --tp 2 --chunk 32 [--vllm]
+    python tests/neuron_e2e.py --family llama --tp 2 --chunk 32 [--vllm] [--quantization int8|fp8]
     python tests/neuron_e2e.py --attention-kernel   # nkilib attention_cte against the reference
 """
 
@@ -17,6 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 from fixtures.export_models import checkpoint_path  # noqa: E402
+from helpers import fake_quantize  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
 BATCH, SEQ = 2, 128
@@ -27,9 +28,12 @@ def prompts(chunk: int) -> list[list[int]]:
     return [[4 + (7 * i + n) % 300 for i in range(n)] for n in lengths]
 
 
-def hf_tokens(family: str, prompt: list[int], new: int) -> list[int]:
-    """A plain argmax loop: eos does not stop it, as with vLLM's ignore_eos."""
+def hf_tokens(family: str, prompt: list[int], new: int, quantization: str = "") -> list[int]:
+    """A plain argmax loop: eos does not stop it, as with vLLM's ignore_eos; `quantization`:
+    on the weights helpers.quantization_rule gives."""
     hf = AutoModelForCausalLM.from_pretrained(checkpoint_path(family), dtype=torch.float32).eval()
+    if quantization:
+        fake_quantize(hf, quantization)
     ids = torch.tensor([prompt])
     with torch.no_grad():
         for _ in range(new):
@@ -43,6 +47,7 @@ def main() -> int:
     parser.add_argument("--tp", type=int, default=2)
     parser.add_argument("--chunk", type=int, default=32, help="0: standard export")
     parser.add_argument("--vllm", action="store_true", help="generate through vllm.LLM instead")
+    parser.add_argument("--quantization", default="", help="int8 / fp8 weights: transformers on the same")
     parser.add_argument(
         "--attention-kernel", action="store_true", help="a kernel-sized bf16 model: nki against reference"
     )
@@ -67,6 +72,7 @@ def main() -> int:
             backend=args.backend,
             tp_degree=args.tp,
             context_buckets=(64, 128),
+            quantization=args.quantization,
         )
         if args.vllm:
             from vllm import LLM, SamplingParams
@@ -87,7 +93,7 @@ def main() -> int:
             ]
     failures = 0
     for prompt, tokens in zip(prompts(args.chunk), got, strict=True):
-        expected = hf_tokens(args.family, prompt, new)
+        expected = hf_tokens(args.family, prompt, new, args.quantization)
         ok = list(tokens) == expected
         failures += not ok
         print(f"prompt {len(prompt):4d}: {'ok' if ok else 'MISMATCH'} {list(tokens)} vs HF {expected}")

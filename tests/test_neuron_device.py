@@ -27,6 +27,12 @@ def test_generate_equals_hf(family, tp, chunk):
 
 
 @pytest.mark.neuron
+@pytest.mark.parametrize("quantization", ["int8", "fp8"])
+def test_quantized_generate_equals_hf_on_the_same_weights(quantization):
+    run_isolated("--family", "llama", "--tp", "2", "--chunk", "32", "--quantization", quantization)
+
+
+@pytest.mark.neuron
 def test_prefill_chunks_through_the_nki_kernel_are_as_accurate_as_the_reference():
     run_isolated("--attention-kernel")
 

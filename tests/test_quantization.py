@@ -1,7 +1,6 @@
-"""Quantized exports (--quantization int8|fp8, FP8 checkpoints), checked against a rule written
-down here, independently of the export's code: per output channel, scale = amax / 127 (int8) or
-amax / 240 (fp8, Neuron's range), stored = w / scale rounded to nearest (int8: an integer;
-fp8: an e4m3 value). Tokens are compared with transformers running the same weights."""
+"""Quantized exports (--quantization int8|fp8, FP8 checkpoints), checked against the rule as
+helpers.quantization_rule writes it down, independently of the export's code. Tokens are
+compared with transformers running the same weights."""
 
 from __future__ import annotations
 
@@ -11,7 +10,7 @@ import logging
 import pytest
 import torch
 from fixtures.export_models import cache_root, checkpoint_path, export_with
-from helpers import prompt
+from helpers import fake_quantize, prompt, quantization_rule
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
@@ -23,17 +22,7 @@ from optimum_neuron_chunked.testing.fp8_checkpoints import KEPT, fp8_checkpoint,
 from optimum_neuron_chunked.testing.reference import hf_greedy
 
 SHAPE = dict(batch_size=2, sequence_length=128, prefill_chunk_size=32, context_buckets=(64, 128))
-QMAX = {"int8": 127.0, "fp8": 240.0}
-STORAGE = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
 NEW_TOKENS = 10
-
-
-def rule(w: torch.Tensor, quantization: str) -> tuple[torch.Tensor, torch.Tensor]:
-    w = w.float()
-    qmax = QMAX[quantization]
-    scale = w.abs().amax(-1, keepdim=True) / qmax
-    values = (w / scale).clamp(-qmax, qmax)
-    return (torch.round(values) if quantization == "int8" else values).to(STORAGE[quantization]), scale
 
 
 def expected_tensors(hf, quantization: str, keep=lambda module: False) -> dict[str, torch.Tensor]:
@@ -42,28 +31,17 @@ def expected_tensors(hf, quantization: str, keep=lambda module: False) -> dict[s
     out = {}
     for name, param in hf.named_parameters():
         if name.endswith("experts.gate_up_proj"):
-            stored, scale = rule(param.data, quantization)
+            stored, scale = quantization_rule(param.data, quantization)
             half = param.shape[1] // 2
             prefix = name.removesuffix("gate_up_proj")
             for which, rows in (("gate_proj", slice(0, half)), ("up_proj", slice(half, None))):
                 out[prefix + which], out[f"{prefix}{which}_scale"] = stored[:, rows], scale[:, rows]
         elif name.endswith("experts.down_proj"):
-            out[name], out[name + "_scale"] = rule(param.data, quantization)
+            out[name], out[name + "_scale"] = quantization_rule(param.data, quantization)
         elif name.endswith("_proj.weight") and ".layers." in name and not keep(name.removesuffix(".weight")):
             module = name.removesuffix(".weight")
-            out[name], out[module + ".scale"] = rule(param.data, quantization)
+            out[name], out[module + ".scale"] = quantization_rule(param.data, quantization)
     return out
-
-
-def fake_quantize(hf, quantization: str, keep=lambda module: False) -> None:
-    """transformers' weights replaced by the rule's dequantized values (stored * scale)."""
-    with torch.no_grad():
-        for name, param in hf.named_parameters():
-            stacked = name.endswith(("experts.gate_up_proj", "experts.down_proj"))
-            projection = name.endswith("_proj.weight") and ".layers." in name
-            if stacked or (projection and not keep(name.removesuffix(".weight"))):
-                stored, scale = rule(param.data, quantization)
-                param.copy_(stored.float() * scale)
 
 
 def assert_bitwise_equal(got: torch.Tensor, want: torch.Tensor, name: str) -> None:
