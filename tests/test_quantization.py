@@ -221,3 +221,12 @@ def test_vllm_serve_of_quantized_exports_answers_with_transformers_on_their_weig
         assert concurrent_greedy_tokens(server.url, model, [p.tolist() for p in prompts], 8) == expected
     finally:
         assert server.stop() == []
+
+
+@pytest.mark.slow
+def test_cpu_backend_compiles_fp8_graphs_bound_to_the_weights_at_load():
+    """AOTInductor packages hold no weights: the fp8 weights and scales are bound at load."""
+    out = export_with("qwen3", "cpu", quantization="fp8", **(SHAPE | {"context_buckets": (128,)}))
+    hf = AutoModelForCausalLM.from_pretrained(checkpoint_path("qwen3"), dtype=torch.float32).eval()
+    fake_quantize(hf, "fp8")
+    assert_generates_as(NeuronModelForCausalLM.from_pretrained(out), hf)
