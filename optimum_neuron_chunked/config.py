@@ -191,9 +191,9 @@ class NeuronConfig:
         "--quantization-skip",
         "--quantization_skip",
         default=(),
-        help="With --quantization: modules kept in --dtype, by name suffix at a dot (down_proj, "
-        "layers.0.mlp) or glob over the whole name ('model.layers.1?.*'); end the patterns with -- "
-        "when OUT follows.",
+        help="With --quantization: modules kept in --dtype, with the modules they hold: a name suffix "
+        "at a dot (down_proj, layers.0.mlp) or a glob over the whole name ('model.layers.1?.*'); end "
+        "the patterns with -- when OUT follows.",
     )
     # Recorded by the export.
     quantization_block: tuple[int, ...] = ()  # FP8 checkpoints' block-wise scales: (rows, columns)

@@ -79,6 +79,17 @@ def test_quantized_export_stores_the_rule_and_generates_as_transformers_on_its_w
     assert_generates_as(NeuronModelForCausalLM.from_pretrained(out), hf)
 
 
+def test_skip_patterns_match_a_module_or_its_holders_by_suffix_or_whole_name_glob():
+    from optimum_neuron_chunked.modeling.quantization import module_matches
+
+    q, down = "model.layers.1.self_attn.q_proj", "model.layers.10.mlp.down_proj"
+    assert module_matches(down, "down_proj") and module_matches(down, "mlp.down_proj")
+    assert module_matches(down, "layers.10.mlp") and module_matches(down, "layers.10")
+    assert not module_matches(down, "layers.1") and not module_matches(down, "proj")
+    assert module_matches(q, "model.layers.1?.*") is False and module_matches(down, "model.layers.1?.*")
+    assert module_matches(q, "*.self_attn.*") and not module_matches(q, "self_attn.q")
+
+
 def test_skipped_modules_keep_the_export_dtype():
     """--quantization-skip: a suffix at a dot and a glob over the whole name."""
     skip = ("down_proj", "model.layers.1.*")

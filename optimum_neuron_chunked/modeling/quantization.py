@@ -4,7 +4,8 @@ Rule (NxD Inference's per-channel weight quantization, neuronx_distributed/quant
 each output channel (row of a [out, in] weight) gets scale = amax / qmax, qmax 127 for int8
 and 240 for fp8 (Neuron's float8 e4m3 saturates at +-240, not OCP e4m3fn's +-448:
 neuronx_distributed/quantization/README_rescaling_fp8_for_neuron.md), and the stored weight
-is w / scale rounded to nearest (int8: an integer; fp8: an e4m3 value, ties to even). A zero row gets scale 1.
+is w / scale rounded to nearest (int8: an integer; fp8: an e4m3 value, ties to even). A
+zero row gets scale 1.
 
 A scale has as many dimensions as its weight, so the one sharding rule (parallel.py) splits
 it with its weight: per channel [out, 1] (experts [E, out, 1]), block-wise (FP8 checkpoints)
@@ -67,10 +68,14 @@ class QuantSpec:
 
 
 def module_matches(module: str, pattern: str) -> bool:
-    """A --quantization-skip pattern matches a module by name suffix at a dot (`down_proj`,
-    `layers.0.mlp`), as NxD's modules_to_not_convert, or as a glob over the whole name
-    (`model.layers.1?.*`)."""
-    return module == pattern or module.endswith("." + pattern) or fnmatch.fnmatchcase(module, pattern)
+    """A --quantization-skip pattern matches a module, or one of the modules holding it, by name
+    suffix at a dot (`down_proj`; `layers.0.mlp`: layer 0's MLP projections; `layers.1`: layer
+    1 and not 10), or it is a glob over the whole name (`model.layers.1?.*`)."""
+    parts = module.split(".")
+    holders = [".".join(parts[:i]) for i in range(1, len(parts) + 1)]
+    return any(h == pattern or h.endswith("." + pattern) for h in holders) or fnmatch.fnmatchcase(
+        module, pattern
+    )
 
 
 def quantize(weight: torch.Tensor, dtype: str) -> tuple[torch.Tensor, torch.Tensor]:
