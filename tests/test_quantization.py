@@ -169,9 +169,20 @@ def test_fp8_checkpoint_exports_its_own_weights_in_neurons_range(fp8_source, tmp
     assert_generates_as(NeuronModelForCausalLM.from_pretrained(skipped), reference)
 
 
-def test_int8_on_an_fp8_checkpoint_and_skip_without_quantization_are_refused(tmp_path, fp8_source):
+def test_what_cannot_be_exported_as_asked_is_refused_by_name(tmp_path):
+    from optimum_neuron_chunked.export.errors import ExportError
+
     with pytest.raises(NeuronConfigError, match="round its FP8 weights again"):
-        export(str(fp8_source), tmp_path / "a", backend="eager", quantization="int8", **SHAPE)
+        export(str(fp8_llama("block")), tmp_path / "a", backend="eager", quantization="int8", **SHAPE)
+    moe = tmp_path / "moe-fp8"
+    moe.mkdir()
+    config = json.loads((checkpoint_path("qwen3_moe") / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [16, 16]}
+    (moe / "config.json").write_text(json.dumps(config))
+    with pytest.raises(
+        ExportError, match="FP8 checkpoints of qwen3_moe .* dequantized copy with --quantization fp8"
+    ):
+        export(str(moe), tmp_path / "b", backend="eager", **SHAPE)
     with pytest.raises(NeuronConfigError, match="--quantization-skip .* with --quantization"):
         NeuronConfig(backend="eager", quantization_skip=("down_proj",), **SHAPE)
 

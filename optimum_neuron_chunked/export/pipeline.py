@@ -132,12 +132,15 @@ def _quantization_fields(model: str, source, spec, options: dict, weights: str) 
     fields = {"quantization": export_quantization(options.get("quantization"), source)}
     if source is None or not source.fp8:
         return fields
-    folder = checkpoint_folder(model) if weights == "stream" else None
-    if folder is None or spec.fused_projections or spec.moe is not None:
+    if spec.fused_projections or spec.moe is not None:
         raise ExportError(
-            f"FP8 checkpoints export from their safetensors, {'' if folder else 'streamed, '}for dense families "
-            f"without fused projections ({spec.model_type}{' with weights=' + weights if not folder else ''}): "
-            "export a dequantized copy with --quantization fp8 instead."
+            f"FP8 checkpoints of {spec.model_type} (MoE experts or fused projections) are not exported as "
+            "FP8 yet: export a dequantized copy with --quantization fp8."
+        )
+    folder = checkpoint_folder(model) if weights == "stream" else None
+    if folder is None:
+        raise ExportError(
+            f"an FP8 checkpoint exports from its safetensors, streamed: {model} (weights={weights})."
         )
     dtypes = {name: info.dtype for name, (_, info) in CheckpointFiles(folder).tensors.items()}
     kept = unquantized_modules(dtypes)
@@ -271,6 +274,7 @@ def _export_weights(
     never written (not resident), for the rest; the neuron backend loads rank 0's shard from
     the file written here before NxD traces."""
     folder = checkpoint_folder(model) if weights == "stream" else None
+    source = source_quantization(hf_config)
     if folder is not None:
         decoder = model_from_spec(family_spec(hf_config), config, kernels=impl.kernels(config), device="meta")
         try:
@@ -281,9 +285,11 @@ def _export_weights(
                 decoder,
                 *impl.stream_targets(config),
                 out,
-                source_quantization(hf_config),
+                source,
             )
         except StreamUnsupportedError as e:
+            if source is not None and source.fp8:
+                raise ExportError(f"an FP8 checkpoint exports streamed only: {e}") from e
             console.print(f"[yellow]warning[/]: {e}; loading the whole model with transformers instead.")
         else:
             return impl.streamed_model(decoder, out)
