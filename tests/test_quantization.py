@@ -220,20 +220,30 @@ def test_export_summary_prints_the_bytes_saved_and_the_kv_blocks_they_hold(tmp_p
     )
 
 
-@pytest.mark.parametrize("source", ["int8", "fp8-block-checkpoint"])
-def test_vllm_serve_of_quantized_exports_answers_with_transformers_on_their_weights(source, tmp_path):
+@pytest.mark.parametrize(
+    "source,backend",
+    [
+        ("int8", "eager"),
+        ("fp8-block-checkpoint", "eager"),
+        pytest.param("int8", "xla", marks=pytest.mark.xla),
+    ],
+)
+def test_vllm_serve_of_quantized_exports_answers_with_transformers_on_their_weights(
+    source, backend, tmp_path
+):
     """`vllm serve` of an int8 export and of an exported FP8 checkpoint (no flag: the export
-    records its quantization): concurrent requests, chunks mixed with decodes."""
+    records its quantization): concurrent requests, chunks mixed with decodes; xla: vLLM 0.16.0
+    in the SDK-mirror environment, every graph on torch-xla's device."""
     from openai import OpenAI
 
     from optimum_neuron_chunked.testing.server import Server, concurrent_greedy_tokens
 
     if source == "int8":
-        export_dir = export_with("llama", "eager", quantization="int8", **SHAPE)
+        export_dir = export_with("llama", backend, quantization="int8", **SHAPE)
         hf = AutoModelForCausalLM.from_pretrained(checkpoint_path("llama"), dtype=torch.float32).eval()
         fake_quantize(hf, "int8")
     else:
-        export_dir = export(str(fp8_llama("block")), tmp_path / "fp8", backend="eager", **SHAPE)
+        export_dir = export(str(fp8_llama("block")), tmp_path / "fp8", backend=backend, **SHAPE)
         hf = load_dequantized(fp8_llama("block"))
     prompts = [prompt(n, seed=50 + i) for i, n in enumerate((1, 33, 3 * 32 + 5, 70))]
     expected = [hf_greedy(hf, p, 8) for p in prompts]
