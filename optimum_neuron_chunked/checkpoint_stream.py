@@ -31,7 +31,7 @@ from .modeling.decoder import DecoderModel, rotary_buffer, split_fused_projectio
 from .modeling.layers import Rotary
 from .modeling.moe import moe_layer_from_hf
 from .modeling.parallel import ShardLayout, rank_shard, tp_checkpoint
-from .modeling.quantization import dequantize, fit_neuron_fp8, quantize, scale_name
+from .modeling.quantization import EXPERT_WEIGHTS, dequantize, fit_neuron_fp8, quantize, scale_name
 from .quantized_checkpoint import SourceQuantization, source_scale
 from .safetensors_io import CheckpointFiles, SafetensorsWriter
 
@@ -94,6 +94,7 @@ class ConvertedCheckpoint:
         bare = "model.embed_tokens.weight" not in files and "embed_tokens.weight" in files
         self.disk = {(f"model.{k}" if bare and k != "lm_head.weight" else k): k for k in files.keys()}
         self._layer: tuple[int, dict[str, torch.Tensor]] | None = None
+        self._expert_scales: dict[str, torch.Tensor] = {}  # an FP8 layer's, stacked as its experts
         self._skeleton: nn.Module | None = None
         self._fused: tuple[str, torch.Tensor] | None = None
 
@@ -122,11 +123,16 @@ class ConvertedCheckpoint:
     def _quantized(self, weight: str) -> tuple[torch.Tensor, torch.Tensor]:
         """A weight as stored, and its scale: the FP8 checkpoint's own (fitted into Neuron's
         range), or quantized here from full precision."""
-        if self.source is not None and self.source.fp8:
-            stored = self._read(weight)
+        if self.source is None or not self.source.fp8:
+            return quantize(self._convert(weight), self.quantization.dtype)
+        stored = self._convert(weight)
+        scale = self._expert_scales.pop(weight, None)
+        if scale is None:
             disk_scale = weight.removesuffix("weight") + self.source.scale_suffix
-            return fit_neuron_fp8(stored, source_scale(stored, self._read(disk_scale), self.source))
-        return quantize(self._convert(weight), self.quantization.dtype)
+            scale = source_scale(stored, self._read(disk_scale), self.source)
+        if stored.dtype != torch.float8_e4m3fn:
+            raise StreamUnsupportedError(f"{weight} is not FP8 in the checkpoint ({stored.dtype})")
+        return fit_neuron_fp8(stored, scale)
 
     def _convert(self, name: str) -> torch.Tensor:
         if name.startswith("model.rotary_emb"):
@@ -159,8 +165,21 @@ class ConvertedCheckpoint:
             prefixes = (f"model.layers.{i}.mlp.", f"model.layers.{i}.block_sparse_moe.")
             state = {k: self._read(k) for k in self.disk if k.startswith(prefixes)}
             _dequantize_mxfp4(state)
+            if self.source is not None and self.source.fp8:
+                self._expert_scales = self._stacked_scales(state, i)
             self._layer = (i, moe_layer_from_hf(state, i, self.spec.model_type, self.spec.moe))
         return self._layer[1]
+
+    def _stacked_scales(self, state: dict[str, torch.Tensor], i: int) -> dict[str, torch.Tensor]:
+        """An FP8 layer's per-expert scales (popped from `state`), stacked by the conversion that
+        stacks its weights: each scale stands in for its weight -> {stacked weight name: scales}."""
+        suffix = self.source.scale_suffix
+        scales = {k: v for k, v in state.items() if v.dtype != torch.float8_e4m3fn and not k.endswith(suffix)}
+        for name in [k for k in state if k.endswith("." + suffix)]:
+            weight = name.removesuffix(suffix) + "weight"
+            scales[weight] = source_scale(state[weight], state.pop(name), self.source)
+        converted = moe_layer_from_hf(scales, i, self.spec.model_type, self.spec.moe)
+        return {n: t for n, t in converted.items() if n.endswith(EXPERT_WEIGHTS)}
 
     def _rotary(self, name: str) -> torch.Tensor:
         if self._skeleton is None:

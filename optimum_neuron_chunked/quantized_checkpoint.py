@@ -7,7 +7,8 @@ Served: gpt-oss's MXFP4 experts (dequantised, checkpoint_stream), and FP8 weight
   the weight is multiplied by (quantizers/quantizer_finegrained_fp8.py, transformers 5.x);
 - compressed-tensors' "float-quantized" format (llm-compressor's FP8 schemes): an e4m3fn
   `weight` and a `weight_scale` per output channel [out, 1] or per tensor.
-Their values may reach e4m3fn's +-448, past Neuron's +-240: quantization.fit_neuron_fp8.
+Their values may reach e4m3fn's +-448, past Neuron's +-240: quantization.fit_neuron_fp8. MoE
+experts' per-expert scales are stacked as their weights (checkpoint_stream._stacked_scales).
 Activation scales (W8A8 checkpoints) are not used: the graphs quantize no activation.
 """
 

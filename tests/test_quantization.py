@@ -169,20 +169,35 @@ def test_fp8_checkpoint_exports_its_own_weights_in_neurons_range(fp8_source, tmp
     assert_generates_as(NeuronModelForCausalLM.from_pretrained(skipped), reference)
 
 
+@pytest.mark.parametrize("layout", ["block", "channel"])
+def test_fp8_moe_checkpoint_stacks_its_experts_scales(layout, tmp_path):
+    """qwen3_moe's per-expert FP8 weights and scales (16x16 blocks, or per channel) stacked as
+    the experts are: tokens equal transformers 5 dequantizing the checkpoint itself."""
+    key = checkpoint_key("qwen3_moe")
+    folder = cache_root() / "checkpoints" / f"qwen3_moe-fp8-{layout}16-{key}"
+    source = fp8_checkpoint(checkpoint_path("qwen3_moe"), folder, layout, (16, 16))
+    out = export(str(source), tmp_path / "out", backend="eager", **SHAPE)
+    stored = load_file(out / "model.safetensors")
+    experts = "model.layers.0.mlp.experts"
+    assert stored[f"{experts}.gate_proj"].dtype == torch.float8_e4m3fn
+    assert stored[f"{experts}.gate_proj_scale"].shape == ((8, 3, 4) if layout == "block" else (8, 48, 1))
+    assert_generates_as(NeuronModelForCausalLM.from_pretrained(out), load_dequantized(source))
+
+
 def test_what_cannot_be_exported_as_asked_is_refused_by_name(tmp_path):
     from optimum_neuron_chunked.export.errors import ExportError
 
     with pytest.raises(NeuronConfigError, match="round its FP8 weights again"):
         export(str(fp8_llama("block")), tmp_path / "a", backend="eager", quantization="int8", **SHAPE)
-    moe = tmp_path / "moe-fp8"
-    moe.mkdir()
-    config = json.loads((checkpoint_path("qwen3_moe") / "config.json").read_text())
+    fused = tmp_path / "phi3-fp8"
+    fused.mkdir()
+    config = json.loads((checkpoint_path("phi3") / "config.json").read_text())
     config["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [16, 16]}
-    (moe / "config.json").write_text(json.dumps(config))
+    (fused / "config.json").write_text(json.dumps(config))
     with pytest.raises(
-        ExportError, match="FP8 checkpoints of qwen3_moe .* dequantized copy with --quantization fp8"
+        ExportError, match="FP8 checkpoints of phi3 .* dequantized copy with --quantization fp8"
     ):
-        export(str(moe), tmp_path / "b", backend="eager", **SHAPE)
+        export(str(fused), tmp_path / "b", backend="eager", **SHAPE)
     with pytest.raises(NeuronConfigError, match="--quantization-skip .* with --quantization"):
         NeuronConfig(backend="eager", quantization_skip=("down_proj",), **SHAPE)
 

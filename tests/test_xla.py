@@ -325,14 +325,14 @@ def test_standard_graphs_on_xla_equal_eager(family):
     check_hlo(pair, family, "standard")
 
 
-def fp8_checkpoint_weights(tmp_path) -> dict[str, torch.Tensor]:
-    """The exported weights of a block-wise FP8 checkpoint of llama (32x32 blocks)."""
+def fp8_checkpoint_weights(tmp_path, family: str) -> tuple[dict[str, torch.Tensor], NeuronConfig]:
+    """The exported weights and config of a block-wise FP8 checkpoint of `family` (16x16 blocks)."""
     from safetensors.torch import load_file
 
     from optimum_neuron_chunked.export.pipeline import export
     from optimum_neuron_chunked.testing.fp8_checkpoints import fp8_checkpoint
 
-    source = fp8_checkpoint(checkpoint_path("llama"), tmp_path / "fp8", "block")
+    source = fp8_checkpoint(checkpoint_path(family), tmp_path / "fp8", "block", (16, 16))
     out = export(str(source), tmp_path / "out", backend="xla", batch_size=2, sequence_length=SEQUENCE_LENGTH,
                  prefill_chunk_size=CHUNK, context_buckets=BUCKETS)  # fmt: skip
     return load_file(out / "model.safetensors"), NeuronConfig.load(out)
@@ -340,14 +340,20 @@ def fp8_checkpoint_weights(tmp_path) -> dict[str, torch.Tensor]:
 
 @pytest.mark.parametrize(
     "family,quantization",
-    [("llama", "int8"), ("qwen3_moe", "int8"), ("mixtral", "fp8"), ("llama", "fp8 blocks")],
+    [
+        ("llama", "int8"),
+        ("qwen3_moe", "int8"),
+        ("mixtral", "fp8"),
+        ("llama", "fp8 blocks"),
+        ("qwen3_moe", "fp8 blocks"),
+    ],
 )
 def test_quantized_graphs_on_xla_equal_eager(family, quantization, tmp_path):
-    """int8 / fp8 weights with per-channel scales (experts too), and an FP8 checkpoint's
-    block-wise scales: every graph of a chunked export with mixed steps on XLA equals eager,
+    """int8 / fp8 weights with per-channel scales (experts too), and FP8 checkpoints' block-wise
+    scales (a dense family, per-expert ones stacked): every graph of a chunked export with mixed steps on XLA equals eager,
     its quantized weights parameters of 8 bits."""
     if quantization == "fp8 blocks":
-        weights, exported = fp8_checkpoint_weights(tmp_path)
+        weights, exported = fp8_checkpoint_weights(tmp_path, family)
         fields = {
             f: getattr(exported, f) for f in ("quantization", "quantization_block", "quantization_skip")
         }

@@ -132,10 +132,10 @@ def _quantization_fields(model: str, source, spec, options: dict, weights: str) 
     fields = {"quantization": export_quantization(options.get("quantization"), source)}
     if source is None or not source.fp8:
         return fields
-    if spec.fused_projections or spec.moe is not None:
+    if spec.fused_projections or (spec.moe is not None and spec.moe.expert_bias):
         raise ExportError(
-            f"FP8 checkpoints of {spec.model_type} (MoE experts or fused projections) are not exported as "
-            "FP8 yet: export a dequantized copy with --quantization fp8."
+            f"FP8 checkpoints of {spec.model_type} (fused projections, or experts in gpt-oss's layout) are "
+            "not exported as FP8 yet: export a dequantized copy with --quantization fp8."
         )
     folder = checkpoint_folder(model) if weights == "stream" else None
     if folder is None:

@@ -19,6 +19,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from .quantization import dequantize
+
 
 @dataclass(frozen=True)
 class MoeSpec:
@@ -108,6 +110,7 @@ class Experts(nn.Module):
         else:
             self.gate_bias = self.up_bias = self.down_bias = None
         self.spec = spec
+        self.blockwise = False  # quantization.quantize_experts
 
     def activation(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         limit = self.spec.swiglu_limit
@@ -116,47 +119,47 @@ class Experts(nn.Module):
         gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)  # GptOssExperts._apply_gate
         return (up + 1) * gate * torch.sigmoid(gate * self.spec.swiglu_alpha)
 
-    def _scaled(
-        self, y: torch.Tensor, name: str, idx: torch.Tensor | None, dtype: torch.dtype
-    ) -> torch.Tensor:
-        """A projection's output y [..., out] times its per-channel scale where the experts are
-        quantized (quantization.quantize_experts: `<name>_scale` [E, out, 1])."""
-        scale = getattr(self, f"{name}_scale", None)
+    def _weights(self, name: str, idx: torch.Tensor | None, dtype: torch.dtype):
+        """The `name` weights of every expert (idx None) or of experts idx, in `dtype`, and the
+        per-channel scale their outputs take (None: unquantized, or block-wise and dequantized
+        here): quantization.quantize_experts's `<name>_scale`. Gathered by index_select, which
+        has a float8 kernel on CPU where indexing has none (torch 2.9)."""
+        weights, scale = getattr(self, name), getattr(self, f"{name}_scale", None)
+        if idx is not None:
+            weights = weights.index_select(0, idx)
+            scale = None if scale is None else scale.index_select(0, idx)
         if scale is None:
-            return y
-        scale = scale[..., 0] if idx is None else scale[idx][..., 0]  # [E, out] | [M*k, out]
-        return (y * (scale if idx is not None else scale[:, None])).to(dtype)
+            return weights.to(dtype), None
+        if self.blockwise:
+            return dequantize(weights, scale, dtype), None
+        return weights.to(dtype), scale[..., 0]
+
+    def _project(self, name: str, x: torch.Tensor, idx: torch.Tensor | None = None) -> torch.Tensor:
+        """idx None: x [M, in] or [E, M, in] through every expert -> [E, M, out]; else column r
+        of x [M*k, in, 1] through expert idx[r] -> [M*k, out]."""
+        w, scale = self._weights(name, idx, x.dtype)
+        if idx is None:
+            y, scale = torch.matmul(x, w.transpose(1, 2)), None if scale is None else scale[:, None]
+        else:
+            y = torch.bmm(w, x)[..., 0]
+        return y if scale is None else (y * scale).to(x.dtype)
 
     def selected(self, x: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         """x [M, H], experts [M, k] -> partial outputs [M, k, H] of the selected experts only."""
         m, k = experts.shape
         idx = experts.reshape(-1)
         xk = x.repeat_interleave(k, dim=0)[:, :, None]  # [M*k, H, 1]
-        dt = x.dtype
-        gate = self._scaled(
-            torch.bmm(_rows(self.gate_proj, idx, dt), xk)[..., 0], "gate_proj", idx, dt
-        )  # [M*k, I]
-        up = self._scaled(torch.bmm(_rows(self.up_proj, idx, dt), xk)[..., 0], "up_proj", idx, dt)
+        gate, up = self._project("gate_proj", xk, idx), self._project("up_proj", xk, idx)  # [M*k, I]
         if self.gate_bias is not None:
             gate, up = gate + self.gate_bias[idx], up + self.up_bias[idx]
-        out = torch.bmm(_rows(self.down_proj, idx, dt), self.activation(gate, up)[:, :, None])[..., 0]
-        return self._scaled(out, "down_proj", idx, dt).view(m, k, -1)
+        return self._project("down_proj", self.activation(gate, up)[:, :, None], idx).view(m, k, -1)
 
     def every(self, x: torch.Tensor) -> torch.Tensor:
         """x [M, H] -> partial outputs [E, M, H] of every expert."""
-        dt = x.dtype
-        gate = self._scaled(torch.matmul(x, self.gate_proj.to(dt).transpose(1, 2)), "gate_proj", None, dt)
-        up = self._scaled(torch.matmul(x, self.up_proj.to(dt).transpose(1, 2)), "up_proj", None, dt)
+        gate, up = self._project("gate_proj", x), self._project("up_proj", x)  # [E, M, I]
         if self.gate_bias is not None:
             gate, up = gate + self.gate_bias[:, None], up + self.up_bias[:, None]
-        down = torch.matmul(self.activation(gate, up), self.down_proj.to(dt).transpose(1, 2))
-        return self._scaled(down, "down_proj", None, dt)
-
-
-def _rows(weights: torch.Tensor, idx: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """weights[idx] in `dtype`: index_select, which has a float8 kernel on CPU where
-    indexing has none (torch 2.9)."""
-    return weights.index_select(0, idx).to(dtype)
+        return self._project("down_proj", self.activation(gate, up))
 
 
 class SparseMoE(nn.Module):

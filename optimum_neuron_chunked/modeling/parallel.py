@@ -126,6 +126,9 @@ def check_block_shards(spec: FamilySpec, block: tuple[int, int], tp_degree: int)
         "down_proj columns": (spec.intermediate_size // tp_degree, bi),
         "hidden_size": (spec.hidden_size, bi),
     }
+    if spec.moe is not None:
+        per_rank["the experts' gate/up rows"] = (spec.moe.intermediate_size // tp_degree, bo)
+        per_rank["the experts' down_proj columns"] = (spec.moe.intermediate_size // tp_degree, bi)
     for what, (size, unit) in per_rank.items():
         if size % unit:
             raise NeuronConfigError(

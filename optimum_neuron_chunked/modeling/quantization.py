@@ -145,9 +145,8 @@ class QuantizedLinear(nn.Module):
 
 def quantize_experts(experts: nn.Module, spec: QuantSpec) -> None:
     """The stacked expert weights of moe.Experts replaced by quantized ones and their
-    `<name>_scale` [E, out, 1] (per channel only)."""
-    if spec.block is not None:
-        raise ValueError("block-wise quantized experts are not supported: export a per-channel checkpoint")
+    `<name>_scale`: [E, out, 1] per channel, [E, out / bo, in / bi] block-wise."""
+    experts.blockwise = spec.block is not None
     for name in EXPERT_WEIGHTS:
         weight = getattr(experts, name)
         shape = tuple(weight.shape)
