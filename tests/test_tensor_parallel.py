@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 from fixtures.export_models import cache_root, checkpoint_path
-from tp_gloo import configs, graph_outputs, rank_main
+from tp_gloo import FP8_BLOCK, configs, graph_outputs, rank_main
 
 from optimum_neuron_chunked.config import NeuronConfigError
 from optimum_neuron_chunked.modeling import family_spec
@@ -34,8 +34,24 @@ def extra_checkpoint(name: str) -> str:
     return str(build_checkpoint(name, cache_root() / "checkpoints" / f"{name}-{key}", config=cfg))
 
 
+def fp8_export(family: str) -> str:
+    """The eager export of a block-wise FP8 checkpoint of `family`: its stored weights, sharded
+    by rank_weights as the neuron backend shards them."""
+    from optimum_neuron_chunked.export.pipeline import export
+    from optimum_neuron_chunked.testing.checkpoints import checkpoint_key
+    from optimum_neuron_chunked.testing.fp8_checkpoints import fp8_checkpoint
+
+    key = checkpoint_key(family)
+    source = fp8_checkpoint(checkpoint_path(family), cache_root() / "checkpoints" / f"{family}-fp8-block8-{key}",
+                            "block", FP8_BLOCK)  # fmt: skip
+    out = cache_root() / "exports" / f"{family}-fp8-block8-eager-{key}"
+    if not (out / "neuron_config.json").is_file():
+        export(str(source), out, backend="eager", batch_size=2, sequence_length=64, overwrite=True)
+    return str(out)
+
+
 def checkpoints() -> dict[str, str]:
-    paths = {f: str(checkpoint_path(f)) for f in FAMILIES}
+    paths = {f: str(checkpoint_path(f)) for f in FAMILIES} | {"qwen3_moe-fp8": fp8_export("qwen3_moe")}
     return paths | {name: extra_checkpoint(name) for name in EXTRA_LAYOUTS}
 
 
@@ -46,6 +62,8 @@ CASES = [(model, kind) for model in [*FAMILIES, *EXTRA_LAYOUTS] for kind in ("st
 CASES += [(m, "chunked-int8") for m in ("llama", "qwen3", "llama-mha", "mixtral")] + [
     ("qwen3_moe", "chunked-fp8")
 ]
+# an FP8 checkpoint's block-wise scales (8x8: whole blocks per rank), experts' too
+CASES += [("qwen3_moe-fp8", "chunked-fp8-blocks")]
 
 
 @pytest.fixture(scope="module")
@@ -79,7 +97,7 @@ def test_tp2_graphs_equal_tp1(tp_results, model, kind):
 
 
 def family_spec_vocab(model: str) -> int:
-    cfg = EXTRA_LAYOUTS.get(model) or family_config(model)
+    cfg = EXTRA_LAYOUTS.get(model) or family_config(model.removesuffix("-fp8"))
     return cfg["vocab_size"]
 
 

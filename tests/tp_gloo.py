@@ -4,9 +4,11 @@ the test process, once sharded across gloo ranks (torch.distributed on CPU)."""
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from safetensors.torch import load_file
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -95,6 +97,7 @@ class _EmbeddingParallel(nn.Embedding):
 
 
 SEQ, CHUNK, BUCKETS = 64, 16, (32, 64)
+FP8_BLOCK = (8, 8)  # whole blocks per rank at tp 2 for every projection and expert of the tiny families
 PROMPTS = {0: 40, 1: 13}  # slot -> prompt length: spans both buckets and a partial chunk
 
 
@@ -105,15 +108,21 @@ def configs() -> dict[str, NeuronConfig]:
         "std": NeuronConfig(**common),
         "chunked": NeuronConfig(**chunked),
         **{f"chunked-{q}": NeuronConfig(**chunked, quantization=q) for q in ("int8", "fp8")},
+        "chunked-fp8-blocks": NeuronConfig(**chunked, quantization="fp8", quantization_block=FP8_BLOCK),
     }
 
 
 def graph_outputs(
     checkpoint: str, config: NeuronConfig, layers=None, rank: int = 0, functional_cache: bool = False
 ) -> dict:
-    """Graph name -> logits of each call, plus the on-device sampled tokens of TG calls."""
+    """Graph name -> logits of each call, plus the on-device sampled tokens of TG calls.
+    `checkpoint`: a transformers checkpoint, or an eager export (its stored weights sharded:
+    an FP8 checkpoint's block-wise scales)."""
     model = build_model(AutoConfig.from_pretrained(checkpoint), config, layers, functional_cache)
-    model.load_weights(model.weights_from_hf(AutoModelForCausalLM.from_pretrained(checkpoint), rank))
+    if (Path(checkpoint) / "neuron_config.json").is_file():
+        model.load_weights(model.rank_weights(load_file(Path(checkpoint) / "model.safetensors"), rank))
+    else:
+        model.load_weights(model.weights_from_hf(AutoModelForCausalLM.from_pretrained(checkpoint), rank))
     calls: dict[str, list] = {}
 
     def recorded(name, graph):
