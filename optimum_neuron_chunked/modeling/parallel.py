@@ -134,7 +134,8 @@ def check_block_shards(spec: FamilySpec, block: tuple[int, int], tp_degree: int)
             raise NeuronConfigError(
                 f"{what} per rank ({size}) is not a whole number of the checkpoint's {bo}x{bi} "
                 f"scale blocks at --tensor_parallel_size {tp_degree}: choose a tensor parallel size "
-                "that splits every projection into whole blocks."
+                "that splits every projection into whole blocks, or export a dequantized copy with "
+                "--quantization fp8 (per-channel scales shard at any size)."
             )
 
 
