@@ -198,6 +198,8 @@ class NeuronConfig:
     # Recorded by the export.
     quantization_block: tuple[int, ...] = ()  # FP8 checkpoints' block-wise scales: (rows, columns)
     nki_attention: tuple[str, ...] = ()  # graphs whose prefill chunks run nkilib's attention_cte
+    # the kernel limits that chose them (backends/neuron/attention_choice.KernelLimits)
+    nki_limits: dict = field(default_factory=dict, compare=False, hash=False)
     cpu_isa: str = ""  # cpu backend: the vector ISA of the host that compiled (AVX2, AVX512, ...)
     model_type: str = ""
     package_version: str = __version__

@@ -20,6 +20,7 @@ larger error or on a chosen graph that did not run the kernel.
 from __future__ import annotations
 
 import argparse
+import ast
 import sys
 import types
 from dataclasses import replace
@@ -52,8 +53,11 @@ FAMILIES = {
         intermediate_size=128,
     ),  # fmt: skip
 }
-SHAPES = dict(batch_size=2, sequence_length=1024, prefill_chunk_size=256, context_buckets=(512, 1024),
-              prefill_widths=(128, 256), mixed_step=True, dtype="bfloat16", backend="neuron")  # fmt: skip
+SHAPES = dict(batch_size=2, sequence_length=1024, context_buckets=(512, 1024), mixed_step=True, dtype="bfloat16",
+              backend="neuron")  # fmt: skip
+# (instance type, paged, chunk): trn1 runs the kernel from 512-token chunks (its 256-token
+# width keeps the reference), trn2 at any width
+RUNS = (("trn1", False, 512), ("trn2", True, 256))
 PAGED = dict(kv_cache_blocks=16, kv_block_size=128)
 # bf16 graphs with the kernel are as accurate as with the reference attention: their largest
 # logit error against the fp32 reference, relative to the logits' magnitude, within this factor.
@@ -84,6 +88,8 @@ class RecordingKernel:
 
 
 def install_stand_ins(source: Path) -> RecordingKernel:
+    """`nki` and attention_cte's module as stand-ins: the torch reference as the kernel, the
+    kernel file's own limit constants (read from its source: it imports closed `nki` modules)."""
     sys.path.insert(0, str(source / "src" / "nkilib_src"))
     from nkilib.core.attention.attention_cte_torch import attention_cte_torch_ref
 
@@ -92,11 +98,40 @@ def install_stand_ins(source: Path) -> RecordingKernel:
     nki.jit = lambda fn: kernel
     module = types.ModuleType(KERNEL_MODULE)
     module.attention_cte = attention_cte_torch_ref
+    module.__dict__.update(limit_constants(source / "src/nkilib_src/nkilib/core/attention/attention_cte.py"))
     sys.modules["nki"], sys.modules[KERNEL_MODULE] = nki, module
     return kernel
 
 
-def runners(family: str, instance_type: str, paged: bool):
+def limit_constants(kernel_file: Path) -> dict[str, int]:
+    """_MAX_BS, _MAX_SEQLEN, _MAX_HEAD_DIM as the kernel file assigns them."""
+    names = ("_MAX_BS", "_MAX_SEQLEN", "_MAX_HEAD_DIM")
+    tree = ast.parse(kernel_file.read_text())
+    return {
+        node.targets[0].id: ast.literal_eval(node.value)
+        for node in tree.body
+        if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", None) in names
+    }
+
+
+def long_context_choice() -> str:
+    """A trn2 Llama-3.1-8B bf16 export at a 131072 bucket (tp 8): which graphs get the kernel."""
+    from transformers import LlamaConfig
+
+    from optimum_neuron_chunked.backends.neuron.attention_choice import choose_nki_graphs
+    from optimum_neuron_chunked.config import NeuronConfig
+    from optimum_neuron_chunked.graphs import graph_specs
+    from optimum_neuron_chunked.modeling import family_spec
+
+    spec = family_spec(LlamaConfig(num_attention_heads=32, num_key_value_heads=8, head_dim=128, hidden_size=4096,
+                                   max_position_embeddings=131072))  # fmt: skip
+    config = NeuronConfig(batch_size=8, sequence_length=131072, prefill_chunk_size=512, dtype="bfloat16",
+                          backend="neuron", instance_type="trn2", tp_degree=8)  # fmt: skip
+    chosen, reasons, limits = choose_nki_graphs(config, spec, graph_specs(config))
+    return f"kernel in {', '.join(chosen) or 'no graph'}; cp_w131072: {reasons.get('cp_w131072', 'kernel')} ({limits})"
+
+
+def runners(family: str, instance_type: str, paged: bool, chunk: int):
     """(config, GraphRunners of one kernel-sized model: fp32 reference, fp32 with the kernel,
     bf16 reference, bf16 with the kernel). The same weights (bf16 values) in each."""
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -113,8 +148,9 @@ def runners(family: str, instance_type: str, paged: bool):
     hf_config = AutoConfig.for_model(fields.pop("model_type"), **fields)
     torch.manual_seed(0)
     hf = AutoModelForCausalLM.from_config(hf_config, dtype=torch.bfloat16)
-    config = NeuronConfig(**SHAPES, instance_type=instance_type, **(PAGED if paged else {}))
-    chosen, _ = choose_nki_graphs(config, family_spec(hf_config), graph_specs(config))
+    widths = dict(prefill_chunk_size=chunk, prefill_widths=(chunk // 2, chunk))
+    config = NeuronConfig(**SHAPES, **widths, instance_type=instance_type, **(PAGED if paged else {}))
+    chosen, _, _ = choose_nki_graphs(config, family_spec(hf_config), graph_specs(config))
     config = replace(config, nki_attention=chosen)
     fp32 = replace(config, dtype="float32")
     out = []
@@ -144,26 +180,28 @@ def recording(name: str, graph):
 def steps(config, runner) -> list[torch.Tensor]:
     """Chunks of both CP widths, full and padded, and MX steps, in both buckets: every chunked
     graph runs (each output compared)."""
+    chunk = config.prefill_chunk_size
     ids = torch.randint(4, 500, (900,), generator=torch.Generator().manual_seed(1))
-    other_ids = torch.randint(4, 500, (512,), generator=torch.Generator().manual_seed(2))
+    other_ids = torch.randint(4, 500, (1024,), generator=torch.Generator().manual_seed(2))
     paged = bool(config.kv_cache_blocks)
-    blocks, other = (list(range(8)), list(range(8, 12))) if paged else ([0], [1])
+    blocks, other = (list(range(8)), list(range(8, 16))) if paged else ([0], [1])
     sampling = (torch.ones(1, 3), torch.zeros(1))
     outs = []
 
     def mixed(position: int, start: int) -> None:
         step = runner.decode_with_chunk(
             ids[position : position + 1], torch.tensor([position]), [blocks], sampling,
-            other_ids[start : start + 256], start, other,
+            other_ids[start : start + chunk], start, other,
         )  # fmt: skip
         outs.extend([step[1][0].float(), step[2].float()])
 
     with torch.no_grad():
-        outs.append(runner.prefill(ids[:100], 0, blocks).float())  # cp_w512_c128
-        mixed(100, 0)  # mx_w512
-        for start, end in ((101, 357), (357, 512), (512, 600), (600, 856), (856, 899)):
+        mixed(0, 0)  # mx_w512
+        # both widths in both buckets; chunks starting past W - C (300 at C 256, 100 at C 512)
+        ends = (100, 300, 512, 512 + chunk * 3 // 5, 850, 899)
+        for start, end in zip((1, *ends), ends):
             outs.append(runner.prefill(ids[start:end], start, blocks).float())
-        mixed(899, 256)  # mx_w1024
+        mixed(899, 1024 - chunk)  # mx_w1024
     return outs
 
 
@@ -176,8 +214,8 @@ def main(argv: list[str] | None = None) -> int:
     kernel = install_stand_ins(args.nkilib_source)
     failures = 0
     for family in FAMILIES:
-        for instance_type, paged in (("trn1", False), ("trn2", True)):
-            config, runs = runners(family, instance_type, paged)
+        for instance_type, paged, chunk in RUNS:
+            config, runs = runners(family, instance_type, paged, chunk)
             truth, reference = steps(config, runs[0]), steps(config, runs[2])
             kernel.graphs.clear()
             exact = error(steps(config, runs[1]), truth)
@@ -190,6 +228,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{'ok  ' if ok else 'FAIL'} {family:12} {layout:15} {instance_type}: fp32 kernel / reference "
                   f"{exact:.1e}; bf16 against fp32 {kernel_error:.4f} with the kernel, {ref_error:.4f} with the "
                   f"reference; kernel ran in {', '.join(sorted(ran)) or 'no graph'}")  # fmt: skip
+    print(f"Llama-3.1-8B, trn2, bucket 131072: {long_context_choice()}")
     return 1 if failures else 0
 
 

@@ -9,14 +9,24 @@ nki_kernels.py). tests/nkilib_source_check.py runs AWS's own torch reference by 
 
 from __future__ import annotations
 
+import contextlib
+import importlib.machinery
 import sys
+import types
+from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
 from fixtures.export_models import checkpoint_path
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from optimum_neuron_chunked.backends.neuron.attention_choice import KERNEL_MODULE, choose_nki_graphs
+from optimum_neuron_chunked.backends.neuron.attention_choice import (
+    KERNEL_MODULE,
+    STRICTEST,
+    choose_nki_graphs,
+)
+from optimum_neuron_chunked.backends.neuron.kernel_probe import KernelProbe
 from optimum_neuron_chunked.backends.neuron.nki_kernels import NkiKernels
 from optimum_neuron_chunked.config import NeuronConfig, NeuronConfigError
 from optimum_neuron_chunked.graph_runner import GraphRunner
@@ -37,25 +47,46 @@ def nkilib():
 
 def neuron_config(**fields) -> NeuronConfig:
     shape = dict(batch_size=2, sequence_length=SEQ, prefill_chunk_size=CHUNK, context_buckets=(32, SEQ))
-    return NeuronConfig(backend="neuron", instance_type="trn1", **(shape | fields))
+    return NeuronConfig(**(dict(backend="neuron", instance_type="trn1") | shape | fields))
 
 
 def test_attention_kernel_choice_per_graph(nkilib, monkeypatch):
+    """NxD Inference's rules per target (trn1: chunks of 512+, no sinks; trn2: any width), the
+    installed kernel's limits (its module constants, else 2.28's), refusals by graph."""
     spec = family_spec(AutoConfig.from_pretrained(checkpoint_path("llama")))
-    config = neuron_config(dtype="bfloat16", mixed_step=True, prefill_widths=(8, CHUNK))
-    chosen, reasons = choose_nki_graphs(config, spec, graph_specs(config))
+    config = neuron_config(dtype="bfloat16", mixed_step=True, prefill_widths=(8, CHUNK), instance_type="trn2")
+    chosen, reasons, limits = choose_nki_graphs(config, spec, graph_specs(config))
     kinds = {s.name: s.kind for s in graph_specs(config)}
     assert {kinds[n] for n in chosen} == {GraphKind.CP, GraphKind.MX} and len(chosen) == 6
     assert {r for n, r in reasons.items() if kinds[n] is GraphKind.TG} == {
         "decode rows keep the reference attention"
     }
+    assert limits == STRICTEST  # the stand-in states no limits
+    trn1 = replace(config, instance_type="trn1")
+    chosen, reasons, _ = choose_nki_graphs(trn1, spec, graph_specs(trn1))
+    assert chosen == () and "on trn1 the kernel serves chunks of 512+ tokens" in reasons["cp_w64"]
+    wide = neuron_config(
+        dtype="bfloat16", sequence_length=1024, prefill_chunk_size=512, context_buckets=(1024,)
+    )
+    assert choose_nki_graphs(wide, spec, graph_specs(wide))[0] == ("cp_w1024",)
+    sinks = family_spec(AutoConfig.from_pretrained(checkpoint_path("gpt_oss")))
+    assert "sinks are not supported" in choose_nki_graphs(wide, sinks, graph_specs(wide))[1]["cp_w1024"]
+    assert choose_nki_graphs(replace(wide, instance_type="trn2"), sinks, graph_specs(wide))[0] == (
+        "cp_w1024",
+    )
+    long = neuron_config(dtype="bfloat16", sequence_length=131072, prefill_chunk_size=512, context_buckets=(131072,),
+                         instance_type="trn2")  # fmt: skip
+    assert "exceeds the kernel's 36864" in choose_nki_graphs(long, spec, graph_specs(long))[1]["cp_w131072"]
+    nkilib.module._MAX_BS, nkilib.module._MAX_SEQLEN, nkilib.module._MAX_HEAD_DIM = 512, 131072, 128  # 2.29
+    chosen, _, limits = choose_nki_graphs(long, spec, graph_specs(long))
+    assert chosen == ("cp_w131072",) and (limits.max_batch, limits.max_positions) == (512, 131072)
     assert choose_nki_graphs(neuron_config(dtype="bfloat16", attention_kernel="reference"), spec, [])[0] == ()
-    fp32 = neuron_config(attention_kernel="nki")
+    fp32 = neuron_config(attention_kernel="nki", instance_type="trn2")
     with pytest.raises(NeuronConfigError, match=r"nki: cp_w32: the export is float32 .* --dtype bfloat16"):
         choose_nki_graphs(fp32, spec, graph_specs(fp32))
     assert choose_nki_graphs(neuron_config(), spec, graph_specs(neuron_config()))[0] == ()  # auto: fp32
     monkeypatch.setitem(sys.modules, KERNEL_MODULE, None)  # nkilib cannot import
-    chosen, reasons = choose_nki_graphs(config, spec, graph_specs(config))
+    chosen, reasons, _ = choose_nki_graphs(config, spec, graph_specs(config))
     assert chosen == () and "does not import" in reasons["cp_w32"]
     with pytest.raises(NeuronConfigError, match="--attention-kernel nki calls AWS's NKI kernel"):
         NeuronConfig(batch_size=2, sequence_length=SEQ, backend="cpu", attention_kernel="nki")
@@ -68,8 +99,9 @@ def test_attention_kernel_choice_per_graph(nkilib, monkeypatch):
 )  # fmt: skip
 def test_chunks_through_the_kernel_equal_the_reference(nkilib, family, paged, native_gqa):
     """Padded chunks at every offset of both buckets, whole-sequence (gemma3: rings keep the
-    reference) and paged (sliding windows, gpt-oss's sinks): the logits and every cache entry
-    equal the reference's (padded copies write the last real token's K/V), and the kernel ran."""
+    reference) and paged (sliding windows, gpt-oss's sinks), one starting past W - C (its
+    queries laid out from W - C): the logits and every cache entry equal the reference's
+    (padded copies write the last real token's K/V), and the kernel ran."""
     pages = dict(kv_cache_blocks=8, kv_block_size=16) if paged else {}
     config = NeuronConfig(batch_size=2, sequence_length=SEQ, prefill_chunk_size=CHUNK, context_buckets=(32, SEQ),
                           mixed_step=True, backend="eager", **pages)  # fmt: skip
@@ -83,11 +115,10 @@ def test_chunks_through_the_kernel_equal_the_reference(nkilib, family, paged, na
         model.load_weights(model.weights_from_hf(hf))
         models.append(model.eval())
         runners.append(GraphRunner(config, {s.name: graph_module(model, s, config) for s in specs}))
-    ids = torch.randint(4, 300, (50,), generator=torch.Generator().manual_seed(3))
+    ids = torch.randint(4, 300, (62,), generator=torch.Generator().manual_seed(3))
     blocks = [3, 5, 0, 7] if paged else [1]
     with torch.no_grad():
-        for start in (0, 16, 32, 45):  # 45: a padded chunk (5 of 16) into bucket 64
-            end = min(start + CHUNK, len(ids))
+        for start, end in ((0, 16), (16, 32), (32, 45), (45, 50), (50, 62)):  # padded into bucket 64
             want, got = (r.prefill(ids[start:end], start, blocks) for r in runners)
             torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
         sampling = (torch.ones(1, 3), torch.zeros(1))
@@ -103,34 +134,100 @@ def test_chunks_through_the_kernel_equal_the_reference(nkilib, family, paged, na
     assert {c["tp_q"] for c in nkilib.calls} == {native_gqa}
 
 
-def test_a_kernel_the_compiler_rejects_is_compiled_again_with_the_reference(monkeypatch, tmp_path):
-    """--attention-kernel auto: the first compile raises KernelCompileError for the chosen
-    graphs; the export says so, compiles again with the reference and records none."""
+class StubNxd:
+    """neuronx-distributed as NeuronBackend.compile drives it, with neither SDK nor compiler:
+    plain torch layers at tp 1, a ModelBuilder whose trace runs the module eagerly (recording
+    whether the kernel ran) and whose compile refuses the kernel probes of `refused` shapes."""
+
+    def __init__(self, kernel, refused: set[tuple[int, int]], refuse_bundle: bool = False):
+        self.kernel, self.refused, self.refuse_bundle = kernel, refused, refuse_bundle
+        self.probes, self.bundles = [], []  # (tokens, window) probed; {tag: kernel ran} compiled
+
+    def modules(self) -> dict[str, types.ModuleType]:
+        def module(name: str, **attrs) -> types.ModuleType:
+            m = types.ModuleType(name)
+            m.__spec__ = importlib.machinery.ModuleSpec(name, None)
+            m.__dict__.update(attrs)
+            return m
+
+        layers = module(
+            "neuronx_distributed.parallel_layers.layers",
+            ColumnParallelLinear=lambda i, o, bias, gather_output: torch.nn.Linear(i, o, bias=bias),
+            RowParallelLinear=lambda i, o, bias, input_is_parallel: torch.nn.Linear(i, o, bias=bias),
+            ParallelEmbedding=lambda v, h, shard_across_embedding: torch.nn.Embedding(v, h),
+        )
+        stub = self
+
+        class ModelBuilder:
+            def __init__(self, model):
+                self.model, self.ran = model, {}
+
+            def trace(self, args=(), kwargs=None, tag=None):
+                before = len(stub.kernel.calls)
+                with torch.no_grad():
+                    self.model(*args, **(kwargs or {}))
+                self.ran[tag] = len(stub.kernel.calls) > before
+
+            def compile(self, priority_model_key, compiler_workdir, compiler_args):
+                if isinstance(self.model, KernelProbe):
+                    stub.probes.append((self.model.tokens, self.model.window))
+                    if stub.probes[-1] in stub.refused:
+                        raise RuntimeError("NCC_EXXX: the kernel's tiles do not fit")
+                else:
+                    stub.bundles.append(self.ran)
+                    if stub.refuse_bundle and any(self.ran.values()):
+                        raise RuntimeError("NCC_EYYY: the bundle does not fit")
+                return types.SimpleNamespace(save=lambda path: Path(path).write_bytes(b"bundle"))
+
+        return {
+            "torch_neuronx": module("torch_neuronx"),
+            "neuronx_distributed": module(
+                "neuronx_distributed",
+                ModelBuilder=ModelBuilder,
+                NxDParallelState=lambda **_: contextlib.nullcontext(),
+            ),
+            "neuronx_distributed.parallel_layers": module(
+                "neuronx_distributed.parallel_layers", layers=layers
+            ),
+            layers.__name__: layers,
+        }
+
+
+@pytest.mark.parametrize("refuse_bundle", [False, True], ids=["probe-refused", "bundle-refused"])
+def test_a_shape_the_compiler_refuses_costs_only_its_graphs(nkilib, monkeypatch, tmp_path, refuse_bundle):
+    """NeuronBackend.compile under --attention-kernel auto (NxD stubbed): the kernel compiled
+    alone per shape first; a refused shape takes its graphs off the kernel and the bundle
+    compiles once. A bundle refused after the probes passed compiles again with the reference."""
     from rich.console import Console
 
-    from optimum_neuron_chunked.backends import KernelCompileError
-    from optimum_neuron_chunked.backends.eager import EagerBackend
     from optimum_neuron_chunked.export import pipeline
 
-    compiled = []
-
-    class RejectingCompiler(EagerBackend):
-        def attention_kernels(self, config, spec, specs):
-            return ("cp_w64",), {"tg_w64": "decode rows keep the reference attention"}
-
-        def compile(self, model, config, specs, out_dir, on_graph):
-            compiled.append(config.nki_attention)
-            if config.nki_attention:
-                raise KernelCompileError("NCC_EXXX: the kernel's tiles do not fit")
-
-    monkeypatch.setattr(pipeline, "get_backend", lambda name: RejectingCompiler())
+    stub = StubNxd(nkilib, refused={(CHUNK, SEQ)}, refuse_bundle=refuse_bundle)
+    for name, module in stub.modules().items():
+        monkeypatch.setitem(sys.modules, name, module)
+    monkeypatch.setenv("NEURON_PLATFORM_TARGET_OVERRIDE", "trn2")
     console = Console(record=True, width=300)
     out = pipeline.export(str(checkpoint_path("llama")), tmp_path / "out", batch_size=2, sequence_length=SEQ,
-                          prefill_chunk_size=CHUNK, backend="eager", console=console)  # fmt: skip
+                          prefill_chunk_size=CHUNK, context_buckets=(32, SEQ), backend="neuron",
+                          instance_type="trn2", dtype="bfloat16", console=console)  # fmt: skip
     said = console.export_text()
-    assert "attention: nkilib attention_cte in cp_w64; reference in tg_w64 (decode rows" in said
-    assert "rejected the NKI attention kernel in cp_w64" in said and "NCC_EXXX" in said
-    assert compiled == [("cp_w64",), ()] and NeuronConfig.load(out).nki_attention == ()
+    assert "attention: nkilib attention_cte in cp_w32, cp_w64" in said
+    assert sorted(stub.probes) == [(CHUNK, 32), (CHUNK, SEQ)]
+    assert stub.bundles[0] == {
+        "tg_w32": False,
+        "cp_w32": True,
+        "tg_w64": False,
+        "cp_w64": False,
+        "copy": False,
+    }
+    if refuse_bundle:  # the residual fallback: every graph again, none through the kernel
+        assert len(stub.bundles) == 2 and not any(stub.bundles[1].values())
+        assert "rejected the NKI attention kernel in cp_w32: RuntimeError: NCC_EYYY" in said
+        assert NeuronConfig.load(out).nki_attention == ()
+    else:
+        assert "refused the NKI attention kernel alone in cp_w64" in said
+        assert len(stub.bundles) == 1 and NeuronConfig.load(out).nki_attention == ("cp_w32",)
+    assert NeuronConfig.load(out).nki_limits == STRICTEST.to_dict()
 
 
 def test_the_graphs_that_run_the_kernel_are_recorded_and_logged_at_load(monkeypatch, tmp_path, caplog):
@@ -141,7 +238,7 @@ def test_the_graphs_that_run_the_kernel_are_recorded_and_logged_at_load(monkeypa
 
     class AcceptingCompiler(EagerBackend):
         def attention_kernels(self, config, spec, specs):
-            return ("cp_w64",), {}
+            return ("cp_w64",), {}, {}
 
     monkeypatch.setattr(pipeline, "get_backend", lambda name: AcceptingCompiler())
     out = pipeline.export(str(checkpoint_path("llama")), tmp_path / "out", batch_size=2, sequence_length=SEQ,

@@ -47,8 +47,9 @@ class Backend(ABC):
         specs: list[GraphSpec],
         out_dir: Path,
         on_graph: OnGraph,
-    ) -> None:
-        """Compile every graph of `specs` into `out_dir` (weights are stored by the exporter)."""
+    ) -> NeuronConfig:
+        """Compile every graph of `specs` into `out_dir` (weights are stored by the exporter);
+        returns the config as compiled (the neuron backend may take graphs off the NKI kernel)."""
 
     @abstractmethod
     def load(
@@ -63,10 +64,11 @@ class Backend(ABC):
 
     def attention_kernels(
         self, config: NeuronConfig, spec, specs: list[GraphSpec]
-    ) -> tuple[tuple[str, ...], dict[str, str]]:
-        """(graphs whose prefill chunks run an NKI attention kernel, why the others do not),
-        decided at export (NeuronConfig.nki_attention): none but on the neuron backend."""
-        return (), {}
+    ) -> tuple[tuple[str, ...], dict[str, str], dict]:
+        """(graphs whose prefill chunks run an NKI attention kernel, why the others do not, the
+        kernel limits that decided), at export (NeuronConfig.nki_attention, nki_limits): none
+        but on the neuron backend."""
+        return (), {}, {}
 
     def check_available(self) -> None:
         """Raise BackendUnavailableError, saying what is missing, if this host cannot compile."""

@@ -16,8 +16,8 @@ class EagerBackend(Backend):
     name = "eager"
     runs_code_from_export = None  # safetensors weights: the graphs are this package's modules
 
-    def compile(self, model, config, specs, out_dir: Path, on_graph: OnGraph) -> None:
-        pass
+    def compile(self, model, config, specs, out_dir: Path, on_graph: OnGraph) -> NeuronConfig:
+        return config
 
     def load(
         self, hf_config, config: NeuronConfig, specs: list[GraphSpec], export_dir: Path

@@ -64,8 +64,8 @@ class XlaBackend(Backend):
         specs: list[GraphSpec],
         out_dir: Path,
         on_graph: OnGraph,
-    ) -> None:
-        pass  # the weights are the export: each graph is traced on the device at its first call
+    ) -> NeuronConfig:
+        return config  # the weights are the export: each graph is traced on the device at its first call
 
     def load(
         self, hf_config, config: NeuronConfig, specs: list[GraphSpec], export_dir: Path

@@ -184,31 +184,38 @@ def _size(n: float) -> str:
 def _choose_attention(impl, config: NeuronConfig, spec, console: Console) -> NeuronConfig:
     """The graphs whose prefill chunks run an NKI attention kernel, recorded in the config and
     said in the export's first lines (Backend.attention_kernels)."""
-    chosen, reasons = impl.attention_kernels(config, spec, graph_specs(config))
+    chosen, reasons, limits = impl.attention_kernels(config, spec, graph_specs(config))
     if chosen or config.attention_kernel != "auto" or config.backend == "neuron":
         console.print(describe_attention(chosen, reasons))
-    return replace(config, nki_attention=chosen)
+    if limits:
+        console.print(f"kernel limits: {limits}")
+    return replace(config, nki_attention=chosen, nki_limits=limits)
 
 
 def _compile(impl, decoder, config: NeuronConfig, specs, staging: Path, console: Console) -> NeuronConfig:
-    """Compile every graph; under --attention-kernel auto, a compiler rejecting the NKI kernel
-    compiles the graphs again with the reference attention (said on the console) -> the config
-    as compiled."""
+    """Compile every graph -> the config as compiled. The neuron backend probes the NKI kernel
+    alone first and takes refused shapes off it (said here); should the whole bundle still be
+    refused under --attention-kernel auto, every graph compiles again with the reference."""
     try:
         with _progress(console, len(specs)) as on_graph:
-            impl.compile(decoder, config, specs, staging, on_graph)
-        return config
+            compiled = impl.compile(decoder, config, specs, staging, on_graph)
+        dropped = [name for name in config.nki_attention if name not in compiled.nki_attention]
+        if dropped:
+            console.print(
+                f"[yellow]the compiler refused the NKI attention kernel alone in {', '.join(dropped)}[/]: "
+                "they attend through the reference"
+            )
+        return compiled
     except KernelCompileError as e:
         if config.attention_kernel != "auto":
             raise
         console.print(
-            f"[yellow]the compiler rejected the NKI attention kernel in {', '.join(config.nki_attention)}[/] "
-            f"({e}): compiling every graph again with the reference attention (--attention-kernel reference)"
+            f"[yellow]the compiler rejected the NKI attention kernel[/] {e}: compiling every graph again "
+            "with the reference attention (--attention-kernel reference)"
         )
     config = replace(config, nki_attention=())
     with _progress(console, len(specs)) as on_graph:
-        impl.compile(decoder, config, specs, staging, on_graph)
-    return config
+        return impl.compile(decoder, config, specs, staging, on_graph)
 
 
 def check_options(options: dict) -> None:

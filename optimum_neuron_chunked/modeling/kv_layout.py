@@ -46,6 +46,12 @@ class LayerKV:
     block_size: int  # positions a block of this layer holds
     ring: int | None
 
+    @property
+    def position_ordered(self) -> bool:
+        """Each row's read holds position p at index p (no ring): a contiguous prior for a
+        kernel that takes one (backends/neuron/nki_kernels.py)."""
+        return self.ring is None
+
     def index(self, position_ids: torch.Tensor) -> torch.Tensor:
         """Where a one-block row keeps each position."""
         return position_ids if self.ring is None else torch.remainder(position_ids, self.ring)

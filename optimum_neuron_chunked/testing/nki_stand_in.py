@@ -7,7 +7,7 @@ backends/neuron/nki_kernels.py, which calls it:
 - batch rows are heads: query row i reads K/V row i // (B / B_kv);
 - layouts: q [B, Sq, d] (tp_q) or [B, d, Sq]; k and k_prior [B_kv, S, d] (tp_k) or
   [B_kv, d, S]; v and v_prior [B_kv, S, d]; the result [B, Sq, d], or [B, d, Sq] (tp_out);
-- the prior's first prior_used_len[0] positions are visible to every query, the active keys
+- the prior's first prior_used_len[0] positions are visible (no prior: none) to every query, the active keys
   causally by index (position 0 at the chunk's start), a sliding window masks keys at
   distance >= window, a sink (B, 1) is one more logit of each row's softmax;
 - float32 math, the result in q's dtype.
@@ -29,7 +29,11 @@ KERNEL_MODULE = "nkilib.core.attention.attention_cte"
 def cte_semantics(q, k, v, scale=1.0, causal_mask=True, k_prior=None, v_prior=None, prior_used_len=None,
                   sink=None, sliding_window=None, tp_q=True, tp_k=False, tp_out=False, **_):  # fmt: skip
     query = (q if tp_q else q.transpose(1, 2)).float()
-    k, k_prior = ((x if tp_k else x.transpose(1, 2)) for x in (k, k_prior))
+    k = k if tp_k else k.transpose(1, 2)
+    if k_prior is None:  # no prior: the active keys alone
+        k_prior, v_prior, prior_used_len = k[:, :0], v[:, :0], torch.zeros(1, dtype=torch.int32)
+    elif not tp_k:
+        k_prior = k_prior.transpose(1, 2)
     p = int(prior_used_len[0])
     keys = torch.cat([k_prior[:, :p], k], 1).float()
     values = torch.cat([v_prior[:, :p], v], 1).float()
@@ -69,6 +73,7 @@ def installed(kernel: Callable = cte_semantics) -> Iterator[StandInKernel]:
 
     nki, module = types.ModuleType("nki"), types.ModuleType(KERNEL_MODULE)
     jitted = StandInKernel(kernel)
+    jitted.module = module  # a test may give it the kernel's limit constants (_MAX_BS, ...)
     nki.jit, module.attention_cte = (lambda fn: jitted), kernel
     saved = {name: sys.modules.get(name) for name in ("nki", KERNEL_MODULE)}
     sys.modules.update({"nki": nki, KERNEL_MODULE: module})

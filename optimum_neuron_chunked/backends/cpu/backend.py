@@ -102,7 +102,7 @@ class CpuBackend(Backend):
         specs: list[GraphSpec],
         out_dir: Path,
         on_graph: OnGraph,
-    ) -> None:
+    ) -> NeuronConfig:
         (out_dir / GRAPHS_DIR).mkdir(parents=True, exist_ok=True)
         options = inductor_configs(config)
         for spec, path in zip(specs, self.graph_files(specs), strict=True):
@@ -111,6 +111,7 @@ class CpuBackend(Backend):
                 torch._inductor.aoti_compile_and_package(
                     program, package_path=str(out_dir / path), inductor_configs=options
                 )
+        return config
 
     def load(
         self, hf_config, config: NeuronConfig, specs: list[GraphSpec], export_dir: Path

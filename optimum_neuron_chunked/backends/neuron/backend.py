@@ -8,9 +8,11 @@ Export folder:
 
 from __future__ import annotations
 
+import logging
 import os
 import tempfile
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -19,13 +21,14 @@ from torch import nn
 
 from ...checkpoint_stream import WeightFile
 from ...config import NeuronConfig
-from ...graphs import GraphKind, GraphSpec, example_inputs, graph_module, graph_specs
+from ...graphs import GraphSpec, example_inputs, graph_module, graph_specs
 from ...modeling import model_from_spec
 from ...modeling.decoder import DecoderModel
 from ...modeling.kernels import Kernels
 from ...modeling.parallel import ShardLayout, rank_shard, tp_checkpoint
 from ..base import GRAPHS_DIR, Backend, KernelCompileError, OnGraph
 from .attention_choice import choose_nki_graphs
+from .kernel_probe import KernelProbe, kernel_specs
 from .nki_kernels import NkiKernels
 from .sdk import installed_compiler_version
 from .target import (
@@ -38,6 +41,8 @@ from .target import (
     resolve_instance_type,
     visible_cores_env,
 )
+
+logger = logging.getLogger(__name__)
 
 BUNDLE = f"{GRAPHS_DIR}/nxd_model.pt"
 PREFIX = "model."  # the bundle holds the decoder as its `model` submodule
@@ -55,16 +60,14 @@ class NeuronBackend(Backend):
         """nkilib's attention_cte for the prefill chunks of the graphs the export chose."""
         if not config.nki_attention:
             return Kernels()
-        chosen = [s for s in graph_specs(config) if s.name in config.nki_attention]
-        shapes = frozenset(
-            (config.prefill_chunk_size if s.kind is GraphKind.MX else s.width, s.window) for s in chosen
-        )
+        shapes = frozenset(kernel_shapes(config).values())
         target = TARGETS[config.instance_type]
         # NxD Inference repeats K/V heads where the platform target is trn1 (attention_base.py).
         return NkiKernels(shapes, native_gqa=target.compiler_target != "trn1", grid=target.logical_nc_config)
 
     def attention_kernels(self, config: NeuronConfig, spec, specs: list[GraphSpec]):
-        return choose_nki_graphs(config, spec, specs)
+        chosen, reasons, limits = choose_nki_graphs(config, spec, specs)
+        return chosen, reasons, limits.to_dict() if limits else {}
 
     def check_serving_host(self, config: NeuronConfig, dp_size: int = 1) -> None:
         self.device_env(config, dp_size - 1, dp_size)  # the last rank's cores fit: every rank's do
@@ -108,7 +111,10 @@ class NeuronBackend(Backend):
         specs: list[GraphSpec],
         out_dir: Path,
         on_graph: OnGraph,
-    ) -> None:
+    ) -> NeuronConfig:
+        """Under --attention-kernel auto, the kernel is first compiled alone at each chosen shape
+        (kernel_probe.py): a shape the compiler refuses costs its graphs the kernel, not the
+        export a second compile. Returns the config as compiled."""
         require_neuron_sdk()
         from neuronx_distributed import NxDParallelState
 
@@ -121,6 +127,8 @@ class NeuronBackend(Backend):
         with NxDParallelState(
             world_size=tp, tensor_model_parallel_size=tp, lnc_size=target.logical_nc_config
         ):
+            if config.attention_kernel == "auto" and config.nki_attention:
+                config = self._without_refused_shapes(model.spec, config, target)
             sharded = model_from_spec(
                 model.spec, config, NxdLayers(tp), functional_cache=True, kernels=self.kernels(config)
             )
@@ -135,9 +143,36 @@ class NeuronBackend(Backend):
             except Exception as e:  # tracing the kernel or neuronx-cc: failures of many types
                 if not config.nki_attention:
                     raise
-                raise KernelCompileError(f"{type(e).__name__}: {str(e)[:500]}") from e
+                said = f"in {', '.join(config.nki_attention)}: {type(e).__name__}: {str(e)[:500]}"
+                raise KernelCompileError(said) from e
         (out_dir / GRAPHS_DIR).mkdir(parents=True, exist_ok=True)
         nxd_model.save(str(out_dir / BUNDLE))
+        return config
+
+    def _without_refused_shapes(self, spec, config: NeuronConfig, target) -> NeuronConfig:
+        """`config` less the kernel graphs whose (chunk, window) shape the compiler refuses."""
+        shapes = kernel_shapes(config)
+        kernels = self.kernels(config)
+        refused = {}
+        for shape in sorted(set(shapes.values())):
+            for attention in kernel_specs(config, spec):
+                probe = KernelProbe(kernels, attention, *shape, dtype=getattr(torch, config.dtype))
+                try:
+                    _compile_probe(probe, target)
+                except Exception as e:  # tracing the kernel or neuronx-cc: failures of many types
+                    refused[shape] = f"{type(e).__name__}: {str(e)[:300]}"
+                    break
+        dropped = [name for name, shape in shapes.items() if shape in refused]
+        for shape, reason in refused.items():
+            names = ", ".join(n for n in dropped if shapes[n] == shape)
+            logger.warning(
+                "the compiler refused the NKI attention kernel for %d-token chunks over %d positions "
+                "(%s): %s attend through the reference",
+                *shape,
+                reason,
+                names,
+            )
+        return replace(config, nki_attention=tuple(n for n in config.nki_attention if n not in dropped))
 
     def load(
         self, hf_config, config: NeuronConfig, specs: list[GraphSpec], export_dir: Path
@@ -156,6 +191,25 @@ class NeuronBackend(Backend):
         sampled = ("tg", "mx") if config.on_device_sampling else ()
         lazy = {spec.name for spec in specs if spec.kind in (*sampled, "vf")}
         return {spec.name: NeuronGraph(nxd_model, spec.name, spec.name in lazy) for spec in specs}
+
+
+def kernel_shapes(config: NeuronConfig) -> dict[str, tuple[int, int]]:
+    """(chunk tokens, context bucket) of each graph that runs the kernel: an MX graph's width
+    is its chunk's."""
+    return {s.name: (s.width, s.window) for s in graph_specs(config) if s.name in config.nki_attention}
+
+
+def _compile_probe(probe: KernelProbe, target) -> None:
+    from neuronx_distributed import ModelBuilder
+
+    builder = ModelBuilder(probe)
+    builder.trace(kwargs=probe.example_inputs(), tag="kernel_probe")
+    with tempfile.TemporaryDirectory(prefix="nxd-probe-") as workdir:
+        builder.compile(
+            priority_model_key="kernel_probe",
+            compiler_workdir=workdir,
+            compiler_args=compiler_args(target, installed_compiler_version()),
+        )
 
 
 def written_shard(path: Path, names: list[str]) -> dict[str, torch.Tensor]:

@@ -2,20 +2,25 @@
 graphs attention_choice.py chose), everything else through the reference (modeling/kernels.py).
 
 The call follows NxD Inference's prefix prefill (modules/attention/attention_base.py,
-`perform_prefix_prefill`, release 2.29): heads fold into the kernel's batch dimension, q is
-scaled first and the kernel's scale is 1.0 (it requires 1.0 with a prior), the kernel is
-wrapped by `nki.jit` and called with a grid of the logical core's NeuronCores where there are
-several; on trn1 / inf2 K/V heads are repeated to the query heads and q goes in as [H, D, T]
-(tp_q=False), on trn2 the kernel reads query head h from KV head h // groups itself. Keyword
-arguments only: the signature grew between nki-library's 2.28 and 2.29_release branches.
+`perform_prefix_prefill`, l.772): heads fold into the kernel's batch dimension, q is scaled
+first and the kernel's scale is 1.0 (it requires 1.0 with a prior), the kernel is wrapped by
+`nki.jit` and called with a grid of the logical core's NeuronCores where there are several; on
+trn1 / inf2 K/V heads are repeated to the query heads and q goes in as [H, D, T] (tp_q=False),
+on trn2 the kernel reads query head h from KV head h // groups itself. Keyword arguments only:
+the signature grew between nki-library's 2.28 and 2.29_release branches.
 
-What the kernel reads: the row's context read as the layout says (KVCache.read: a
-whole-sequence block as it is, smaller blocks gathered, linear in the window) is the prior, of
-which the first `prior_used_len` = the chunk's first position are visible; the chunk's own K/V,
-just written, are read back at its positions and attend causally by index. A padded chunk
-repeats its last token and position, so a padded query would see the padded keys too: its
-output is replaced by the last real token's, so padded copies compute exactly what the last
-real token does (modeling/kv_cache.py's invariant) and the next layer writes identical K/V.
+What the kernel reads, for a chunk of T tokens (padded: repeating the last real token and
+position) at positions start.. of a row whose context bucket is W (start + real tokens <= W):
+- the row's context, read as the layout says (KVCache.read), position p at index p;
+- the prior: its first W - T positions, of which the first `base` are visible, where
+  base = min(start, W - T); the active keys: the T positions base.., causal by index. So the
+  kernel sees W positions in all (prior + active <= its max_positions for any W up to it);
+- queries laid out by position: query index i is position base + i. A real query at position
+  p sits at index p - base < T and sees prior [0, base) and active keys base..p: positions
+  0..p, as the reference. Indices holding no real query compute what is thrown away; each
+  token's output is gathered back at its position, so padded copies get the last real token's.
+A CE graph (W == T, start 0) has no prior: the kernel is called without one, as NxD
+Inference's `perform_prefill` calls it.
 
 Imports nothing closed beyond `nki` and `nkilib`, lazily: stand-ins can take their place
 (tests/nkilib_source_check.py).
@@ -60,25 +65,41 @@ class NkiKernels(Kernels):
     ) -> torch.Tensor:
         rows, tokens = part.position_ids.shape
         chunk = not part.decode_rows and rows == 1 and (tokens, part.read.window) in self.chunk_shapes
-        if not chunk or cache.layer.ring is not None:  # a ring is not in position order
+        if not chunk or not cache.layer.position_ordered:
             return super().attend(spec, part, q, cache, sinks)
         return self._chunk(spec, part, q, cache, sinks)
 
     def _chunk(self, spec: AttentionSpec, part: GraphPart, q, cache: KVCache, sinks) -> torch.Tensor:
         """q [1, Hq, T, D] of one chunk -> [1, Hq, T, D] through attention_cte."""
         keys, values, _ = cache.read(part.tables, part.read.window, part.position_ids)
-        prior_k, prior_v = keys[0], values[0]  # [Hkv, W, D], position p at index p
+        context_k, context_v = keys[0], values[0]  # [Hkv, W, D], position p at index p
+        window, tokens = context_k.shape[1], q.shape[2]
         positions = part.position_ids[0]
-        active_k, active_v = prior_k.index_select(1, positions), prior_v.index_select(1, positions)
+        base = torch.clamp(positions[:1], max=window - tokens)  # [1]
+        by_position = base + torch.arange(tokens, device=positions.device)
+        index = torch.clamp(by_position - positions[:1], min=0)  # query of each position index
+        query = (q[0] * spec.scale).to(context_k.dtype).index_select(1, index)  # [Hq, T, D]
+        prior = (context_k[:, : window - tokens], context_v[:, : window - tokens], base)
+        active = (context_k.index_select(1, by_position), context_v.index_select(1, by_position))
+        out = self.call(spec, query, *active, prior if window > tokens else None, sinks)
+        return out.index_select(1, positions - base)[None].to(q.dtype)
+
+    def call(self, spec: AttentionSpec, query, active_k, active_v, prior, sinks) -> torch.Tensor:
+        """attention_cte on query [Hq, T, D] (scaled), active K/V [Hkv, T, D] and `prior` (K, V
+        [Hkv, S, D], visible length [1]) or None -> [Hq, T, D]. tests/ and the compile probe
+        (backend.py) call it with shapes of their own."""
+        prior_k = prior_v = prior_len = None
+        if prior is not None:
+            prior_k, prior_v, prior_len = prior[0], prior[1], prior[2].to(torch.int32)
         if not self.native_gqa:
             groups = spec.num_heads // spec.num_kv_heads
-            prior_k, prior_v, active_k, active_v = (
-                x.repeat_interleave(groups, dim=0) for x in (prior_k, prior_v, active_k, active_v)
+            active_k, active_v, prior_k, prior_v = (
+                None if x is None else x.repeat_interleave(groups, dim=0)
+                for x in (active_k, active_v, prior_k, prior_v)
             )
-        query = (q[0] * spec.scale).to(prior_k.dtype)  # [Hq, T, D]
         kernel = attention_cte()
         call = kernel[self.grid] if self.grid > 1 else kernel
-        out = call(
+        return call(
             query if self.native_gqa else query.transpose(1, 2),
             active_k,
             active_v,
@@ -86,12 +107,10 @@ class NkiKernels(Kernels):
             causal_mask=True,
             k_prior=prior_k,
             v_prior=prior_v,
-            prior_used_len=positions[:1].to(torch.int32),
+            prior_used_len=prior_len,
             sink=None if sinks is None else sinks.float()[:, None],
             sliding_window=spec.sliding_window or 0,  # 0: none (the torch reference compares it)
             tp_q=self.native_gqa,
             tp_k=True,
             tp_out=False,
         )  # [Hq, T, D]
-        real = positions - positions[0]  # a padded token's index is its real twin's
-        return out.index_select(1, real)[None].to(q.dtype)

@@ -1,0 +1,77 @@
+"""A compiler probe for AWS's attention kernel: one attention_cte call at a chosen graph's
+shapes, compiled alone by neuronx-cc (through NxD's ModelBuilder, as the bundle is) before any
+graph of the export. A refusal is known after a graph of one op, and only the graphs of that
+shape fall back to the reference attention; the rest of the export compiles once.
+
+The probe calls the kernel exactly as the graphs do (NkiKernels.call) on inputs of the graph's
+per-rank shapes: T queries, T active and W - T prior positions, each layer's sliding window
+and sinks where its cache is position-ordered (ring layers keep the reference)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ...config import NeuronConfig
+from ...modeling.family import FamilySpec
+from ...modeling.kernels import AttentionSpec
+from ...modeling.kv_layout import KVLayout
+from ...modeling.parallel import ShardLayout
+from .nki_kernels import NkiKernels
+
+
+def kernel_specs(config: NeuronConfig, spec: FamilySpec) -> list[AttentionSpec]:
+    """The distinct attention specs (per rank) of the layers that can run the kernel."""
+    shard, layout = ShardLayout.of(spec, config.tp_degree), KVLayout.of(config, spec)
+    specs = {
+        AttentionSpec(
+            shard.heads_per_rank,
+            shard.kv_heads_per_rank,
+            spec.head_dim,
+            spec.scale,
+            window,
+            spec.attention_sinks,
+        )  # fmt: skip
+        for i, window in enumerate(spec.sliding_windows)
+        if layout.layer(i).position_ordered
+    }
+    return sorted(specs, key=repr)
+
+
+class KernelProbe(nn.Module):
+    """attention_cte on a chunk of `tokens` over a `window`-position context, nothing else.
+    forward's parameters are named (NxD's ModelBuilder refuses *args)."""
+
+    def __init__(self, kernels: NkiKernels, spec: AttentionSpec, tokens: int, window: int, dtype):
+        super().__init__()
+        self.kernels, self.spec = kernels, spec
+        self.tokens, self.window, self.dtype = tokens, window, dtype
+
+    def example_inputs(self) -> dict[str, torch.Tensor]:
+        """Keyword inputs (ModelBuilder.trace's `kwargs`): no prior for a CE shape (W == T)."""
+        s, t, prior = self.spec, self.tokens, self.window - self.tokens
+
+        def zeros(heads: int, positions: int) -> torch.Tensor:
+            return torch.zeros(heads, positions, s.head_dim, dtype=self.dtype)
+
+        inputs = {"query": zeros(s.num_heads, t), "active_k": zeros(s.num_kv_heads, t)}
+        inputs["active_v"] = zeros(s.num_kv_heads, t)
+        if prior:
+            inputs |= {"prior_k": zeros(s.num_kv_heads, prior), "prior_v": zeros(s.num_kv_heads, prior)}
+            inputs["prior_len"] = torch.zeros(1, dtype=torch.int32)
+        if s.sinks:
+            inputs["sinks"] = torch.zeros(s.num_heads)
+        return inputs
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        active_k: torch.Tensor,
+        active_v: torch.Tensor,
+        prior_k: torch.Tensor | None = None,
+        prior_v: torch.Tensor | None = None,
+        prior_len: torch.Tensor | None = None,
+        sinks: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        prior = None if prior_k is None else (prior_k, prior_v, prior_len)
+        return self.kernels.call(self.spec, query, active_k, active_v, prior, sinks)
