@@ -80,6 +80,24 @@ def resolve_export(
     return Path(snapshot_download(repo_id, revision=revision, allow_patterns=patterns))
 
 
+def is_export(model: str | Path, revision: str | None = None) -> bool:
+    """Whether `model` (a folder, or a Hub repo at `revision`) holds an export rather than a
+    plain checkpoint. A Hub repo that cannot be reached counts as an export: resolve_export
+    then says why it cannot be had."""
+    if not is_repo_id(model):
+        return (Path(model) / CONFIG_NAME).is_file() or not (Path(model) / "config.json").is_file()
+    from huggingface_hub import hf_hub_download
+    from huggingface_hub.errors import EntryNotFoundError, LocalEntryNotFoundError
+
+    try:
+        hf_hub_download(str(model), CONFIG_NAME, revision=revision)
+    except (EntryNotFoundError, LocalEntryNotFoundError):
+        return not _has_model_config(str(model), revision)
+    except Exception:  # no such repository, no access: resolve_export words it
+        return True
+    return True
+
+
 def hub_snapshot(folder: str | Path) -> tuple[str, str] | None:
     """(repo id, commit) of a folder laid out as huggingface_hub caches a repository
     (.../models--org--name/snapshots/<commit>), else None."""

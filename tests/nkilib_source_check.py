@@ -197,8 +197,8 @@ def steps(config, runner) -> list[torch.Tensor]:
 
     with torch.no_grad():
         mixed(0, 0)  # mx_w512
-        # both widths in both buckets; chunks starting past W - C (300 at C 256, 100 at C 512)
-        ends = (100, 300, 512, 512 + chunk * 3 // 5, 850, 899)
+        # both widths in both buckets; chunks starting past W - C (at 300 for C 256, 100 for C 512)
+        ends = (100, 300 if chunk <= 256 else 400, 512, 512 + chunk * 3 // 5, 850, 899)
         for start, end in zip((1, *ends[:-1]), ends, strict=True):
             outs.append(runner.prefill(ids[start:end], start, blocks).float())
         mixed(899, 1024 - chunk)  # mx_w1024

@@ -17,6 +17,9 @@ from ..modeling.decoder import DecoderModel
 from ..modeling.kernels import Kernels
 
 GRAPHS_DIR = "graphs"
+# The chunk an export made for `vllm serve MODEL` gets by default (Sarathi-Serve's strict-latency
+# budget); the neuron backend's per target (its attention kernel's rule).
+DEFAULT_CHUNK_SIZE = 256
 WEIGHTS_NAME = "model.safetensors"
 
 # Called around each graph's compilation (progress display); must return a context manager.
@@ -69,6 +72,16 @@ class Backend(ABC):
         kernel limits that decided), at export (NeuronConfig.nki_attention, nki_limits): none
         but on the neuron backend."""
         return (), {}, {}
+
+    def toolchain(self) -> dict[str, str]:
+        """Versions of what shapes this backend's compiled graphs (the export cache's key)."""
+        import torch
+
+        return {"torch": torch.__version__}
+
+    def default_chunk_size(self, instance_type: str) -> int:
+        """--prefill-chunk-size when an export for `vllm serve MODEL` names none."""
+        return DEFAULT_CHUNK_SIZE
 
     def check_available(self) -> None:
         """Raise BackendUnavailableError, saying what is missing, if this host cannot compile."""

@@ -2,7 +2,8 @@
 
 A feature the worker would silently ignore (LoRA: base-model tokens) or fail on at the first
 request is refused before anything is loaded. Speculative decoding is checked against the
-export's verify graphs (limits.check_speculation).
+export's verify graphs (limits.check_speculation); tensor parallelism and quantization against
+the export (export_options.check_export_keys).
 Attribute names are VllmConfig's and flags are `vllm serve`'s, as of vLLM 0.32
 (vllm/config/vllm.py, vllm/engine/arg_utils.py).
 """
@@ -44,21 +45,11 @@ def refuse_unsupported(vllm_config) -> None:
         if getattr(vllm_config, attr, None) is not None
         and not (attr == "kv_transfer_config" and is_platform_connector(vllm_config.kv_transfer_config))
     ]
-    parallel = vllm_config.parallel_config
-    for flag, size in (
-        ("--tensor-parallel-size", parallel.tensor_parallel_size),
-        ("--pipeline-parallel-size", parallel.pipeline_parallel_size),
-    ):
-        if size > 1:
-            problems.append(
-                f"{flag} {size} is not supported: the export decides tensor parallelism "
-                "(optimum-cli export neuron --tensor_parallel_size); serve with the default of 1."
-            )
-    quantization = vllm_config.model_config.quantization if vllm_config.model_config else None
-    if quantization is not None:
+    pipeline = vllm_config.parallel_config.pipeline_parallel_size
+    if pipeline > 1:
         problems.append(
-            f"--quantization {quantization} is not supported: the export's dtype decides the weights; "
-            "drop the flag."
+            f"--pipeline-parallel-size {pipeline} is not supported: the export's graphs run every "
+            "layer; shard with --tensor-parallel-size (neuron backend) instead."
         )
     if uses_v2_model_runner(vllm_config):
         problems.append(

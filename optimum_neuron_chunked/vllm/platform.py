@@ -10,15 +10,17 @@ import os
 from pathlib import Path
 
 import torch
+from rich.console import Console
 from vllm.logger import init_logger
 from vllm.platforms import Platform, PlatformEnum
 
 from ..backends import get_backend
 from ..config import NeuronConfig
-from ..export_folder import ExportCapabilities, InvalidExportError, check_export
-from ..hub import UntrustedExportError, resolve_export
+from ..export_folder import ExportCapabilities, check_export
+from ..hub import is_export, resolve_export
 from ..modeling.kv_layout import PrefixCache
 from .compat import cap_scheduled_tokens
+from .export_options import check_export_keys, describe_plan, export_options
 from .features import refuse_unsupported
 from .limits import EngineRequest, ServingConfigError, serving_limits
 
@@ -39,7 +41,14 @@ class NeuronChunkedPlatform(Platform):
 
     @property
     def supported_dtypes(self) -> list[torch.dtype]:
-        # float32 first: vLLM's "auto" keeps a float32 export in float32.
+        # vLLM's "auto" takes a checkpoint's 16-bit dtype as it is and turns float32 into the
+        # first of these (vllm/config/model.py _resolve_auto_dtype, 0.16.0 and 0.32): bf16 where
+        # the neuron backend compiles (AWS's attention kernel computes in bf16), float32 on the
+        # cpu / eager / xla backends (exact against transformers).
+        from ..backends import default_backend
+
+        if default_backend()[0] == "neuron":
+            return [torch.bfloat16, torch.float32, torch.float16]
         return [torch.float32, torch.bfloat16, torch.float16]
 
     @classmethod
@@ -89,15 +98,9 @@ class NeuronChunkedPlatform(Platform):
         model_config = vllm_config.model_config
         if model_config is None:
             return
-        try:
-            export = check_export(served_export(model_config))
-        except UntrustedExportError:
-            raise
-        except InvalidExportError as e:
-            raise InvalidExportError(
-                f"{e}\n(optimum-neuron-chunked's vLLM platform serves export folders only; to serve "
-                "a plain checkpoint with another platform, deselect it with VLLM_PLUGINS=...)"
-            ) from None
+        export = check_export(_export_folder(vllm_config))
+        check_export_keys(export, vllm_config)
+        _one_worker_drives_every_core(vllm_config.parallel_config)
         refuse_unsupported(vllm_config)
         # validate_request has no config: what the export serves is kept for this process.
         cls.serves_prompt_logprobs = export.prompt_logprobs
@@ -151,6 +154,40 @@ class NeuronChunkedPlatform(Platform):
             )
 
 
+def _export_folder(vllm_config) -> Path:
+    """The export `vllm serve MODEL` serves: MODEL itself, or the export cache's entry of the
+    plain checkpoint MODEL, exported here with what vLLM's flags say (export_options.py) if no
+    process built it yet. The entry then stands in for MODEL in vLLM's config, so that later
+    runs of this hook (engine cores) serve it as an export; the served model name stays MODEL."""
+    model_config = vllm_config.model_config
+    if is_export(model_config.model, model_config.revision):
+        return served_export(model_config)
+    from ..backends import get_backend
+    from ..cache import cached_export
+    from ..graphs import graph_specs
+
+    options, notes = export_options(vllm_config, _engine_request(vllm_config, None))
+    logger.info("%s is not an export: %s", model_config.model, describe_plan(options, len(graph_specs(
+        NeuronConfig(**options)))))  # fmt: skip
+    for note in notes:
+        logger.info(note)
+    get_backend(options["backend"]).check_available()
+    folder = cached_export(model_config.model, options, model_config.revision, Console(stderr=True))
+    logger.info("serving %s from the export cache: %s", model_config.model, folder)
+    model_config.model = str(folder)
+    return folder
+
+
+def _one_worker_drives_every_core(parallel) -> None:
+    """vLLM's tensor parallelism, checked against the export's (check_export_keys), back to
+    one worker: the export's graphs drive every NeuronCore themselves."""
+    if parallel.tensor_parallel_size > 1:
+        parallel.tensor_parallel_size = 1
+        parallel.world_size = parallel.pipeline_parallel_size
+        if parallel.world_size == 1:
+            parallel.distributed_executor_backend = "uni"
+
+
 def _fit_engine(vllm_config, limits) -> None:
     """vLLM's scheduler and KV-cache manager sized to the export (serving_limits)."""
     sched, cache = vllm_config.scheduler_config, vllm_config.cache_config
@@ -170,7 +207,7 @@ def _fit_engine(vllm_config, limits) -> None:
 EXACT_FLAGS = ("max_num_batched_tokens", "max_num_seqs")
 
 
-def _engine_request(vllm_config, export: NeuronConfig) -> EngineRequest:
+def _engine_request(vllm_config, export: NeuronConfig | None) -> EngineRequest:
     """vLLM's arguments, with vLLM's own defaults read as 'not given' (the export decides).
 
     vLLM fills its defaults before any platform hook sees the arguments (EngineArgs.
@@ -190,7 +227,7 @@ def _engine_request(vllm_config, export: NeuronConfig) -> EngineRequest:
     default_seqs |= {min(seqs, sched.max_num_batched_tokens) for seqs in default_seqs}
     exact = _exact_flags(vllm_config)
     seqs = exact.get("max_num_seqs", sched.max_num_seqs)
-    if "max_num_seqs" not in exact and seqs in default_seqs and seqs > export.batch_size:
+    if "max_num_seqs" not in exact and seqs in default_seqs and (export is None or seqs > export.batch_size):
         seqs = None
     tokens = exact.get("max_num_batched_tokens", sched.max_num_batched_tokens)
     if "max_num_batched_tokens" not in exact and tokens in default_tokens:

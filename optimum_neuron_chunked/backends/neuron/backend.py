@@ -26,8 +26,8 @@ from ...modeling import model_from_spec
 from ...modeling.decoder import DecoderModel
 from ...modeling.kernels import Kernels
 from ...modeling.parallel import ShardLayout, rank_shard, tp_checkpoint
-from ..base import GRAPHS_DIR, Backend, KernelCompileError, OnGraph
-from .attention_choice import choose_nki_graphs
+from ..base import DEFAULT_CHUNK_SIZE, GRAPHS_DIR, Backend, KernelCompileError, OnGraph
+from .attention_choice import LNC1_MIN_WIDTH, choose_nki_graphs, installed_limits
 from .kernel_probe import KernelProbe, kernel_specs
 from .nki_kernels import NkiKernels
 from .sdk import installed_compiler_version
@@ -55,6 +55,22 @@ class NeuronBackend(Backend):
 
     def check_available(self) -> None:
         require_neuron_sdk()
+
+    def toolchain(self) -> dict[str, str]:
+        """The SDK packages that compile the bundle and the attention kernel's file."""
+        import importlib.metadata
+
+        versions = super().toolchain()
+        for name in ("torch-neuronx", "neuronx-cc", "neuronx-distributed"):
+            try:
+                versions[name] = importlib.metadata.version(name)
+            except importlib.metadata.PackageNotFoundError:
+                versions[name] = "absent"
+        return versions | {"nkilib": installed_limits().source}
+
+    def default_chunk_size(self, instance_type: str) -> int:
+        """The chunk the attention kernel serves on the target (attention_choice.target_misfit)."""
+        return LNC1_MIN_WIDTH if TARGETS[instance_type].logical_nc_config == 1 else DEFAULT_CHUNK_SIZE
 
     def kernels(self, config: NeuronConfig) -> Kernels:
         """nkilib's attention_cte for the prefill chunks of the graphs the export chose."""

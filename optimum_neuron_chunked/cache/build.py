@@ -1,0 +1,50 @@
+"""An export of a plain checkpoint through the cache: key it, find it or build it."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from rich.console import Console
+
+from ..backends import default_backend, get_backend
+from ..config import NeuronConfig
+from .source import local_source, source_identity
+from .store import EntryKey, check_free_space, find_or_build
+
+logger = logging.getLogger(__name__)
+
+
+def resolved_options(options: dict) -> dict:
+    """Export options with the host's choices made (backend, instance type, cpu ISA), so that
+    the key names what is compiled; validated by NeuronConfig (its errors name the flag)."""
+    backend = options.get("backend") or default_backend()[0]
+    fields = get_backend(backend).host_fields(options.get("instance_type"))
+    resolved = {k: v for k, v in options.items() if v is not None} | {"backend": backend} | fields
+    NeuronConfig(**resolved)
+    return resolved
+
+
+def cached_export(
+    model: str, options: dict, revision: str | None = None, console: Console | None = None
+) -> Path:
+    """The cache entry of `model` (a local folder or a Hub repo id at `revision`) exported with
+    `options` (export()'s keywords), built here if no process built it yet."""
+    from ..export.pipeline import export
+
+    options = resolved_options(options)
+    backend = get_backend(options["backend"])
+    key = EntryKey(source_identity(model, revision), _jsonable(options), backend.toolchain())
+    instance = options.pop("instance_type", None)
+    options.pop("cpu_isa", None)  # decided again by the exporting host: the same one
+
+    def build(out: Path) -> None:
+        source = local_source(model, revision)  # a Hub checkpoint's weights: only to build
+        check_free_space(source, options)
+        export(source, out, console=console, instance_type=instance, **options)
+
+    return find_or_build(key, build)
+
+
+def _jsonable(options: dict) -> dict:
+    return {k: list(v) if isinstance(v, tuple) else v for k, v in sorted(options.items())}

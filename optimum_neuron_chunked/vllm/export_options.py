@@ -1,0 +1,173 @@
+"""vLLM's flags as export options: `vllm serve MODEL` on a plain checkpoint exports it with
+what the flags say (the one mapping; README's table), and serving an export checks the same
+flags against it.
+
+  --max-model-len            sequence_length (not given: DEFAULT_SEQUENCE_LENGTH, at most the
+                             checkpoint's maximum - vLLM would fill in e.g. 131072 for Llama-3.1)
+  --max-num-seqs             batch_size (not given: DEFAULT_BATCH_SIZE)
+  --dtype                    dtype, as vLLM resolved it (`auto`: the platform's supported_dtypes)
+  --tensor-parallel-size N   tp_degree (neuron backend); vLLM's own TP is then set back to 1:
+                             one worker drives every NeuronCore of the export
+  --quantization fp8         quantization fp8: weight-only, per output channel (not vLLM's W8A8);
+                             one vLLM read from an FP8 checkpoint's config is the checkpoint's
+  --speculative-config       ngram with K tokens: speculation_length K
+  --additional-config        every other export option under its NeuronConfig name
+                             (prefill_chunk_size, context_buckets, backend, mixed_step, ...)
+"""
+
+from __future__ import annotations
+
+from difflib import get_close_matches
+
+from ..config import EXPORT_OPTIONS, NeuronConfig
+from .limits import EngineRequest, ServingConfigError
+
+# export option -> the vLLM flag that sets it
+FROM_FLAGS = {
+    "sequence_length": "--max-model-len",
+    "batch_size": "--max-num-seqs",
+    "dtype": "--dtype",
+    "tp_degree": "--tensor-parallel-size",
+    "speculation_length": "--speculative-config",
+}
+SERVING_KEYS = ("max_num_seqs", "max_num_batched_tokens")  # the platform's own (platform.EXACT_FLAGS)
+# keys vLLM writes into additional_config itself (vllm/engine/arg_utils.py, 0.32)
+VLLM_WRITTEN_KEYS = ("gdn_prefill_backend", "kda_prefill_backend", "kda_decode_backend")
+FP8_FLAGS = ("fp8", "fp8_per_channel", "fp8_per_tensor")  # vLLM 0.32's spellings; 0.16.0: fp8
+DEFAULT_SEQUENCE_LENGTH = 4096
+DEFAULT_BATCH_SIZE = 8
+OPTION_NAMES = tuple(o.name for o in EXPORT_OPTIONS)
+
+
+def additional_export_keys(additional_config) -> dict:
+    """The export options given through --additional-config; refuses unknown keys and keys a
+    vLLM flag sets."""
+    given = additional_config if isinstance(additional_config, dict) else {}
+    keys = {k: v for k, v in given.items() if k not in (*SERVING_KEYS, *VLLM_WRITTEN_KEYS)}
+    for name in keys:
+        if name in FROM_FLAGS:
+            raise ServingConfigError(
+                f"--additional-config {name}: pass vLLM's {FROM_FLAGS[name]} instead (it sets the export's {name})."
+            )
+        if name not in OPTION_NAMES:
+            close = get_close_matches(name, (*OPTION_NAMES, *SERVING_KEYS), n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ServingConfigError(
+                f"--additional-config {name!r}{hint} is not an option of this platform: its keys are "
+                f"{', '.join(n for n in OPTION_NAMES if n not in FROM_FLAGS)} (export options) and "
+                f"{', '.join(SERVING_KEYS)}."
+            )
+    return {k: tuple(v) if isinstance(v, list) else v for k, v in keys.items()}
+
+
+def export_options(vllm_config, request: EngineRequest) -> tuple[dict, list[str]]:
+    """(export()'s options for the served checkpoint, what was chosen for the user: log lines)."""
+    model_config = vllm_config.model_config
+    options = additional_export_keys(vllm_config.additional_config)
+    notes = []
+    length = request.max_model_len
+    if length is None:
+        length = min(DEFAULT_SEQUENCE_LENGTH, model_config.max_model_len)
+        notes.append(
+            f"--max-model-len not given: compiling for {length} positions (the checkpoint allows "
+            f"{model_config.max_model_len}); pass --max-model-len N for another length"
+        )
+    batch = request.max_num_seqs or DEFAULT_BATCH_SIZE
+    if request.max_num_seqs is None:
+        notes.append(f"--max-num-seqs not given: compiling for {batch} sequences; pass --max-num-seqs N")
+    options |= {"sequence_length": length, "batch_size": batch, "dtype": request.dtype}
+    options["tp_degree"] = vllm_config.parallel_config.tensor_parallel_size
+    if options["tp_degree"] > 1 and options.get("backend", "neuron") != "neuron":
+        raise ServingConfigError(
+            f"--tensor-parallel-size {options['tp_degree']} shards the export across NeuronCores: the "
+            f"{options['backend']} backend runs on one process; drop the flag."
+        )
+    options["speculation_length"] = request.speculative_tokens if request.speculative_method else 0
+    quantization = quantization_option(model_config, options.get("quantization"))
+    if quantization is not None:
+        options["quantization"] = quantization
+    return _with_host_choices(options, notes)
+
+
+def _with_host_choices(options: dict, notes: list[str]) -> tuple[dict, list[str]]:
+    """The backend, target and default chunk size resolved on this host, the whole validated."""
+    from ..backends import BackendUnavailableError, get_backend
+    from ..cache.build import resolved_options
+
+    try:
+        resolved = resolved_options(options)
+        if "prefill_chunk_size" not in options:
+            chunk = get_backend(resolved["backend"]).default_chunk_size(resolved.get("instance_type", ""))
+            resolved = resolved_options(
+                options | {"prefill_chunk_size": min(chunk, options["sequence_length"])}
+            )
+    except (ValueError, BackendUnavailableError) as e:  # they name the flag
+        raise ServingConfigError(f"the export these flags ask for cannot be made: {e}") from e
+    if "dtype" in options:
+        notes.append(f"dtype {resolved['dtype']} (vLLM's --dtype, `auto` resolved by this platform)")
+    return resolved, notes
+
+
+def quantization_option(model_config, key: str | None) -> str | None:
+    """The export's quantization from --quantization and the additional-config key: fp8 from
+    the flag, int8 from the key only; a quantization vLLM read from the checkpoint's own config
+    leaves it to the export (FP8 checkpoints stay FP8). None: the export decides."""
+    flag = model_config.quantization
+    from_checkpoint = getattr(model_config.hf_config, "quantization_config", None) is not None
+    if flag is None or from_checkpoint:
+        return key
+    if flag not in FP8_FLAGS:
+        raise ServingConfigError(
+            f"--quantization {flag} is not supported: this platform exports weight-only fp8 "
+            f'(--quantization fp8) or int8 (--additional-config \'{{"quantization": "int8"}}\').'
+        )
+    if key not in (None, "fp8"):
+        raise ServingConfigError(
+            f"--quantization {flag} and --additional-config quantization {key!r} disagree: give one."
+        )
+    return "fp8"
+
+
+def check_export_keys(export: NeuronConfig, vllm_config) -> None:
+    """Serving an export: the export options given must be what it was exported with."""
+    keys = additional_export_keys(vllm_config.additional_config)
+    differ = {
+        k: v
+        for k, v in keys.items()
+        if k != "instance_type" and getattr(export, k) != _as_field(export, k, v)
+    }
+    if differ:
+        said = ", ".join(f"{k} {v!r} (the export's: {getattr(export, k)!r})" for k, v in differ.items())
+        raise ServingConfigError(
+            f"--additional-config {said}: an export serves the options it was exported with; drop "
+            "them, or serve the source checkpoint to export it with these."
+        )
+    tp = vllm_config.parallel_config.tensor_parallel_size
+    if tp not in (1, export.tp_degree):
+        raise ServingConfigError(
+            f"--tensor-parallel-size {tp} differs from the export's {export.tp_degree}: drop the flag, "
+            f"or re-export with --tensor_parallel_size {tp}."
+        )
+    flag = vllm_config.model_config.quantization
+    from_checkpoint = getattr(vllm_config.model_config.hf_config, "quantization_config", None) is not None
+    if flag is not None and not from_checkpoint and not (flag in FP8_FLAGS and export.quantization == "fp8"):
+        raise ServingConfigError(
+            f"--quantization {flag} is not what this export holds ({export.quantization or 'unquantized'} "
+            "weights): drop the flag, the export decides."
+        )
+
+
+def _as_field(export: NeuronConfig, name: str, value):
+    current = getattr(export, name)
+    return tuple(value) if isinstance(current, tuple) and isinstance(value, list | tuple) else value
+
+
+def describe_plan(options: dict, graphs: int) -> str:
+    """The first log line of an export for `vllm serve`: the shapes, the graph count, the flags."""
+    chunk = options.get("prefill_chunk_size", 0)
+    kind = f"chunks of {chunk}" if chunk else "the standard context encoding"
+    return (
+        f"exporting for {options['batch_size']} sequences (--max-num-seqs) of {options['sequence_length']} "
+        f"positions (--max-model-len), {kind} (--additional-config prefill_chunk_size), "
+        f"{options['dtype']} (--dtype), backend {options['backend']}: {graphs} graphs"
+    )
