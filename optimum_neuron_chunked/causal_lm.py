@@ -36,11 +36,29 @@ class NeuronModelForCausalLM:
         revision: str | None = None,
         verify_weights: bool = False,
         trust_remote_code: bool = False,
+        export: bool = False,
+        **export_options,
     ) -> NeuronModelForCausalLM:
         """An export folder, or the repo id of an export on the Hugging Face Hub (at `revision`).
+        With `export=True`: a plain checkpoint (folder or repo id), exported with
+        `export_options` (NeuronConfig's names, `optimum-cli export neuron`'s defaults;
+        batch_size and sequence_length required) through the export cache (cache/), so a second
+        call with the same options loads what the first built.
 
         `verify_weights`: also check the weight files' SHA-256 (sizes and graphs always are).
         `trust_remote_code`: consent to load a Hub export whose files run code (cpu, neuron)."""
+        if export:
+            from .cache import cached_export
+            from .export.pipeline import check_options
+
+            options = export_options | ({"backend": backend} if backend else {})
+            check_options(options)
+            model_dir = cached_export(str(model_dir), options, revision)
+        elif export_options:
+            raise TypeError(
+                f"from_pretrained() got export options {', '.join(sorted(export_options))}: they "
+                "export a plain checkpoint, with export=True."
+            )
         model_dir = Path(resolve_export(model_dir, revision, trust_remote_code))
         runner = GraphRunner.load(model_dir, backend, verify_weights)
         try:

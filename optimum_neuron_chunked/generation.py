@@ -7,6 +7,7 @@ import logging
 import torch
 
 from .config import prefill_slices
+from .generation_plan import GenerationPlan, plan
 from .graph_runner import GraphRunner
 from .modeling.sampler import sample, sampling_params
 from .prompt_lookup import accept_greedy, propose
@@ -18,36 +19,31 @@ def generate(
     model,
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor | None = None,
-    max_new_tokens: int | None = None,
-    do_sample: bool | None = None,
-    temperature: float | None = None,
-    top_k: int | None = None,
-    top_p: float | None = None,
-    eos_token_id: int | list[int] | None = None,
-    pad_token_id: int | None = None,
+    generation_config=None,
+    logits_processor=None,
+    stopping_criteria=None,
+    streamer=None,
     generator: torch.Generator | None = None,
-    prompt_lookup_num_tokens: int | None = None,
+    tokenizer=None,
+    **kwargs,
 ) -> torch.Tensor:
     """Returns [N, L + new] like transformers: the (left-padded) prompts, then new tokens;
-    rows that finished early are filled with pad_token_id. `prompt_lookup_num_tokens` K
-    (greedy, exports with --speculation-length >= K): each step verifies up to K tokens drafted
-    by prompt lookup (prompt_lookup.py) in one VF call - the same tokens, fewer steps."""
-    gen = model.generation_config
-    max_new_tokens = max_new_tokens if max_new_tokens is not None else (gen.max_new_tokens or 20)
-    eos_ids = _as_list(eos_token_id if eos_token_id is not None else gen.eos_token_id)
-    pad = (
-        pad_token_id
-        if pad_token_id is not None
-        else (gen.pad_token_id if gen.pad_token_id is not None else None)
-    )
-    pad = pad if pad is not None else (eos_ids[0] if eos_ids else 0)
-    do_sample = do_sample if do_sample is not None else bool(gen.do_sample)
+    rows that finished early are filled with pad_token_id. Takes transformers' generation
+    arguments (generation_plan.py: the device samples greedy / temperature / top-k / top-p,
+    the host applies transformers' processors for the rest, anything else is refused by name).
+    `prompt_lookup_num_tokens` K (greedy, exports with --speculation-length >= K): each step
+    verifies up to K tokens drafted by prompt lookup (prompt_lookup.py) in one VF call."""
+    p = plan(model.generation_config, generation_config, input_ids.shape[1], logits_processor,
+             stopping_criteria, tokenizer, **kwargs)  # fmt: skip
+    gen = p.config
+    length = input_ids.shape[1]
+    max_new_tokens = gen.max_new_tokens if gen.max_new_tokens is not None else max(gen.max_length - length, 0)
+    eos_ids = _as_list(gen.eos_token_id)
+    pad = gen.pad_token_id if gen.pad_token_id is not None else (eos_ids[0] if eos_ids else 0)
     row_params = sampling_params(
-        top_k=top_k if top_k is not None else (gen.top_k or 0),
-        top_p=top_p if top_p is not None else (gen.top_p or 1.0),
-        temperature=(temperature if temperature is not None else (gen.temperature or 1.0))
-        if do_sample
-        else 0.0,
+        top_k=gen.top_k or 0,
+        top_p=gen.top_p or 1.0,
+        temperature=(gen.temperature or 1.0) if gen.do_sample else 0.0,
     )
     if attention_mask is None:
         attention_mask = torch.ones_like(input_ids)
@@ -59,8 +55,15 @@ def generate(
             f"batch of {n} prompts exceeds the compiled batch_size {model.neuron_config.batch_size}: "
             "split it or re-export with a larger --batch_size."
         )
-    lookup = _check_lookup(model.neuron_config, prompt_lookup_num_tokens, do_sample)
-    new_tokens = _generate_tokens(model, prompts, max_new_tokens, row_params, set(eos_ids), generator, lookup)
+    if streamer is not None and n > 1:
+        raise ValueError("a streamer takes one prompt at a time (as transformers' streamers).")
+    lookup = _check_lookup(model.neuron_config, gen.prompt_lookup_num_tokens, gen.do_sample or p.on_host)
+    if streamer is not None:
+        streamer.put(input_ids.cpu())
+    rows = Rows(input_ids, p, generator, streamer)
+    new_tokens = _generate_tokens(model, prompts, max_new_tokens, row_params, set(eos_ids), rows, lookup)
+    if streamer is not None:
+        streamer.end()
     steps = max((len(t) for t in new_tokens), default=0)
     out = torch.full((n, steps), pad, dtype=input_ids.dtype)
     for i, tokens in enumerate(new_tokens):
@@ -68,11 +71,36 @@ def generate(
     return torch.cat([input_ids, out], dim=1)
 
 
-def _check_lookup(config, k: int | None, do_sample: bool) -> int:
+class Rows:
+    """Each row's tokens as transformers' processors see them (the padded prompt row, then the
+    new tokens), the host's choice of a token where the plan samples on the host, the stopping
+    criteria and the streamer."""
+
+    def __init__(self, input_ids: torch.Tensor, p: GenerationPlan, generator, streamer):
+        self.input_ids, self.plan, self.generator, self.streamer = input_ids, p, generator, streamer
+
+    def ids(self, i: int, tokens: list[int]) -> torch.Tensor:
+        return torch.cat([self.input_ids[i], torch.tensor(tokens, dtype=self.input_ids.dtype)])[None]
+
+    def choose(self, i: int, tokens: list[int], logits: torch.Tensor) -> int:
+        return self.plan.next_token(self.ids(i, tokens), logits, self.generator)
+
+    def append(self, i: int, tokens: list[int], token: int, logits: torch.Tensor | None) -> bool:
+        """Add `token` to row i; whether a stopping criterion ends the row."""
+        tokens.append(token)
+        if self.streamer is not None:
+            self.streamer.put(torch.tensor([token]))
+        return logits is not None and self.plan.stops(self.ids(i, tokens), logits)
+
+
+def _check_lookup(config, k: int | None, sampled: bool) -> int:
     if not k:
         return 0
-    if do_sample:
-        raise ValueError("prompt_lookup_num_tokens verifies drafts greedily: pass do_sample=False.")
+    if sampled:
+        raise ValueError(
+            "prompt_lookup_num_tokens verifies drafts greedily on the device: pass do_sample=False and "
+            "no argument that samples on the host (min_new_tokens, repetition_penalty, ...)."
+        )
     if k > config.speculation_length:
         raise ValueError(
             f"prompt_lookup_num_tokens={k} exceeds the export's verify graphs (--speculation-length "
@@ -82,51 +110,54 @@ def _check_lookup(config, k: int | None, do_sample: bool) -> int:
 
 
 def _generate_tokens(
-    model, prompts, max_new_tokens, row_params, eos_ids, generator, lookup=0
+    model, prompts, max_new_tokens, row_params, eos_ids, rows: Rows, lookup=0
 ) -> list[list[int]]:
     n = len(prompts)
     tokens: list[list[int]] = [[] for _ in range(n)]
+    stopped: set[int] = set()
     if max_new_tokens == 0:
         return tokens
-    params = torch.tensor([row_params] * n)
+    host = rows.plan.on_host
+    params = torch.tensor([sampling_params(temperature=0.0) if host else row_params] * n)
     runner, config, pool = model.runner, model.neuron_config, model.kv_pool
-    seq_ids = []  # each request's KV blocks
+    blocks = []  # each request's KV blocks
     try:
         for prompt in prompts:
-            seq_ids.append(pool.acquire(len(prompt) + max_new_tokens))
+            blocks.append(pool.acquire(len(prompt) + max_new_tokens))
         for i, prompt in enumerate(prompts):
-            logits = prefill_prompt(runner, prompt, seq_ids[i])
-            tokens[i].append(
-                int(sample(logits[None], params[i : i + 1], _rand(1, generator), config.max_topk)[0])
-            )
-        live = [i for i in range(n) if not _finished(tokens[i], eos_ids, max_new_tokens)]
+            logits = prefill_prompt(runner, prompt, blocks[i])
+            token = rows.choose(i, tokens[i], logits) if host else int(
+                sample(logits[None], params[i : i + 1], _rand(1, rows.generator), config.max_topk)[0]
+            )  # fmt: skip
+            if rows.append(i, tokens[i], token, logits if host else None):
+                stopped.add(i)
+        live = [i for i in range(n) if i not in stopped and not _finished(tokens[i], eos_ids, max_new_tokens)]
         while live:
-            kvs = [seq_ids[i] for i in live]
+            kvs = [blocks[i] for i in live]
             if lookup:
-                _verify_step(
-                    runner,
-                    [prompts[i].tolist() for i in live],
-                    [tokens[i] for i in live],
-                    kvs,
-                    lookup,
-                    max_new_tokens,
-                )
+                _verify_step(runner, [prompts[i].tolist() for i in live], [tokens[i] for i in live], kvs, lookup,
+                             max_new_tokens)  # fmt: skip
                 for i in live:
                     _cut_at_eos(tokens[i], eos_ids)
                 live = [i for i in live if not _finished(tokens[i], eos_ids, max_new_tokens)]
                 continue
             ids = torch.tensor([tokens[i][-1] for i in live])
             positions = torch.tensor([len(prompts[i]) + len(tokens[i]) - 1 for i in live])
-            sampling = (params[live], _rand(len(live), generator))
-            sampled, logits = runner.decode(ids, positions, kvs, sampling, need_logits=False)
-            if sampled is None:  # an export that samples on the host
+            sampling = (params[live], _rand(len(live), rows.generator))
+            sampled, logits = runner.decode(ids, positions, kvs, sampling, need_logits=host)
+            if host:
+                sampled = torch.tensor(
+                    [rows.choose(i, tokens[i], row) for i, row in zip(live, logits, strict=True)]
+                )
+            elif sampled is None:  # an export that samples on the host
                 sampled = sample(logits, *sampling, config.max_topk)
-            for i, token in zip(live, sampled.tolist(), strict=True):
-                tokens[i].append(token)
-            live = [i for i in live if not _finished(tokens[i], eos_ids, max_new_tokens)]
+            for j, (i, token) in enumerate(zip(live, sampled.tolist(), strict=True)):
+                if rows.append(i, tokens[i], token, logits[j] if host else None):
+                    stopped.add(i)
+            live = [i for i in live if i not in stopped and not _finished(tokens[i], eos_ids, max_new_tokens)]
     finally:
-        for seq_id in seq_ids:
-            pool.release(seq_id)
+        for row_blocks in blocks:
+            pool.release(row_blocks)
     return tokens
 
 

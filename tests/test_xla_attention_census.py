@@ -66,7 +66,9 @@ def shapes(window: int, **fields) -> NeuronConfig:
 def export_kernels(heads: int, kv_heads: int, window: int):
     """The kernels a trn2 export of this shape compiles its graphs with."""
     config = shapes(window, backend="neuron", instance_type="trn2")
-    chosen, reasons, _ = choose_nki_graphs(config, family_spec(one_layer(heads, kv_heads)), graph_specs(config))
+    chosen, reasons, _ = choose_nki_graphs(
+        config, family_spec(one_layer(heads, kv_heads)), graph_specs(config)
+    )
     assert chosen == (f"cp_w{window}",), reasons
     return NeuronBackend().kernels(replace(config, nki_attention=chosen))
 

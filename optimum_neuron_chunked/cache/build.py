@@ -8,7 +8,7 @@ from pathlib import Path
 from rich.console import Console
 
 from ..backends import default_backend, get_backend
-from ..config import NeuronConfig
+from ..config import EXPORT_OPTIONS, NeuronConfig
 from .source import local_source, source_identity
 from .store import EntryKey, check_free_space, find_or_build
 
@@ -16,13 +16,14 @@ logger = logging.getLogger(__name__)
 
 
 def resolved_options(options: dict) -> dict:
-    """Export options with the host's choices made (backend, instance type, cpu ISA), so that
-    the key names what is compiled; validated by NeuronConfig (its errors name the flag)."""
+    """Every export option, defaults filled and the host's choices made (backend, instance
+    type, cpu ISA), so that the key names what is compiled however the options were spelled;
+    validated by NeuronConfig (its errors name the flag)."""
     backend = options.get("backend") or default_backend()[0]
-    fields = get_backend(backend).host_fields(options.get("instance_type"))
-    resolved = {k: v for k, v in options.items() if v is not None} | {"backend": backend} | fields
-    NeuronConfig(**resolved)
-    return resolved
+    host = get_backend(backend).host_fields(options.get("instance_type"))
+    given = {k: v for k, v in options.items() if v is not None}
+    config = NeuronConfig(**given | {"backend": backend} | host)
+    return {o.name: getattr(config, o.name) for o in EXPORT_OPTIONS} | host
 
 
 def cached_export(
