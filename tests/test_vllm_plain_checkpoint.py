@@ -28,6 +28,7 @@ def test_a_plain_checkpoint_is_exported_once_and_served_as_transformers(tmp_path
     model = str(checkpoint_path("llama"))
     prompts = [prompt(n, seed=9) for n in (5, 40)]
     expected = [hf_greedy(hf_reference("llama"), p, 8) for p in prompts]
+    created = None
     for start in ("first", "second"):
         llm = engine(model, additional_config=EXPORT_KEYS)
         try:
@@ -36,7 +37,7 @@ def test_a_plain_checkpoint_is_exported_once_and_served_as_transformers(tmp_path
         finally:
             llm.llm_engine.engine_core.shutdown()
         ((entry, record),) = entries()
-        created = created if start == "second" else record["created"]
+        created = created or record["created"]
         assert record["created"] == created  # the second start built nothing
     config = json.loads((entry / "neuron_config.json").read_text())
     assert (config["batch_size"], config["sequence_length"], config["prefill_chunk_size"]) == (2, 64, 16)
