@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 from fixtures.export_models import CHUNKED_SHAPE, EXPORTS, checkpoint_path, export_model
@@ -152,3 +153,44 @@ def test_vllm_serves_a_repo_id_from_the_offline_cache(hub, tmp_path):
             assert list(choice.token_ids) == want, repo
         finally:
             assert srv.stop() == []
+
+
+@pytest.mark.slow
+def test_vllm_serves_a_plain_repo_id_exported_once_for_every_data_parallel_rank(hub, tmp_path, hf_reference):
+    """`vllm serve org/plain` (a plain checkpoint in the offline cache) on the cpu backend with
+    two data-parallel ranks: exported once into the export cache, served as transformers; a
+    second start finds the entry. The start times print (docs/performance.md)."""
+    import torch
+    from openai import OpenAI
+
+    from optimum_neuron_chunked.cache import entries
+    from optimum_neuron_chunked.testing.reference import hf_greedy
+
+    env, _ = hub
+    serve_env = {k: env[k] for k in ("HF_HUB_CACHE", "HF_HUB_OFFLINE")} | {
+        "ONC_EXPORT_CACHE": str(tmp_path / "exports")
+    }
+    export_keys = {"prefill_chunk_size": 16, "backend": "cpu", "context_buckets": [64]}
+    args = ("--data-parallel-size", "2", "--max-model-len", "64", "--max-num-seqs", "2",
+            "--additional-config", json.dumps(export_keys))  # fmt: skip
+    want = hf_greedy(hf_reference("llama"), torch.tensor(PROMPT), 6)
+    for start, exports in (("first", 1), ("second", 0)):
+        srv = Server("org/plain", tmp_path / f"{start}.log", *args, env=serve_env)
+        try:
+            began = time.monotonic()
+            srv.wait_ready(timeout=900)
+            print(f"{start} start of `vllm serve org/plain` (2 ranks): {time.monotonic() - began:.1f}s")
+            client = OpenAI(base_url=f"{srv.url}/v1", api_key="none", max_retries=0)
+            choice = client.completions.create(
+                model="org/plain",
+                prompt=PROMPT,
+                max_tokens=6,
+                temperature=0,
+                extra_body={"return_token_ids": True},
+            ).choices[0]
+            assert list(choice.token_ids) == want
+        finally:
+            assert srv.stop() == []
+        assert srv.output().count("no export of org/plain yet: exporting it") == exports, srv.output()[-3000:]
+    ((entry, record),) = entries(tmp_path / "exports")
+    assert record["source"] == {"repo": "org/plain", "commit": commit_of("org/plain")}

@@ -16,7 +16,14 @@ from difflib import get_close_matches
 from pathlib import Path
 
 from rich.console import Console
-from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+from rich.progress import (
+    BarColumn,
+    Progress,
+    SpinnerColumn,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
 
 from optimum_neuron_chunked.backends import (
     Backend,
@@ -348,22 +355,42 @@ def _save_hf_files(model: str, hf_config, out: Path) -> None:
 
 @contextmanager
 def _progress(console: Console, total: int):
+    """Graphs compiled / total with elapsed and remaining time: a live display on a terminal,
+    one line per graph elsewhere (logs of `vllm serve`, CI)."""
+    if not console.is_terminal:
+        started, done = time.perf_counter(), 0
+
+        @contextmanager
+        def on_graph_line(spec):
+            nonlocal done
+            yield
+            done += 1
+            elapsed = time.perf_counter() - started
+            console.print(
+                f"compiled {spec.name} [{spec.batch}x{spec.width}, window {spec.window}]: {done}/{total} "
+                f"graphs, {elapsed:.0f}s elapsed, about {elapsed / done * (total - done):.0f}s left"
+            )
+
+        yield on_graph_line
+        return
     columns = (
         SpinnerColumn(),
         TextColumn("{task.description}"),
+        BarColumn(),
         TextColumn("{task.completed}/{task.total}"),
         TimeElapsedColumn(),
+        TimeRemainingColumn(),
     )
     with Progress(*columns, console=console, transient=False) as progress:
         overall = progress.add_task("compiling graphs", total=total)
 
         @contextmanager
         def on_graph(spec):
-            task = progress.add_task(
-                f"  {spec.name} [{spec.batch}x{spec.width}, window {spec.window}]", total=1
+            progress.update(
+                overall,
+                description=f"compiling {spec.name} [{spec.batch}x{spec.width}, window {spec.window}]",
             )
             yield
-            progress.update(task, completed=1)
             progress.advance(overall)
 
         yield on_graph

@@ -167,7 +167,7 @@ def describe_plan(options: dict, graphs: int) -> str:
     chunk = options.get("prefill_chunk_size", 0)
     kind = f"chunks of {chunk}" if chunk else "the standard context encoding"
     return (
-        f"exporting for {options['batch_size']} sequences (--max-num-seqs) of {options['sequence_length']} "
+        f"for {options['batch_size']} sequences (--max-num-seqs) of {options['sequence_length']} "
         f"positions (--max-model-len), {kind} (--additional-config prefill_chunk_size), "
         f"{options['dtype']} (--dtype), backend {options['backend']}: {graphs} graphs"
     )

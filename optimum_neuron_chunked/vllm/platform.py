@@ -167,7 +167,7 @@ def _export_folder(vllm_config) -> Path:
     from ..graphs import graph_specs
 
     options, notes = export_options(vllm_config, _engine_request(vllm_config, None))
-    logger.info("%s is not an export: %s", model_config.model, describe_plan(options, len(graph_specs(
+    logger.info("%s is a plain checkpoint: its export is %s", model_config.model, describe_plan(options, len(graph_specs(
         NeuronConfig(**options)))))  # fmt: skip
     for note in notes:
         logger.info(note)
