@@ -373,14 +373,12 @@ FP8_KEPT = "model.layers.0.mlp.down_proj"
 
 
 def fp8_blocks_checkpoint() -> Path:
-    from fixtures.export_models import cache_root, checkpoint_path
+    from fixtures.export_models import fp8_checkpoint_path
 
-    from optimum_neuron_chunked.testing.checkpoints import checkpoint_key
-    from optimum_neuron_chunked.testing.fp8_checkpoints import KEPT, fp8_checkpoint
+    from optimum_neuron_chunked.testing.fp8_checkpoints import KEPT
 
     assert KEPT == FP8_KEPT
-    out = cache_root() / "checkpoints" / f"llama-fp8-block16-{checkpoint_key('llama')}"
-    return fp8_checkpoint(checkpoint_path("llama"), out, "block", FP8_BLOCK)
+    return fp8_checkpoint_path("llama", "block", FP8_BLOCK)
 
 
 def _refusal(e: BaseException) -> str:

@@ -9,7 +9,7 @@ import logging
 
 import pytest
 import torch
-from fixtures.export_models import cache_root, checkpoint_path, export_with
+from fixtures.export_models import checkpoint_path, export_with, fp8_checkpoint_path
 from helpers import fake_quantize, prompt, quantization_rule
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
@@ -17,8 +17,7 @@ from transformers import AutoModelForCausalLM
 from optimum_neuron_chunked import NeuronModelForCausalLM
 from optimum_neuron_chunked.config import NeuronConfig, NeuronConfigError
 from optimum_neuron_chunked.export.pipeline import export
-from optimum_neuron_chunked.testing.checkpoints import checkpoint_key
-from optimum_neuron_chunked.testing.fp8_checkpoints import KEPT, fp8_checkpoint, load_dequantized
+from optimum_neuron_chunked.testing.fp8_checkpoints import KEPT, load_dequantized
 from optimum_neuron_chunked.testing.reference import hf_greedy
 
 SHAPE = dict(batch_size=2, sequence_length=128, prefill_chunk_size=32, context_buckets=(64, 128))
@@ -110,16 +109,9 @@ def test_skipped_modules_keep_the_export_dtype():
     assert_generates_as(NeuronModelForCausalLM.from_pretrained(out), hf)
 
 
-def fp8_llama(layout: str):
-    key = checkpoint_key("llama")
-    return fp8_checkpoint(
-        checkpoint_path("llama"), cache_root() / "checkpoints" / f"llama-fp8-{layout}-{key}", layout
-    )
-
-
 @pytest.fixture(scope="module", params=["block", "channel"])
 def fp8_source(request):
-    return fp8_llama(request.param)
+    return fp8_checkpoint_path("llama", request.param)
 
 
 def test_fp8_checkpoint_exports_its_own_weights_in_neurons_range(fp8_source, tmp_path, caplog):
@@ -173,9 +165,7 @@ def test_fp8_checkpoint_exports_its_own_weights_in_neurons_range(fp8_source, tmp
 def test_fp8_moe_checkpoint_stacks_its_experts_scales(layout, tmp_path):
     """qwen3_moe's per-expert FP8 weights and scales (16x16 blocks, or per channel) stacked as
     the experts are: tokens equal transformers 5 dequantizing the checkpoint itself."""
-    key = checkpoint_key("qwen3_moe")
-    folder = cache_root() / "checkpoints" / f"qwen3_moe-fp8-{layout}16-{key}"
-    source = fp8_checkpoint(checkpoint_path("qwen3_moe"), folder, layout, (16, 16))
+    source = fp8_checkpoint_path("qwen3_moe", layout, (16, 16))
     out = export(str(source), tmp_path / "out", backend="eager", **SHAPE)
     stored = load_file(out / "model.safetensors")
     experts = "model.layers.0.mlp.experts"
@@ -188,7 +178,13 @@ def test_what_cannot_be_exported_as_asked_is_refused_by_name(tmp_path):
     from optimum_neuron_chunked.export.errors import ExportError
 
     with pytest.raises(NeuronConfigError, match="round its FP8 weights again"):
-        export(str(fp8_llama("block")), tmp_path / "a", backend="eager", quantization="int8", **SHAPE)
+        export(
+            str(fp8_checkpoint_path("llama", "block")),
+            tmp_path / "a",
+            backend="eager",
+            quantization="int8",
+            **SHAPE,
+        )
     fused = tmp_path / "phi3-fp8"
     fused.mkdir()
     config = json.loads((checkpoint_path("phi3") / "config.json").read_text())
@@ -256,8 +252,10 @@ def test_vllm_serve_of_quantized_exports_answers_with_transformers_on_their_weig
         hf = AutoModelForCausalLM.from_pretrained(checkpoint_path("llama"), dtype=torch.float32).eval()
         fake_quantize(hf, "int8")
     else:
-        export_dir = export(str(fp8_llama("block")), tmp_path / "fp8", backend=backend, **SHAPE)
-        hf = load_dequantized(fp8_llama("block"))
+        export_dir = export(
+            str(fp8_checkpoint_path("llama", "block")), tmp_path / "fp8", backend=backend, **SHAPE
+        )
+        hf = load_dequantized(fp8_checkpoint_path("llama", "block"))
     prompts = [prompt(n, seed=50 + i) for i, n in enumerate((1, 33, 3 * 32 + 5, 70))]
     expected = [hf_greedy(hf, p, 8) for p in prompts]
     assert (

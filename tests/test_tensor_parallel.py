@@ -37,13 +37,13 @@ def extra_checkpoint(name: str) -> str:
 def fp8_export(family: str) -> str:
     """The eager export of a block-wise FP8 checkpoint of `family`: its stored weights, sharded
     by rank_weights as the neuron backend shards them."""
+    from fixtures.export_models import fp8_checkpoint_path
+
     from optimum_neuron_chunked.export.pipeline import export
     from optimum_neuron_chunked.testing.checkpoints import checkpoint_key
-    from optimum_neuron_chunked.testing.fp8_checkpoints import fp8_checkpoint
 
     key = checkpoint_key(family)
-    source = fp8_checkpoint(checkpoint_path(family), cache_root() / "checkpoints" / f"{family}-fp8-block8-{key}",
-                            "block", FP8_BLOCK)  # fmt: skip
+    source = fp8_checkpoint_path(family, "block", FP8_BLOCK)
     out = cache_root() / "exports" / f"{family}-fp8-block8-eager-{key}"
     if not (out / "neuron_config.json").is_file():
         export(str(source), out, backend="eager", batch_size=2, sequence_length=64, overwrite=True)

@@ -65,3 +65,28 @@ def test_each_refusal_names_its_flag_before_any_work(tmp_path, monkeypatch, kwar
         args.create_engine_config()
     assert message in " ".join(str(refused.value).split())
     assert not (tmp_path / "cache").exists() or not entries()
+
+
+def test_an_fp8_checkpoint_is_served_in_bf16_with_its_own_fp8_weights(tmp_path, monkeypatch):
+    """vLLM reads the checkpoint's FP8 quantization itself (and refuses it with float32): the
+    export keeps the checkpoint's FP8 weights and scales; served tokens equal the loader's on the
+    same export (bf16 differs from transformers' by rounding: the fp32 path is checked there)."""
+    from fixtures.export_models import fp8_checkpoint_path
+
+    from optimum_neuron_chunked import NeuronModelForCausalLM
+
+    monkeypatch.setenv("ONC_EXPORT_CACHE", str(tmp_path / "cache"))
+    source = fp8_checkpoint_path("llama")
+    prompts = [prompt(n, seed=50 + i) for i, n in enumerate((1, 33, 50))]
+    llm = engine(str(source), dtype="bfloat16", additional_config=EXPORT_KEYS)
+    try:
+        served = [list(o.token_ids) for o in generate(llm, prompts, greedy(8))]
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+    ((entry, record),) = entries()
+    assert (record["options"]["dtype"], json.loads((entry / "neuron_config.json").read_text())["quantization"]) == (
+        "bfloat16", "fp8")  # fmt: skip
+    model = NeuronModelForCausalLM.from_pretrained(entry)
+    loaded = [model.generate(p[None], max_new_tokens=8, do_sample=False, eos_token_id=-1)[0, len(p):].tolist()
+              for p in prompts]  # fmt: skip
+    assert served == loaded

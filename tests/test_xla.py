@@ -327,12 +327,12 @@ def test_standard_graphs_on_xla_equal_eager(family):
 
 def fp8_checkpoint_weights(tmp_path, family: str) -> tuple[dict[str, torch.Tensor], NeuronConfig]:
     """The exported weights and config of a block-wise FP8 checkpoint of `family` (16x16 blocks)."""
+    from fixtures.export_models import fp8_checkpoint_path
     from safetensors.torch import load_file
 
     from optimum_neuron_chunked.export.pipeline import export
-    from optimum_neuron_chunked.testing.fp8_checkpoints import fp8_checkpoint
 
-    source = fp8_checkpoint(checkpoint_path(family), tmp_path / "fp8", "block", (16, 16))
+    source = fp8_checkpoint_path(family, "block", (16, 16))
     out = export(str(source), tmp_path / "out", backend="xla", batch_size=2, sequence_length=SEQUENCE_LENGTH,
                  prefill_chunk_size=CHUNK, context_buckets=BUCKETS)  # fmt: skip
     return load_file(out / "model.safetensors"), NeuronConfig.load(out)

@@ -23,7 +23,11 @@ def resolved_options(options: dict) -> dict:
     host = get_backend(backend).host_fields(options.get("instance_type"))
     given = {k: v for k, v in options.items() if v is not None}
     config = NeuronConfig(**given | {"backend": backend} | host)
-    return {o.name: getattr(config, o.name) for o in EXPORT_OPTIONS} | host
+    full = {o.name: getattr(config, o.name) for o in EXPORT_OPTIONS} | host
+    for o in EXPORT_OPTIONS:  # decided by the export itself (an FP8 checkpoint's quantization)
+        if o.metadata["resolved"] and o.name not in (*given, *full.keys() & {"backend", *host}):
+            full[o.name] = None
+    return full
 
 
 def cached_export(

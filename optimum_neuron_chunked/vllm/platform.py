@@ -168,7 +168,7 @@ def _export_folder(vllm_config) -> Path:
 
     options, notes = export_options(vllm_config, _engine_request(vllm_config, None))
     logger.info("%s is a plain checkpoint: its export is %s", model_config.model, describe_plan(options, len(graph_specs(
-        NeuronConfig(**options)))))  # fmt: skip
+        NeuronConfig(**{k: v for k, v in options.items() if v is not None})))))  # fmt: skip
     for note in notes:
         logger.info(note)
     get_backend(options["backend"]).check_available()
