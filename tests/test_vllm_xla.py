@@ -1,5 +1,5 @@
-"""The Neuron host's stack end to end: `vllm serve` (vLLM 0.16.0 in the SDK-mirror environment)
-of a chunked `--backend xla` export, every graph call one execution on torch-xla's device - the
+"""The Neuron host's stack end to end: `vllm serve CHECKPOINT` (vLLM 0.16.0 in the SDK-mirror
+environment) exporting a plain checkpoint for the xla backend, then serving it, every graph call one execution on torch-xla's device - the
 graphs neuronx-cc would receive. One server answers concurrent requests across chunk edges on
 more requests than slots, a prefix-cache hit, structured output beside free requests, prompt
 logprobs and clients that disconnect mid-prefill, each equal to transformers. The xla backend
@@ -29,17 +29,21 @@ CHUNK = 32
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    from optimum_neuron_chunked.export.pipeline import export
+    """`vllm serve CHECKPOINT`: the platform exports the plain checkpoint for the xla backend
+    from vLLM's flags (into a fresh export cache), then serves the export."""
+    import json
 
     # Saved by transformers 5 and exported here under 4.57, as a Neuron user meets a new checkpoint.
     source = saved_by_transformers_5(checkpoint_path("llama"), tmp_path_factory.mktemp("source") / "llama")
-    out = tmp_path_factory.mktemp("xla-export") / "llama"
-    export(str(source), out, batch_size=2, sequence_length=128, prefill_chunk_size=CHUNK,
-           backend="xla", context_buckets=BUCKETS, prompt_logprobs=True)  # fmt: skip
-    srv = Server(out, tmp_path_factory.mktemp("serve") / "serve.log").wait_ready()
+    export_keys = {"prefill_chunk_size": CHUNK, "backend": "xla", "context_buckets": list(BUCKETS),
+                   "prompt_logprobs": True}  # fmt: skip
+    cache = {"ONC_EXPORT_CACHE": str(tmp_path_factory.mktemp("exports"))}
+    srv = Server(source, tmp_path_factory.mktemp("serve") / "serve.log", "--max-model-len", "128",
+                 "--max-num-seqs", "2", "--additional-config", json.dumps(export_keys), env=cache).wait_ready()  # fmt: skip
     yield srv
     assert srv.stop() == [], "processes left behind after SIGTERM"
     assert "XlaLoweringError" not in srv.output()
+    assert "no export of llama yet: exporting it" in srv.output()
 
 
 @pytest.fixture(scope="module")

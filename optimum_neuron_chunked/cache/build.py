@@ -31,10 +31,15 @@ def resolved_options(options: dict) -> dict:
 
 
 def cached_export(
-    model: str, options: dict, revision: str | None = None, console: Console | None = None
+    model: str,
+    options: dict,
+    revision: str | None = None,
+    console: Console | None = None,
+    log: logging.Logger = logger,
 ) -> Path:
     """The cache entry of `model` (a local folder or a Hub repo id at `revision`) exported with
-    `options` (export()'s keywords), built here if no process built it yet."""
+    `options` (export()'s keywords), built here if no process built it yet; `log`: where the
+    cache says what it did (vLLM's logger under `vllm serve`)."""
     from ..export.pipeline import export
 
     options = resolved_options(options)
@@ -48,7 +53,7 @@ def cached_export(
         check_free_space(source, options)
         export(source, out, console=console, instance_type=instance, **options)
 
-    return find_or_build(key, build)
+    return find_or_build(key, build, log)
 
 
 def _jsonable(options: dict) -> dict:

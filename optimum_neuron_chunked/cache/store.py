@@ -71,21 +71,22 @@ class EntryKey:
         return f"{re.sub(r'[^A-Za-z0-9._-]+', '--', label)}-{self.digest}"
 
 
-def find_or_build(key: EntryKey, build: Callable[[Path], None]) -> Path:
-    """The entry of `key`, built by `build(out)` (an export into the folder `out`) if missing."""
+def find_or_build(key: EntryKey, build: Callable[[Path], None], log: logging.Logger = logger) -> Path:
+    """The entry of `key`, built by `build(out)` (an export into the folder `out`) if missing;
+    `log`: where to say what happened (vLLM's logger under `vllm serve`)."""
     root = cache_root()
     entry = root / key.name
-    if _valid(entry):  # the cheap path of every start after the first
+    if _valid(entry, log):  # the cheap path of every start after the first
         return entry
     root.mkdir(parents=True, exist_ok=True)
-    with _locked(root / f"{key.digest}.lock"):
-        if _valid(entry):  # built while this process waited
-            logger.info("export cache: %s was built by another process", entry)
+    with _locked(root / f"{key.digest}.lock", log):
+        if _valid(entry, log):  # built while this process waited
+            log.info("export cache: %s was built by another process", entry)
             return entry
         if entry.exists():
-            logger.warning("export cache: %s is damaged or incomplete: building it again", entry)
+            log.warning("export cache: %s is damaged or incomplete: building it again", entry)
             shutil.rmtree(entry)
-        _log_why_new(root, key)
+        _log_why_new(root, key, log)
         staging = root / STAGING / f"{key.digest}-{os.getpid()}"
         for stale in (root / STAGING).glob(f"{key.digest}-*"):  # a builder killed mid-export
             shutil.rmtree(stale, ignore_errors=True)
@@ -100,26 +101,26 @@ def find_or_build(key: EntryKey, build: Callable[[Path], None]) -> Path:
     return entry
 
 
-def _valid(entry: Path) -> bool:
+def _valid(entry: Path, log: logging.Logger = logger) -> bool:
     if not (entry / ENTRY_FILE).is_file():
         return False
     try:
         check_export(entry)
     except InvalidExportError as e:
-        logger.warning("export cache: %s fails its check (%s)", entry, e)
+        log.warning("export cache: %s fails its check (%s)", entry, e)
         return False
     return True
 
 
 @contextmanager
-def _locked(path: Path):
+def _locked(path: Path, log: logging.Logger = logger):
     with path.open("a+") as f:
         try:
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             f.seek(0)
             holder = f.read().strip() or "another process"
-            logger.warning("export cache: waiting for %s, which is building this export", holder)
+            log.warning("export cache: waiting for %s, which is building this export", holder)
             fcntl.flock(f, fcntl.LOCK_EX)
         f.seek(0)
         f.truncate()
@@ -143,15 +144,15 @@ def entries(root: Path | None = None) -> list[tuple[Path, dict]]:
     return sorted(found, key=lambda e: e[1].get("created", ""))
 
 
-def _log_why_new(root: Path, key: EntryKey) -> None:
+def _log_why_new(root: Path, key: EntryKey, log: logging.Logger) -> None:
     """Say what differs from the entries of the same source (a new commit, another option)."""
     same = [r for _, r in entries(root) if _label(r.get("source", {})) == _label(key.source)]
     if not same:
-        logger.warning("export cache: no export of %s yet: exporting it", _label(key.source))
+        log.warning("export cache: no export of %s yet: exporting it", _label(key.source))
         return
     closest = min(same, key=lambda r: len(_differences(r, key.fields())))
     said = "; ".join(_differences(closest, key.fields()))
-    logger.warning("export cache: exporting %s again: %s", _label(key.source), said)
+    log.warning("export cache: exporting %s again: %s", _label(key.source), said)
 
 
 def _label(source: dict) -> str:

@@ -172,8 +172,10 @@ def _export_folder(vllm_config) -> Path:
     for note in notes:
         logger.info(note)
     get_backend(options["backend"]).check_available()
-    folder = cached_export(model_config.model, options, model_config.revision, Console(stderr=True))
+    folder = cached_export(model_config.model, options, model_config.revision, Console(stderr=True), logger)
     logger.info("serving %s from the export cache: %s", model_config.model, folder)
+    if model_config.tokenizer == model_config.model:  # no --tokenizer: the export's portable copy
+        model_config.tokenizer = str(folder)  # (export/tokenizer.py), which every vLLM loads
     model_config.model = str(folder)
     return folder
 
