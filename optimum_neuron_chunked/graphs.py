@@ -42,7 +42,7 @@ from torch import nn
 
 from .config import NeuronConfig
 from .modeling.decoder import DecoderModel, PartInputs
-from .modeling.kv_layout import whole_sequence_blocks
+from .modeling.kv_layout import KVPool
 from .modeling.sampler import sample
 
 INDEX_DTYPE = torch.int32
@@ -116,7 +116,7 @@ def graph_specs(config: NeuronConfig) -> list[GraphSpec]:
             specs.append(mx_spec(config, window))
         if config.speculation_length:
             specs += [vf_spec(config, rows, window) for rows in config.decode_widths]
-    if config.chunked and whole_sequence_blocks(config):  # smaller blocks are shared, never copied
+    if KVPool.of(config).copy_graph:  # smaller blocks are shared, never copied
         specs.append(GraphSpec(GraphKind.COPY, 1, config.prefill_chunk_size, 0))
     return specs
 

@@ -18,6 +18,7 @@ from optimum_neuron_chunked.config import NeuronConfig
 from optimum_neuron_chunked.graph_runner import pad_repeat_last
 from optimum_neuron_chunked.graphs import PrefillGraph
 from optimum_neuron_chunked.modeling import build_model, model_from_spec
+from optimum_neuron_chunked.modeling.kv_layout import KVPool
 
 
 def masked_softmax_attention(query, keys, values, positions, scale):
@@ -91,7 +92,9 @@ def test_the_op_runs_in_prefill_graphs_from_its_bucket_only(monkeypatch, from_wi
     config = NeuronConfig(batch_size=2, sequence_length=128, prefill_chunk_size=16, backend="eager")
     spec = build_model(AutoConfig.from_pretrained(checkpoint_path("llama")), config).spec
     model = model_from_spec(
-        spec, config, kernels=CpuKernels(KernelChoices(onednn_chunk_attention_from_window=from_window))
+        spec,
+        config,
+        kernels=CpuKernels(KernelChoices(onednn_chunk_attention_from_window=from_window), KVPool.of(config)),
     )
     calls = []
     monkeypatch.setattr(attention, "chunk_attention", lambda *a: calls.append(1) or chunk_attention(*a))

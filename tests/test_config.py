@@ -7,7 +7,7 @@ import pytest
 
 from optimum_neuron_chunked.config import CONFIG_NAME, NeuronConfig, NeuronConfigError
 from optimum_neuron_chunked.graphs import graph_specs
-from optimum_neuron_chunked.modeling.kv_layout import whole_sequence_blocks
+from optimum_neuron_chunked.modeling.kv_layout import KVPool
 
 
 def test_round_trip(tmp_path):
@@ -243,10 +243,18 @@ def test_paged_kv_options():
         with pytest.raises(NeuronConfigError, match=message):
             NeuronConfig(**(shapes | fields))
     paged = NeuronConfig(**shapes, kv_cache_blocks=8, kv_block_size=8, mixed_step=True)
-    assert (paged.kv_pool_blocks, paged.kv_block_positions, whole_sequence_blocks(paged)) == (8, 8, False)
+    assert (paged.kv_pool_blocks, paged.kv_block_positions, KVPool.of(paged).whole_sequence_blocks) == (
+        8,
+        8,
+        False,
+    )
     assert [paged.table_columns(w) for w in paged.context_buckets] == [4, 8]
     slots = NeuronConfig(**shapes)  # the pool of one whole-sequence block per batch row
-    assert (slots.kv_pool_blocks, slots.kv_block_positions, whole_sequence_blocks(slots)) == (2, 64, True)
+    assert (slots.kv_pool_blocks, slots.kv_block_positions, KVPool.of(slots).whole_sequence_blocks) == (
+        2,
+        64,
+        True,
+    )
     assert [slots.table_columns(w) for w in slots.context_buckets] == [1, 1]
     assert [s.name for s in graph_specs(paged)] == [
         "cp_w32",

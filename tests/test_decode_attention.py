@@ -13,6 +13,7 @@ from optimum_neuron_chunked.backends.cpu.decode_attention import decode_attentio
 from optimum_neuron_chunked.backends.cpu.kernels import CpuKernels, KernelChoices, kernel_choices
 from optimum_neuron_chunked.config import NeuronConfig
 from optimum_neuron_chunked.modeling import build_model, model_from_spec
+from optimum_neuron_chunked.modeling.kv_layout import KVPool
 
 
 def reference(query, k_cache, v_cache, slots, lengths, scale):
@@ -98,7 +99,8 @@ def test_the_op_replaces_the_decode_attention_of_plain_layers_only(monkeypatch):
     torch.manual_seed(0)
     models = {
         op: model_from_spec(spec, config, kernels=CpuKernels(KernelChoices(live_window=True, per_row_live=True,
-                                                                           decode_attention_op=op))).eval()
+                                                                           decode_attention_op=op),
+                                                               KVPool.of(config))).eval()
         for op in (False, True)
     }  # fmt: skip
     models[True].load_state_dict(models[False].state_dict())

@@ -12,6 +12,7 @@ from optimum_neuron_chunked.config import NeuronConfig
 from optimum_neuron_chunked.graph_runner import pad_repeat_last
 from optimum_neuron_chunked.graphs import PrefillGraph
 from optimum_neuron_chunked.modeling import build_model
+from optimum_neuron_chunked.modeling.kv_layout import KVPool
 
 CHUNK, SEQ = 16, 64
 
@@ -193,7 +194,7 @@ def test_fused_attention_kernel_equals_the_masked_softmax(family):
         KernelChoices(),  # the reference: masked softmax over gathered bucket windows
     ]
     for kernels in choices:
-        model = model_from_spec(spec, config, kernels=CpuKernels(kernels)).eval()
+        model = model_from_spec(spec, config, kernels=CpuKernels(kernels, KVPool.of(config))).eval()
         model.load_weights(model.weights_from_hf(hf))
         for cache in model.cache_names():
             getattr(model, cache).normal_(0, 100, generator=torch.Generator().manual_seed(5))
@@ -229,7 +230,7 @@ def test_sdpa_is_chosen_per_graph_kind_and_bucket(monkeypatch, prefill_from, dec
     config = NeuronConfig(batch_size=2, sequence_length=SEQ, prefill_chunk_size=CHUNK, backend="eager")
     spec = build_model(AutoConfig.from_pretrained(path), config).spec
     kernels = KernelChoices(sdpa_prefill_from_window=prefill_from, sdpa_decode_from_window=decode_from)
-    model = model_from_spec(spec, config, kernels=CpuKernels(kernels)).eval()
+    model = model_from_spec(spec, config, kernels=CpuKernels(kernels, KVPool.of(config))).eval()
     calls = []
     sdpa = torch.nn.functional.scaled_dot_product_attention
     monkeypatch.setattr(
@@ -263,7 +264,10 @@ def test_cpu_kernels_compiled_by_aotinductor_equal_the_masked_softmax(tmp_path, 
     hf = AutoModelForCausalLM.from_pretrained(path)
     config = NeuronConfig(batch_size=2, sequence_length=SEQ, prefill_chunk_size=CHUNK, backend="cpu")
     spec = build_model(AutoConfig.from_pretrained(path), config).spec
-    models = [model_from_spec(spec, config, kernels=CpuKernels(EVERY_KERNEL)), model_from_spec(spec, config)]
+    models = [
+        model_from_spec(spec, config, kernels=CpuKernels(EVERY_KERNEL, KVPool.of(config))),
+        model_from_spec(spec, config),
+    ]
     graph = GraphSpec("cp", 1, CHUNK, SEQ) if kind == "cp" else GraphSpec("tg", 2, 1, SEQ)
     for model in models:
         model.load_weights(model.weights_from_hf(hf))

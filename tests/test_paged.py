@@ -18,6 +18,7 @@ from optimum_neuron_chunked.generation import prefill_prompt
 from optimum_neuron_chunked.modeling import build_model, model_from_spec
 from optimum_neuron_chunked.modeling.decoder import PartInputs
 from optimum_neuron_chunked.modeling.kernels import Kernels
+from optimum_neuron_chunked.modeling.kv_layout import KVPool
 
 P, C, S, BUCKETS = 8, 16, 64, (32, 64)  # blocks of 8, chunks of 16: every chunk spans two blocks
 POOL = 4 * (S // P)  # four whole sequences
@@ -210,7 +211,7 @@ def test_cpu_paged_reads_equal_the_reference(choices):
     torch.manual_seed(0)
     models = [
         model_from_spec(spec, config, kernels=k).eval()
-        for k in (Kernels(), CpuKernels(choices, whole_sequence_blocks=False))
+        for k in (Kernels(), CpuKernels(choices, KVPool.of(config)))
     ]
     models[1].load_state_dict(models[0].state_dict())
     caches = [

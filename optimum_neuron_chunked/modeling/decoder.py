@@ -11,7 +11,7 @@ from torch import nn
 from .attention import Attention
 from .family import FamilySpec
 from .kernels import GraphPart, Kernels
-from .kv_cache import KVCache, scatter_cache
+from .kv_cache import KVCache
 from .kv_layout import KVLayout
 from .layers import MLP, Rotary, rms_norm
 from .moe import SparseMoE, moe_state_from_hf
@@ -272,23 +272,14 @@ class DecoderModel(nn.Module):
 
     def copy_positions(self, position_ids: torch.Tensor, blocks: torch.Tensor) -> None:
         """Copy the K/V of `position_ids` [1, T] from block blocks[0] to block blocks[1], every
-        layer (prefix caching of a pool of whole-sequence blocks: a cached prefix enters a new
-        request's block; pools of smaller blocks share them instead and have no copy graph). A
-        ring layer holds position p at p % length; a full layer's positions are below its
-        length already. Padding repeats the last position (graph_runner.pad_repeat_last): the
-        same entry copied twice."""
+        layer (KVCache.copy: the COPY prefix cache; pools of smaller blocks share blocks instead
+        and have no copy graph)."""
         position_ids, blocks = position_ids.long(), blocks.long()
-        src, dst = blocks[:1], blocks[1:]
-        for i, length in enumerate(self.kv.cache_lengths):
-            index = torch.remainder(position_ids, length)  # [1, T]
-            for kv in ("k", "v"):
-                cache = getattr(self, f"{kv}_cache_{i}")
-                values = cache.index_select(0, src).index_select(2, index[0])  # [1, Hkv, T, D]
-                cache = scatter_cache(
-                    cache, dst[:, None], index, values.transpose(1, 2), self.functional_cache
-                )
-                if self.functional_cache:
-                    setattr(self, f"{kv}_cache_{i}", cache)
+        for i in range(self.kv.num_layers):
+            cache = self.layer_cache(i).copy(position_ids, blocks[:1], blocks[1:])
+            if self.functional_cache:
+                setattr(self, f"k_cache_{i}", cache.keys)
+                setattr(self, f"v_cache_{i}", cache.values)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head(hidden)[..., : self.spec.vocab_size]  # drop the vocabulary padding

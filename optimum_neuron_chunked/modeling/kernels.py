@@ -110,19 +110,19 @@ class Kernels:
 
 
 def attend_read(q, cache: KVCache, part: GraphPart, live, core: AttentionCore) -> torch.Tensor:
-    """A part's queries over one read of the cache (KVCache.read) up to `live`: each row's
+    """A part's queries over one read of the cache up to `live` (KVCache.read_tables / read_pool): each row's
     blocks by its table, or, in pool order (CacheRead.pool_order), every block of the pool as
     views - gathering every decode row's window would copy the whole live cache each step.
     There rows are moved to their blocks and back; a block with no row attends to whatever it
     holds and its result is dropped; padded rows repeat a real row, so duplicate blocks copy
     identical values."""
     if not part.read.pool_order:
-        keys, values, key_positions = cache.read(part.tables, live, part.position_ids)
+        keys, values, key_positions = cache.read_tables(part.tables, live, part.position_ids)
         return core(q, keys, values, part.position_ids, key_positions)
     rows, position_ids, blocks = part.tables[:, 0], part.position_ids, cache.keys.shape[0]
     q_pool = q.new_zeros(blocks, *q.shape[1:]).index_copy(0, rows, q)
     pos_pool = position_ids.new_zeros(blocks, position_ids.shape[1]).index_copy(0, rows, position_ids)
-    keys, values, key_positions = cache.read(None, live, pos_pool)
+    keys, values, key_positions = cache.read_pool(live, pos_pool)
     return core(q_pool, keys, values, pos_pool, key_positions).index_select(0, rows)
 
 

@@ -1,10 +1,10 @@
-"""One layer's static KV cache: one write and one read (in the spirit of gpt-fast's
+"""One layer's static KV cache: one write, one copy and three named reads (in the spirit of gpt-fast's
 `KVCache.update(input_pos, k, v)`, model.py), by the layout's rules (kv_layout.py).
 
 Every cache is a pool of blocks [blocks, Hkv, P, D], and every graph addresses it through
-block tables [N, ceil(W / P)]: row r's position p lives in block table[r, p // P] at offset
-p % P. A one-column table is used as it is (no gather); a ring layer's block holds position p
-at p % ring (kv_layout.LayerKV).
+block tables [N, ceil(W / P)], as kv_layout.LayerKV says (`address`, `index`): row r's
+position p lives in block table[r, p // P] at offset p % P; whole-sequence blocks in place, a
+ring layer's block holding position p at p % ring.
 
 Padding invariant: a padded token repeats the last real token *and its position*. It computes
 the same K/V as that token (same input, same position, same visible keys), so the
@@ -73,41 +73,51 @@ class KVCache:
         k: torch.Tensor,  # [N, T, Hkv, D]
         v: torch.Tensor,  # [N, T, Hkv, D]
     ) -> KVCache:
-        """The cache with k, v written at each row's positions: position p of row r at offset
-        p % P of block tables[r, p // P]; a one-column table as it is (static, no gather: its
-        positions are below P, or wrap in a ring)."""
-        if tables.shape[1] == 1:
-            rows, index = tables, self.layer.index(position_ids)
-        else:
-            size = self.keys.shape[2]
-            rows = torch.gather(tables, 1, torch.div(position_ids, size, rounding_mode="floor"))
-            index = torch.remainder(position_ids, size)
+        """The cache with k, v written at each row's positions (LayerKV.address)."""
+        rows, index = self.layer.address(tables, position_ids)
         keys = scatter_cache(self.keys, rows, index, k, self.functional)
         values = scatter_cache(self.values, rows, index, v, self.functional)
         return replace(self, keys=keys, values=values)
+
+    def copy(self, position_ids: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> KVCache:
+        """The cache with the K/V of `position_ids` [1, T] of block src [1] copied into block
+        dst [1] (whole-sequence blocks: a cached prefix enters a new request's block). Padding
+        repeats the last position (graph_runner.pad_repeat_last): the same entry copied twice."""
+        index = self.layer.index(position_ids)  # [1, T]
+        copied = []
+        for cache in (self.keys, self.values):
+            values = cache.index_select(0, src).index_select(2, index[0])  # [1, Hkv, T, D]
+            copied.append(scatter_cache(cache, dst[:, None], index, values.transpose(1, 2), self.functional))
+        return replace(self, keys=copied[0], values=copied[1])
 
     def extent(self, window: int, live):
         """(window, live) read of each row (LayerKV.extent)."""
         return self.layer.extent(window, live)
 
-    def read(self, blocks, live, position_ids: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """Keys, values [R, Hkv, W, D] of each row's positions from 0 up to `live` (a ring: its
-        whole ring) and their absolute positions [R or 1, W], for rows at `position_ids` [R, T]:
-        - blocks [N, M], block tables: each row's blocks in table order, each cut to `live` where
-          one block holds it all (a copy; callers pass the columns up to the block holding
-          position live - 1);
-        - one block id (a scalar): a view of that block, R = 1;
-        - None: every block of the pool in block order, as views, R = num_blocks."""
+    # Three reads, each returning keys, values [R, Hkv, W, D] of each row's positions from 0 up
+    # to `live` (a ring: its whole ring) and their absolute positions [R or 1, W], for rows at
+    # `position_ids` [R, T]. The caller's CacheRead says which one (kernels.attend_read).
+
+    def read_tables(self, tables: torch.Tensor, live, position_ids: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Block tables [N, M]: each row's blocks in table order, each cut to `live` where one
+        block holds it all (a copy; callers pass the columns up to the block of position live - 1)."""
         live = self.layer.extent(live, live)[1]
-        if blocks is None:
-            keys, values = self.keys[:, :, :live], self.values[:, :, :live]
-        elif isinstance(blocks, torch.Tensor) and blocks.dim() == 2:
-            positions = torch.sym_min(self.keys.shape[2], live)
-            keys, values = (
-                gather_blocks(self.keys, blocks, positions),
-                gather_blocks(self.values, blocks, positions),
-            )
-        else:
-            torch._check(blocks < self.keys.shape[0])
-            keys, values = self.keys[blocks, :, :live][None], self.values[blocks, :, :live][None]
+        positions = torch.sym_min(self.keys.shape[2], live)
+        keys, values = (
+            gather_blocks(self.keys, tables, positions),
+            gather_blocks(self.values, tables, positions),
+        )
+        return keys, values, self.layer.key_positions(position_ids, keys.shape[2])
+
+    def read_block(self, block, live, position_ids: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """One block id (a scalar): a view of that block, R = 1."""
+        live = self.layer.extent(live, live)[1]
+        torch._check(block < self.keys.shape[0])
+        keys, values = self.keys[block, :, :live][None], self.values[block, :, :live][None]
+        return keys, values, self.layer.key_positions(position_ids, keys.shape[2])
+
+    def read_pool(self, live, position_ids: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Every block of the pool in block order, as views, R = num_blocks."""
+        live = self.layer.extent(live, live)[1]
+        keys, values = self.keys[:, :, :live], self.values[:, :, :live]
         return keys, values, self.layer.key_positions(position_ids, keys.shape[2])

@@ -1,14 +1,18 @@
 """The KV layout of an export, decided once from its NeuronConfig and family: the only place
 the layout's rules are computed. The model, its caches (kv_cache.py), the kernels, the engine,
-vLLM's platform and the prefix-cache connectors receive a `KVLayout` and recompute none of it.
+vLLM's platform and the prefix-cache connectors receive a `KVPool` / `KVLayout` and recompute
+none of it.
 
-Every cache is a pool of `num_blocks` blocks of `block_size` positions, P. Without
---kv-block-size a block is a whole sequence (P = sequence_length), one per batch row:
-- its block tables have one column, read in place (no gather);
-- decode rows read the pool in block order (`decode_reads_pool_order`);
-- a chunked export's sliding-window layers keep a ring of window + C positions, position p at
-  index p % ring (at most C positions are written per call);
-- a block is a contiguous, position-ordered prior for a kernel that reads one (`contiguous_prior`);
+Glossary: a *block* holds P consecutive positions of one request; a *whole-sequence block*
+holds a whole sequence (P = sequence_length, one per batch row); a *ring* keeps a sliding
+layer's last window + C positions, position p at index p % ring; *pool order*: decode rows read
+every block of the pool in block order, as views; a *prior*: a row's context read contiguous
+and in position order (a kernel's input).
+
+Every cache is a pool of `num_blocks` blocks of `block_size` positions. Whole-sequence blocks:
+- tables have one column, addressed in place (no gather); decode rows read in pool order;
+- a chunked export's sliding-window layers keep a ring of window + C positions (at most C
+  positions are written per call);
 - prefix caching copies positions between blocks (our copy connector): vLLM cannot share a
   block that holds a whole sequence.
 Smaller blocks are vLLM's shared blocks: no rings, gathered reads, vLLM's prefix cache.
@@ -33,28 +37,68 @@ class PrefixCache(Enum):
     SHARED = "shared"
 
 
-def whole_sequence_blocks(config: NeuronConfig) -> bool:
-    """The rule: a block holds a whole sequence (no --kv-block-size, or P = sequence_length)."""
-    return config.kv_block_positions == config.sequence_length
+@dataclass(frozen=True)
+class KVPool:
+    """The pool of an export, from its config alone (no family needed)."""
+
+    num_blocks: int
+    block_size: int  # P
+    sequence_length: int
+    chunked: bool
+
+    @classmethod
+    def of(cls, config: NeuronConfig) -> KVPool:
+        return cls(config.kv_pool_blocks, config.kv_block_positions, config.sequence_length, config.chunked)
+
+    @property
+    def whole_sequence_blocks(self) -> bool:
+        """The rule: a block holds a whole sequence (no --kv-block-size, or P = sequence_length)."""
+        return self.block_size == self.sequence_length
+
+    @property
+    def decode_reads_pool_order(self) -> bool:
+        """Decode rows may read the pool in block order, as views (no gather of every row's
+        window): each row's block holds its whole context."""
+        return self.whole_sequence_blocks
+
+    @property
+    def prefix_cache(self) -> PrefixCache:
+        return PrefixCache.COPY if self.whole_sequence_blocks else PrefixCache.SHARED
+
+    @property
+    def copy_graph(self) -> bool:
+        """A copy graph for the COPY prefix cache (chunked exports: a hit's suffix is a chunk)."""
+        return self.chunked and self.prefix_cache is PrefixCache.COPY
 
 
 @dataclass(frozen=True)
 class LayerKV:
     """One layer's addressing inside a block. `ring`: the cache length of a ring layer, holding
-    position p at index p % ring; None: position p at index p (of its block, p % P)."""
+    position p at index p % ring; None: position p at index p (of its block, p % P).
+    `in_place`: a row's block is addressed by its one table column (whole-sequence blocks)."""
 
     block_size: int  # positions a block of this layer holds
     ring: int | None
+    in_place: bool = True
 
     @property
     def position_ordered(self) -> bool:
         """Each row's read holds position p at index p (no ring): a contiguous prior for a
-        kernel that takes one (backends/neuron/nki_kernels.py)."""
+        kernel that takes one (backends/neuron/nki_kernels.py), views for the cpu backend."""
         return self.ring is None
 
     def index(self, position_ids: torch.Tensor) -> torch.Tensor:
-        """Where a one-block row keeps each position."""
+        """Where a row's block keeps each position (whole-sequence blocks)."""
         return position_ids if self.ring is None else torch.remainder(position_ids, self.ring)
+
+    def address(self, tables: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(block [N, 1 or T], offset [N, T]) of each position of rows with block tables [N, M]:
+        position p of row r at offset p % P of block tables[r, p // P]; whole-sequence blocks
+        in place (static, no gather: positions below P, or wrapped in a ring)."""
+        if self.in_place:
+            return tables[:, :1], self.index(position_ids)
+        column = torch.div(position_ids, self.block_size, rounding_mode="floor")
+        return torch.gather(tables, 1, column), torch.remainder(position_ids, self.block_size)
 
     def extent(self, window: int, live):
         """(window, live) read of each row from position 0: a ring layer reads its whole ring."""
@@ -82,9 +126,7 @@ class KVLayout:
     """The pool and how each layer addresses it, with the checkpoint's KV heads (tensor
     parallelism may split or replicate them on the device)."""
 
-    num_blocks: int
-    block_size: int  # P
-    sequence_length: int
+    pool: KVPool
     cache_lengths: tuple[int, ...]  # per layer: the positions a sequence keeps
     num_kv_heads: int
     head_dim: int
@@ -95,51 +137,62 @@ class KVLayout:
         """The layout of `config`'s export of family `spec` (family.FamilySpec). A ring holds a
         sliding layer's window plus the most positions one call writes (the widest chunk), where
         that is shorter than the sequence: only chunked exports of whole-sequence blocks."""
+        pool = KVPool.of(config)
         length = config.sequence_length
-        writes = config.prefill_width if whole_sequence_blocks(config) else None
+        writes = config.prefill_width if pool.whole_sequence_blocks else None
         lengths = tuple(
             length if w is None or writes is None else min(length, w + writes) for w in spec.sliding_windows
         )
-        return cls(
-            config.kv_pool_blocks,
-            config.kv_block_positions,
-            length,
-            lengths,
-            spec.num_kv_heads,
-            spec.head_dim,
-            getattr(torch, config.dtype),
-        )
+        return cls(pool, lengths, spec.num_kv_heads, spec.head_dim, getattr(torch, config.dtype))
+
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    @property
+    def block_size(self) -> int:
+        return self.pool.block_size
+
+    @property
+    def sequence_length(self) -> int:
+        return self.pool.sequence_length
 
     @property
     def whole_sequence_blocks(self) -> bool:
-        return self.block_size == self.sequence_length
+        return self.pool.whole_sequence_blocks
+
+    @property
+    def decode_reads_pool_order(self) -> bool:
+        return self.pool.decode_reads_pool_order
+
+    @property
+    def prefix_cache(self) -> PrefixCache:
+        return self.pool.prefix_cache
 
     def layer(self, i: int) -> LayerKV:
         length = self.cache_lengths[i]
-        return LayerKV(min(self.block_size, length), length if length < self.sequence_length else None)
+        ring = length if length < self.sequence_length else None
+        return LayerKV(min(self.block_size, length), ring, self.whole_sequence_blocks)
 
     @property
     def ring_layers(self) -> tuple[int, ...]:
         """Layers keeping a ring of their last positions: there, a finished request's block no
         longer holds its whole prompt."""
-        return tuple(i for i in range(self.num_layers) if self.layer(i).ring is not None)
+        return tuple(i for i in range(self.num_layers) if not self.layer(i).position_ordered)
 
     @property
-    def decode_reads_pool_order(self) -> bool:
-        """Decode rows may read the pool in block order, as views (no gather of every row's
-        window): each row's block holds its whole context."""
-        return self.whole_sequence_blocks
-
-    @property
-    def contiguous_prior(self) -> bool:
-        """A row's prior K/V is one block, contiguous and in position order (ring layers aside),
-        as a kernel reading a row's prior with KV heads folded into the batch wants it; smaller
-        blocks gather the row's window first."""
-        return self.whole_sequence_blocks
-
-    @property
-    def prefix_cache(self) -> PrefixCache:
-        return PrefixCache.COPY if self.whole_sequence_blocks else PrefixCache.SHARED
+    def prefix_cache_refusal(self) -> str | None:
+        """Why cached prefixes cannot be reused with this layout, or None."""
+        if not self.pool.chunked:
+            return (
+                "a standard export encodes whole prompts from position 0 (export with --prefill-chunk-size)"
+            )
+        if self.prefix_cache is PrefixCache.COPY and self.ring_layers:
+            return (
+                "its sliding-window layers keep a ring of the last positions only, so a finished "
+                "request's block no longer holds its prefix"
+            )
+        return None
 
     @property
     def num_layers(self) -> int:

@@ -321,7 +321,7 @@ def _set_prefix_caching(vllm_config, export: NeuronConfig) -> str:
         )
     wanted = cache.enable_prefix_caching or ours
     cache.enable_prefix_caching = False
-    unsupported = prefix_caching_unsupported(export, vllm_config.model_config.hf_config)
+    unsupported = ExportCapabilities.of(export, vllm_config.model_config.hf_config).kv.prefix_cache_refusal
     if not wanted or unsupported:
         if ours:
             vllm_config.kv_transfer_config = None
@@ -343,18 +343,6 @@ def _use_connector(vllm_config, connector: type) -> None:
     vllm_config.kv_transfer_config = KVTransferConfig(
         kv_connector=connector.__name__, kv_connector_module_path=connector.__module__, kv_role="kv_both"
     )
-
-
-def prefix_caching_unsupported(export: NeuronConfig, hf_config) -> str | None:
-    """Why this export cannot reuse cached prefixes, or None."""
-    if not export.chunked:
-        return "a standard export encodes whole prompts from position 0 (export with --prefill-chunk-size)"
-    if ExportCapabilities.of(export, hf_config).kv.ring_layers:
-        return (
-            "its sliding-window layers keep a ring of the last positions only, so a finished "
-            "request's slot no longer holds its prefix"
-        )
-    return None
 
 
 def _describe(config: NeuronConfig) -> str:

@@ -29,12 +29,12 @@ def attend(choices, decode_op: bool, spec: AttentionSpec, part: GraphPart, q, ca
             return _attend_per_row(q, cache, part.position_ids, read.rows, core)
         return attend_read(q, cache, part, live, core)
     if read.block is not None:
-        keys, values, key_positions = cache.read(read.block, live, part.position_ids)
+        keys, values, key_positions = cache.read_block(read.block, live, part.position_ids)
     else:  # the blocks holding the live context (read.live: every row's, with live_window)
         size = cache.keys.shape[2]
         blocks = (live + size - 1) // size
         torch._check(blocks <= part.tables.shape[1])
-        keys, values, key_positions = cache.read(part.tables[:, :blocks], live, part.position_ids)
+        keys, values, key_positions = cache.read_tables(part.tables[:, :blocks], live, part.position_ids)
     return _attend_windows(choices, spec, part, q, cache, sinks, keys, values, key_positions)
 
 
@@ -94,6 +94,6 @@ def _attend_per_row(q, cache: KVCache, position_ids, rows, core) -> torch.Tensor
     outs = []
     for i, (block, live) in enumerate(rows):
         row_positions = position_ids[i : i + 1]
-        keys, values, key_positions = cache.read(block, live, row_positions)
+        keys, values, key_positions = cache.read_block(block, live, row_positions)
         outs.append(core(q[i : i + 1], keys, values, row_positions, key_positions))
     return torch.cat(outs)

@@ -18,7 +18,7 @@ from ...checkpoint_stream import empty_but_inlined
 from ...config import NeuronConfig
 from ...graphs import GraphSpec, example_inputs, graph_module
 from ...modeling.decoder import DecoderModel
-from ...modeling.kv_layout import whole_sequence_blocks
+from ...modeling.kv_layout import KVPool
 from ..base import GRAPHS_DIR, WEIGHTS_NAME, Backend, BackendUnavailableError, OnGraph
 from .decode_attention import load_op
 from .denormals import flushing
@@ -90,7 +90,7 @@ class CpuBackend(Backend):
         return empty_but_inlined(decoder, out_dir / WEIGHTS_NAME)
 
     def kernels(self, config: NeuronConfig) -> CpuKernels:
-        return CpuKernels(kernel_choices(config.cpu_isa or None), whole_sequence_blocks(config))
+        return CpuKernels(kernel_choices(config.cpu_isa or None), KVPool.of(config))
 
     def graph_files(self, specs: list[GraphSpec]) -> list[str]:
         return [f"{GRAPHS_DIR}/{spec.name}.pt2" for spec in specs]

@@ -33,7 +33,7 @@ from torch import nn
 
 from ...modeling.kernels import AttentionSpec, CacheRead, GraphPart, Kernels
 from ...modeling.kv_cache import KVCache
-from ...modeling.kv_layout import KVLayout
+from ...modeling.kv_layout import KVLayout, KVPool
 from .attention import attend
 from .host import host_cpu_capability
 from .linear import CpuLinear
@@ -106,14 +106,14 @@ class CpuCacheRead(CacheRead):
 class CpuKernels(Kernels):
     """The model's kernel strategy on the cpu backend, from its KernelChoices.
 
-    `whole_sequence_blocks`: the export's blocks are whole sequences (kv_layout.py), so rows
-    read views of their block; smaller blocks are gathered up to the live context."""
+    `pool`: the export's pool (kv_layout.KVPool): whole-sequence blocks are read as views in
+    place, smaller blocks gathered up to the live context."""
 
-    def __init__(self, choices: KernelChoices, whole_sequence_blocks: bool = True):
+    def __init__(self, choices: KernelChoices, pool: KVPool):
         self.choices = choices
         self.expert_selection = choices.expert_selection
         self.calls_decode_op = (
-            choices.decode_attention_op if whole_sequence_blocks else choices.paged_decode_op
+            choices.decode_attention_op if pool.decode_reads_pool_order else choices.paged_decode_op
         )
         """Whether decode graphs may call decode_attention.decode_attention (load it first)."""
 

@@ -11,7 +11,7 @@ the signature grew between nki-library's 2.28 and 2.29_release branches.
 
 What the kernel reads, for a chunk of T tokens (padded: repeating the last real token and
 position) at positions start.. of a row whose context bucket is W (start + real tokens <= W):
-- the row's context, read as the layout says (KVCache.read), position p at index p;
+- the row's context, read through its block tables (KVCache.read_tables), position p at index p;
 - the prior: its first W - T positions, of which the first `base` are visible, where
   base = min(start, W - T); the active keys: the T positions base.., causal by index. So the
   kernel sees W positions in all (prior + active <= its max_positions for any W up to it);
@@ -71,7 +71,7 @@ class NkiKernels(Kernels):
 
     def _chunk(self, spec: AttentionSpec, part: GraphPart, q, cache: KVCache, sinks) -> torch.Tensor:
         """q [1, Hq, T, D] of one chunk -> [1, Hq, T, D] through attention_cte."""
-        keys, values, _ = cache.read(part.tables, part.read.window, part.position_ids)
+        keys, values, _ = cache.read_tables(part.tables, part.read.window, part.position_ids)
         context_k, context_v = keys[0], values[0]  # [Hkv, W, D], position p at index p
         window, tokens = context_k.shape[1], q.shape[2]
         positions = part.position_ids[0]
