@@ -67,14 +67,16 @@ class NeuronConfig:
     speculation_length K: VF graphs (per bucket and decode width) take decode rows of K + 1
     tokens - the last token and up to K drafts - and score every position.
     kv_cache_blocks / kv_block_size (paged exports): the KV cache is one pool of blocks of P
-    positions that every request draws from; graphs take block tables where slot exports take
-    slots, batch_size keeps counting the decode rows of TG graphs, and there is no copy graph
+    positions that every request draws from (the default: one whole-sequence block per batch
+    row); batch_size keeps counting the decode rows of TG graphs, and there is no copy graph
     (prefix caching shares blocks instead).
     """
 
     # Export options, in --help order.
     batch_size: int = option(
-        "--batch_size", "--batch-size", help="KV-cache slots (max concurrent sequences)."
+        "--batch_size",
+        "--batch-size",
+        help="Max concurrent sequences (decode rows; one whole-sequence KV block each by default).",
     )
     sequence_length: int = option("--sequence_length", "--sequence-length", help="Max tokens per sequence.")
     prefill_chunk_size: int = option(
@@ -158,7 +160,7 @@ class NeuronConfig:
         "--kv_cache_blocks",
         default=0,
         help="With --prefill-chunk-size and --kv-block-size: a pool of N KV blocks shared by all "
-        "requests (paged KV; vLLM allocates them); 0 (default): one slot of sequence_length per "
+        "requests (paged KV; vLLM allocates them); 0 (default): one whole-sequence block per "
         "batch row.",
     )
     kv_block_size: int = option(
@@ -360,7 +362,7 @@ class NeuronConfig:
     @property
     def kv_pool_blocks(self) -> int:
         """Blocks in the KV pool that every export's cache is: --kv-cache-blocks, else one block
-        per batch row (a slot)."""
+        per batch row (a whole-sequence block)."""
         return self.kv_cache_blocks or self.batch_size
 
     @property

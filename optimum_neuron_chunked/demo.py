@@ -115,7 +115,7 @@ def mark(ok: bool) -> str:
 def stall_table(runs: list[Run], same: dict[str, bool], long_tokens: int) -> Table:
     table = Table(
         title=f"{STREAMS} streams decoding when a {long_tokens}-token prompt arrives "
-        f"(vLLM in-process, {BATCH} slots, chunk {CHUNK})"
+        f"(vLLM in-process, {BATCH} sequences, chunk {CHUNK})"
     )
     for column in (
         "export",

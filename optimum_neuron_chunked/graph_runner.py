@@ -3,7 +3,7 @@ padding rule, in the bucket and width that hold them (graphs.py describes the se
 
 Every operation takes rows as tokens, positions and KV blocks: a request's KV address is its
 pool blocks in position order (at least one block per P positions it writes; longer is fine;
-one block, its slot, where a block is a whole sequence). One internal path (GraphRunner._call)
+one whole-sequence block). One internal path (GraphRunner._call)
 checks them, pads them, builds the block tables once at the graph's ceil(W / P) columns
 (block_table, modeling/kv_cache.py), calls the graph and returns the real rows' outputs in the
 caller's order. Nothing is sampled here beyond what a graph samples on the device: sampling is

@@ -17,7 +17,7 @@
 
 Every row of every graph (copy aside) comes with its block table, [N, ceil(W / P)] int32
 (row r's position p in block table[r, p // P], modeling/kv_cache.py): one column where a
-block is a whole sequence (the default: a slot per batch row), W / P with --kv-block-size.
+block is a whole sequence (the default: one per batch row), W / P with --kv-block-size.
 
 Prefill graphs return the logits of the last real token (host sampling), or of every
 position when the export serves prompt logprobs (`prompt_logprobs`); TG graphs sample

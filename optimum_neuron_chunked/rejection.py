@@ -9,9 +9,8 @@ against 0.32's CPU path on identical inputs):
 
 - uniforms: one float64 `rand` over every draft token, then each seeded request's own slice
   redrawn from its generator (requests without drafts draw nothing);
-- greedy rows accept a draft while it equals the target argmax; the first mismatch emits the
-  argmax and stops;
-- random rows (draft probability 1: the proposer is deterministic) accept draft d while
+- rows are random (greedy rows accept drafts on the device's argmax: prompt_lookup.accept_greedy);
+  with draft probability 1: the proposer is deterministic) accept draft d while
   p_target(d) >= u (u compared in float32, as 0.32's CPU kernel does); a rejection emits the
   recovered token argmax_v(p_target(v) / q_v) over the vocabulary less d, with q ~ Exp(1) drawn
   once per request (float32; seeded requests redraw theirs);
@@ -72,32 +71,19 @@ def rejection_sample(
     drafts: Drafts,
     target_logits: torch.Tensor,  # [T, V]: the target's logits at each draft, processed
     bonus: torch.Tensor,  # [rows]: the token sampled after each row's last draft
-    greedy: torch.Tensor,  # [rows] bool
     generators: dict[int, torch.Generator],
 ) -> torch.Tensor:
-    """[rows, max drafts + 1] int64: each row's accepted drafts, then its recovered or bonus
-    token, then PLACEHOLDER."""
+    """[rows, max drafts + 1] int64 of random rows: each row's accepted drafts, then its
+    recovered or bonus token, then PLACEHOLDER."""
     rows, width = len(drafts.counts), max(drafts.counts, default=0) + 1
     out = torch.full((rows, width), PLACEHOLDER, dtype=torch.int64)
-    all_greedy = bool(greedy.all())
-    uniforms = None if all_greedy else draw_uniforms(drafts, generators)
-    argmax = target_logits.argmax(dim=-1)
-    accepted_by = torch.zeros(len(drafts.token_ids), dtype=torch.bool)
-    emitted = argmax.clone()
-    random_rows = [r for r in range(rows) if not greedy[r]]
-    if random_rows:
-        probs = target_logits.to(torch.float32).softmax(dim=-1)
-        recovered = _recovered(drafts, probs, draw_inverse_exponentials(drafts, probs.shape[-1], generators))
+    uniforms = draw_uniforms(drafts, generators)
+    probs = target_logits.to(torch.float32).softmax(dim=-1)
+    recovered = _recovered(drafts, probs, draw_inverse_exponentials(drafts, probs.shape[-1], generators))
+    target = probs.gather(1, drafts.token_ids.clamp(min=0)[:, None])[:, 0]
+    accepted_by = (drafts.token_ids >= 0) & (target >= uniforms.to(torch.float32))
     for row, span in enumerate(drafts.slices()):
-        ids = drafts.token_ids[span]
-        if greedy[row]:
-            accepted_by[span] = ids == argmax[span]
-        else:
-            target = probs[span].gather(1, ids[:, None])[:, 0]
-            accepted_by[span] = (ids >= 0) & (target >= uniforms[span].to(torch.float32))
-            emitted[span] = recovered[span]
-    for row, span in enumerate(drafts.slices()):
-        _write_row(out[row], drafts.token_ids[span], accepted_by[span], emitted[span], bonus[row])
+        _write_row(out[row], drafts.token_ids[span], accepted_by[span], recovered[span], bonus[row])
     return out
 
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from optimum_neuron_chunked.vllm.prefix_index import (
+    BlockCopy,
     PrefixHit,
     PrefixIndex,
-    SlotCopy,
     common_prefix_length,
     worth_waiting,
 )
@@ -36,7 +36,7 @@ def test_admission_copies_unless_the_slot_already_holds_the_hit():
     index.set(0, range(100))
     prompt = [*range(40), 500, 501]
     hit = index.longest_hit(prompt)
-    assert index.admit(1, prompt, hit) == SlotCopy(0, 1, 40)
+    assert index.admit(1, prompt, hit) == BlockCopy(0, 1, 40)
     assert index.held(1).tolist() == list(range(40))  # what the copy puts there
     assert index.held(0).tolist() == list(range(100))  # the source keeps its tokens
     assert index.admit(0, prompt, PrefixHit(0, 40)) is None  # slot affinity: no copy

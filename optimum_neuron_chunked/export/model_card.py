@@ -31,7 +31,7 @@ def model_card(model: str, config: NeuronConfig) -> str:
         "runs on": host,
         "backend": config.backend + (f" ({config.instance_type})" if config.instance_type else ""),
         "graphs": ", ".join(s.name for s in graph_specs(config)),
-        "KV-cache slots (batch size)": config.batch_size,
+        "concurrent sequences (batch size)": config.batch_size,
         "sequence length": config.sequence_length,
         "prefill": prefill,
         "context buckets": ", ".join(map(str, config.context_buckets)),
@@ -39,6 +39,7 @@ def model_card(model: str, config: NeuronConfig) -> str:
         "decode widths (rows)": ", ".join(map(str, config.decode_widths)),
         "mixed steps (decodes + a chunk in one call)": "yes" if config.mixed_step else "no",
         "dtype": config.dtype,
+        "quantization": _quantization(config),
         "tensor parallel degree": config.tp_degree,
         "on-device sampling": f"top-k <= {config.max_topk}" if config.on_device_sampling else "off",
         "optimum-neuron-chunked": config.package_version,
@@ -80,3 +81,14 @@ Graph packages are native code that runs when loaded: load exports only from sou
 
 def write_model_card(out: Path, model: str, config: NeuronConfig) -> None:
     (out / "README.md").write_text(model_card(model, config))
+
+
+def _quantization(config: NeuronConfig) -> str:
+    """The weights' storage: the projections' 8-bit format and its scales, or none."""
+    if not config.quantization:
+        return f"none (weights in {config.dtype})"
+    scales = "block-wise scales" if config.quantization_block else "a scale per output channel"
+    kept = (
+        f", kept in {config.dtype}: {', '.join(config.quantization_skip)}" if config.quantization_skip else ""
+    )
+    return f"{config.quantization} projections, {scales}{kept}"

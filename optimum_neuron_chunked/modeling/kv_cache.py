@@ -28,7 +28,7 @@ from .kv_layout import LayerKV
 
 
 def scatter_cache(
-    cache: torch.Tensor,  # [B, Hkv, S, D]: slots x positions, or blocks x offsets
+    cache: torch.Tensor,  # [blocks, Hkv, P, D]
     rows: torch.Tensor,  # [N, 1] or [N, T]: the cache row of each token
     index: torch.Tensor,  # [N, T]: the position in that row
     values: torch.Tensor,  # [N, T, Hkv, D]

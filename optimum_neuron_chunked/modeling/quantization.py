@@ -26,8 +26,9 @@ from torch import nn
 from ..config import QUANTIZATIONS
 
 STORAGE = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
+# fp8: Neuron's E4M3 saturates at +-240, not OCP e4m3fn's 448 (larger values become NaN on the
+# device: neuronx_distributed/quantization/README_rescaling_fp8_for_neuron.md)
 QMAX = {"int8": 127.0, "fp8": 240.0}
-NEURON_FP8_MAX = 240.0
 # Module-name suffixes of the projections quantized (attention, MLP, MoE experts); embeddings,
 # lm_head, routers and norms are kept in --dtype.
 QUANTIZED_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "experts")
@@ -103,7 +104,7 @@ def fit_neuron_fp8(weight: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Ten
     """An e4m3fn weight and its scale (blocks or channels) with every value inside Neuron's
     +-240: the scale groups holding a larger value are halved and their scale doubled (exact
     but for the smallest subnormals; NxD's recipe, dividing by 448 / 240, rounds every value)."""
-    groups = _group_amax(weight.float().abs(), scale.shape) > NEURON_FP8_MAX
+    groups = _group_amax(weight.float().abs(), scale.shape) > QMAX["fp8"]
     if not groups.any():
         return weight, scale
     factor = torch.where(groups, 0.5, 1.0)

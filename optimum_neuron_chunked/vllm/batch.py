@@ -2,14 +2,14 @@
 
 vLLM sends each request's prompt and sampling parameters once (when it is first scheduled)
 and then only how far it got; the runner keeps the rest: the tokens generated so far, the
-KV-cache slot and the sampling state. Host sampling reuses vLLM's own `InputBatch`, which
+KV block and the sampling state. Host sampling reuses vLLM's own `InputBatch`, which
 derives the sampler's metadata (penalties, seeds, logits processors, ...) from that state.
 
-The slot of a request is its KV block: the cache is presented to vLLM as one block of
-`max_model_len` tokens per request, so vLLM's block pool is the slot allocator - a finished or
-aborted request frees its slot in the scheduler itself. Block id b (1..B; 0 is vLLM's null
-block) is slot b-1, except with prefix caching, where the connector chooses the slot of each
-block it sees allocated (slot_assignment.py) and the step's `PrefixCopies` bring the choice.
+With whole-sequence blocks the cache is presented to vLLM as one block of `max_model_len`
+tokens per request, so vLLM's block pool is the allocator - a finished or aborted request
+frees its block in the scheduler itself. vLLM's block b (1..B; 0 is vLLM's null block) is pool
+block b-1, except with prefix caching, where the connector chooses the pool block of each
+block it sees allocated (block_assignment.py) and the step's `PrefixCopies` bring the choice.
 Paged exports: a request's KV address is its list of blocks (kv_blocks.py).
 """
 
@@ -73,7 +73,7 @@ class BatchState:
     def address(self, block_ids: tuple[list[int], ...]) -> KVAddress:
         """The request's pool blocks, in position order (one KV-cache group): vLLM's block b is
         the pool's block b - 1 (vLLM keeps block 0 as its null block: kv_blocks.py), unless the
-        prefix-copy connector assigned it (slot_assignment.py)."""
+        prefix-copy connector assigned it (block_assignment.py)."""
         return tuple(self._pool_block(b) for b in request_blocks(block_ids))
 
     def _pool_block(self, block: int) -> int:
@@ -88,7 +88,7 @@ class BatchState:
     def update(self, so: SchedulerOutput) -> None:
         """Apply what the scheduler changed since the last step (finished, new, advanced)."""
         if isinstance(so.kv_connector_metadata, PrefixCopies):
-            self.assigned.update(so.kv_connector_metadata.slots)
+            self.assigned.update(so.kv_connector_metadata.pool_blocks)
         batch = self.input_batch
         for req_id in so.finished_req_ids:
             self.requests.pop(req_id, None)
@@ -150,7 +150,7 @@ class BatchState:
     def _continue_session(self, new) -> CachedRequestState:
         """A streaming-input session's next input: vLLM resends the request as new, its prompt
         now the old prompt + the outputs it kept + the new input, computed up to where the
-        slot's cache is valid. As vLLM's GPU runner does (`_update_streaming_request`,
+        block's cache is valid. As vLLM's GPU runner does (`_update_streaming_request`,
         vllm/v1/worker/gpu_model_runner.py, 0.32), the state is updated in place - its
         generator goes on - and re-enters the batch."""
         self.input_batch.remove_request(new.req_id)  # scheduled the step before: still in it

@@ -136,7 +136,7 @@ def cap_scheduled_tokens(scheduler_config, budget: int) -> None:
     """The scheduler's per-step token cap. vLLM 0.32 copies max_num_batched_tokens into
     `max_num_scheduled_tokens` when speculation is configured (VllmConfig._set_max_num_scheduled_tokens,
     config/vllm.py), before the platform fits the budget to the export, and its scheduler then
-    budgets by that copy (v1/core/sched/scheduler.py); the n-gram proposer needs no extra slots.
+    budgets by that copy (v1/core/sched/scheduler.py); the n-gram proposer needs no extra blocks.
     0.16.0 has no such field."""
     if getattr(scheduler_config, "max_num_scheduled_tokens", None) is not None:
         scheduler_config.max_num_scheduled_tokens = budget

@@ -1,7 +1,7 @@
 """Prefix caching through vLLM's KV-connector interface: the scheduler asks how many of a new
-request's tokens we can provide, schedules only the rest, and we copy them into its slot.
+request's tokens we can provide, schedules only the rest, and we copy them into its pool block.
 
-vLLM's own prefix caching cannot serve a per-slot cache (one `max_model_len`-token block per
+vLLM's own prefix caching cannot serve a cache of whole-sequence blocks (one `max_model_len`-token block per
 request never fills, so nothing is ever hashed). A KV connector is the hook where vLLM's
 scheduler asks for external hits and then chunks the remainder itself (vllm/v1/core/sched/
 scheduler.py, 0.32: `get_num_new_matched_tokens` before allocation, `update_state_after_alloc`
@@ -28,8 +28,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.logger import init_logger
 from vllm.v1.request import RequestStatus
 
-from .prefix_index import PrefixHit, PrefixIndex, SlotCopy, common_prefix_length, worth_waiting
-from .slot_assignment import SlotAssignment
+from .block_assignment import BlockAssignment
+from .prefix_index import BlockCopy, PrefixHit, PrefixIndex, common_prefix_length, worth_waiting
 
 logger = init_logger(f"vllm.{__name__}")
 
@@ -41,9 +41,9 @@ MIN_HIT_TOKENS = 16
 class PrefixCopies(KVConnectorMetadata):
     """What the runner copies before the step's graphs, in this order."""
 
-    copies: tuple[SlotCopy, ...] = ()
-    # (block id, slot) of the blocks allocated this step (slot_assignment.py)
-    slots: tuple[tuple[int, int], ...] = ()
+    copies: tuple[BlockCopy, ...] = ()
+    # (block id, pool block) of the blocks allocated this step (block_assignment.py)
+    pool_blocks: tuple[tuple[int, int], ...] = ()
 
 
 def is_prefix_cache_connector(kv_transfer_config) -> bool:
@@ -53,7 +53,7 @@ def is_prefix_cache_connector(kv_transfer_config) -> bool:
 
 def is_platform_connector(kv_transfer_config) -> bool:
     """Whether vLLM's KV-transfer config is one the platform sets (not a user's): this copy
-    connector (slot exports) or the wait connector (paged exports, prefix_wait.py)."""
+    connector (exports of whole-sequence blocks) or the wait connector (paged exports, prefix_wait.py)."""
     modules = (__name__, f"{__package__}.prefix_wait")
     return kv_transfer_config is not None and kv_transfer_config.kv_connector_module_path in modules
 
@@ -91,18 +91,18 @@ class PrefixCopyConnector(SchedulerSideConnector):
         # a wait must save at least a chunk's worth of prefill (the per-request share of a step)
         self.min_wait_gain = vllm_config.scheduler_config.long_prefill_token_threshold or MIN_HIT_TOKENS
         self._promised: dict[str, PrefixHit] = {}  # request id -> hit, until allocation
-        self._live: dict[int, Any] = {}  # slot -> the vLLM Request filling it (read only)
-        # slot -> tokens of its live request computed once the last scheduled step ran; the
+        self._live: dict[int, Any] = {}  # pool block -> the vLLM Request filling it (read only)
+        # pool block -> tokens of its live request computed once the last scheduled step ran; the
         # index reads them only when a new request looks up (not on every decode step)
         self._live_computed: dict[int, int] = {}
-        self._copies: list[SlotCopy] = []
-        self.slots = SlotAssignment(vllm_config.scheduler_config.max_num_seqs)
+        self._copies: list[BlockCopy] = []
+        self.assignment = BlockAssignment(vllm_config.scheduler_config.max_num_seqs)
         self._assigned: list[tuple[int, int]] = []
 
     # -- scheduler side ----------------------------------------------------------------------
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
-        """(tokens a slot holds, False), or (None, False): ask again next step - the scheduler
+        """(tokens a pool block holds, False), or (None, False): ask again next step - the scheduler
         then skips the request this step and tries the next one (Scheduler.schedule, 0.32)."""
         self._promised.pop(request.request_id, None)
         if num_computed_tokens:  # vLLM's own hit (never, with one block per request)
@@ -112,7 +112,7 @@ class PrefixCopyConnector(SchedulerSideConnector):
         # 0.16.0's does not, so the connector says it (Request.skip_reading_prefix_cache, both).
         if request.skip_reading_prefix_cache:
             return 0, False
-        self._sync_live_slots()
+        self._sync_live_blocks()
         hit = self.index.longest_hit(request.prompt_token_ids)
         if worth_waiting(
             request.prompt_token_ids,
@@ -126,68 +126,73 @@ class PrefixCopyConnector(SchedulerSideConnector):
         self._promised[request.request_id] = hit
         return hit.length, False
 
-    def _slots_of(self, request) -> list[int]:
-        return [slot for slot, r in self._live.items() if r.request_id == request.request_id]
+    def _pool_blocks_of(self, request) -> list[int]:
+        return [pool_block for pool_block, r in self._live.items() if r.request_id == request.request_id]
 
-    def _sync_live_slots(self) -> None:
-        for slot, computed in self._live_computed.items():
-            if len(self.index.held(slot)) != computed:
-                self.index.set(slot, self._live[slot].all_token_ids[:computed])
+    def _sync_live_blocks(self) -> None:
+        for pool_block, computed in self._live_computed.items():
+            if len(self.index.held(pool_block)) != computed:
+                self.index.set(pool_block, self._live[pool_block].all_token_ids[:computed])
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
         (block_ids,) = blocks.get_block_ids()
         promised = self._promised.pop(request.request_id, None)
         hit = PrefixHit(promised.source, num_external_tokens) if promised and num_external_tokens else None
-        slot = self._slot_for(request, block_ids[0])
-        copy = self.index.admit(slot, request.prompt_token_ids, hit)
-        self._live[slot] = request
-        self._live_computed[slot] = len(self.index.held(slot))
+        pool_block = self._pool_block_for(request, block_ids[0])
+        copy = self.index.admit(pool_block, request.prompt_token_ids, hit)
+        self._live[pool_block] = request
+        self._live_computed[pool_block] = len(self.index.held(pool_block))
         if copy is not None:
             self._copies.append(copy)
             logger.debug(
-                "prefix hit: %s copies %d tokens from slot %d", request.request_id, copy.length, copy.source
+                "prefix hit: %s copies %d tokens from pool block %d",
+                request.request_id,
+                copy.length,
+                copy.source,
             )
 
-    def _slot_for(self, request, block: int) -> int:
-        """The slot the request's block stands for: kept by a request that keeps its block (a
-        streaming session's next input), else chosen by affinity/LRU (slot_assignment.py).
+    def _pool_block_for(self, request, block: int) -> int:
+        """The pool block the request's block stands for: kept by a request that keeps its block (a
+        streaming session's next input), else chosen by affinity/LRU (block_assignment.py).
         vLLM frees a preempted request's block without telling the connector: a block or a
-        request found with a stale slot gives that slot back first."""
-        mapped = self.slots.slot_of(block)
+        request found with a stale pool block gives that pool block back first."""
+        mapped = self.assignment.pool_block_of(block)
         if mapped is not None and self._live.get(mapped, request).request_id == request.request_id:
             self._live.pop(mapped, None)
             self._live_computed.pop(mapped, None)
             return mapped
-        stale = self._slots_of(request) + ([mapped] if mapped is not None else [])
-        for slot in stale:
-            self._live.pop(slot, None)
-            self._live_computed.pop(slot, None)
-            self.slots.release(slot)
+        stale = self._pool_blocks_of(request) + ([mapped] if mapped is not None else [])
+        for pool_block in stale:
+            self._live.pop(pool_block, None)
+            self._live_computed.pop(pool_block, None)
+            self.assignment.release(pool_block)
         prompt = np.asarray(request.prompt_token_ids, dtype=np.int64)
-        slot = self.slots.assign(block, lambda s: self._reusable(prompt, s))
-        self._assigned.append((block, slot))
-        return slot
+        pool_block = self.assignment.assign(block, lambda s: self._reusable(prompt, s))
+        self._assigned.append((block, pool_block))
+        return pool_block
 
-    def _reusable(self, prompt: np.ndarray, slot: int) -> int:
-        n = min(common_prefix_length(prompt, self.index.held(slot)), len(prompt) - 1)
+    def _reusable(self, prompt: np.ndarray, pool_block: int) -> int:
+        n = min(common_prefix_length(prompt, self.index.held(pool_block)), len(prompt) - 1)
         return n if n >= self.index.min_hit else 0
 
     def build_connector_meta(self, scheduler_output) -> PrefixCopies:
-        # What the live slots hold once this step ran (it runs before the next schedule).
+        # What the live pool blocks hold once this step ran (it runs before the next schedule).
         # Called before the scheduler adds this step's tokens to num_computed_tokens
         # (Scheduler.schedule, 0.32: build_connector_meta, then _update_after_schedule).
         scheduled = scheduler_output.num_scheduled_tokens
-        for slot, request in self._live.items():
-            self._live_computed[slot] = request.num_computed_tokens + scheduled.get(request.request_id, 0)
+        for pool_block, request in self._live.items():
+            self._live_computed[pool_block] = request.num_computed_tokens + scheduled.get(
+                request.request_id, 0
+            )
         meta = PrefixCopies(tuple(self._copies), tuple(self._assigned))
         self._copies, self._assigned = [], []
         return meta
 
     def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         self._promised.pop(request.request_id, None)
-        for slot in self._slots_of(request):
-            # the slot keeps what was computed until it is given to another request
-            self.index.set(slot, request.all_token_ids[: request.num_computed_tokens])
-            del self._live[slot], self._live_computed[slot]
-            self.slots.release(slot)
+        for pool_block in self._pool_blocks_of(request):
+            # the pool block keeps what was computed until it is given to another request
+            self.index.set(pool_block, request.all_token_ids[: request.num_computed_tokens])
+            del self._live[pool_block], self._live_computed[pool_block]
+            self.assignment.release(pool_block)
         return False, None

@@ -22,7 +22,7 @@ UNSUPPORTED_CONFIGS = {
     ),
     "kv_transfer_config": (
         "--kv-transfer-config",
-        "a KV connector would hand requests KV that the static per-slot cache never received",
+        "a KV connector would hand requests KV that the export's cache never received",
     ),
     "ec_transfer_config": ("--ec-transfer-config", "the exported decoders take no encoder inputs"),
     "watermark_config": ("--watermark-config", "the runner's samplers do not apply a watermark"),

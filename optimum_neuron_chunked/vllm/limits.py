@@ -4,7 +4,7 @@ scheduler settings derived from them. Pure, so every refusal is unit-tested.
 Derived settings (each overridable by its usual vLLM flag):
   --max-model-len            sequence_length (the compiled KV-cache length)
   --max-num-seqs             batch_size (a decode row per request)
-  --max-num-batched-tokens   chunked: full_chunk_budget (every slot's decode plus a full chunk,
+  --max-num-batched-tokens   chunked: full_chunk_budget (every row's decode plus a full chunk,
                              rounded up to whole chunks). Standard: max_model_len + max_num_seqs,
                              so a whole prompt always fits (standard exports cannot split prompts).
   --long-prefill-token-threshold   chunked: prefill_chunk_size, so one request's share of a
@@ -50,7 +50,7 @@ class ServingLimits:
 
 
 def full_chunk_budget(chunk: int, max_num_seqs: int, tokens_per_decode: int = 1) -> int:
-    """The default token budget of a chunked export: every other slot's decode plus a full
+    """The default token budget of a chunked export: every other row's decode plus a full
     chunk fit (decodes are scheduled first; a budget of C left C - decodes, down to one
     token while the CP graph computes C), rounded up to whole chunks because vLLM gives a
     request running alone the whole budget, ignoring long_prefill_token_threshold: it then

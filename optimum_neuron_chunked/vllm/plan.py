@@ -10,7 +10,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from ..config import prefill_slices
-from .prefix_index import SlotCopy
+from .prefix_index import BlockCopy
 
 # Where a request's K/V lives: its pool blocks in position order (graph_runner.py).
 KVAddress = tuple[int, ...]
@@ -83,7 +83,7 @@ class PrefillChunk:
 class StepPlan:
     decodes: tuple[DecodeRow, ...]
     chunks: tuple[PrefillChunk, ...]
-    copies: tuple[SlotCopy, ...] = ()  # cached prefixes into new requests' blocks, run first
+    copies: tuple[BlockCopy, ...] = ()  # cached prefixes into new requests' blocks, run first
     fused: int | None = None  # index of the chunk that runs with the decodes in one MX call
 
     @property
@@ -93,7 +93,7 @@ class StepPlan:
 
 
 def plan_step(
-    work: list[ScheduledWork], chunk_size: int, batch_size: int, copies: tuple[SlotCopy, ...] = ()
+    work: list[ScheduledWork], chunk_size: int, batch_size: int, copies: tuple[BlockCopy, ...] = ()
 ) -> StepPlan:
     """Split the step into one TG call (all decodes) and prefill chunks, after the prefix copies.
 
@@ -140,7 +140,7 @@ def fuse_chunk(
     return plan
 
 
-def _check_copies(copies: tuple[SlotCopy, ...], work: list[ScheduledWork]) -> None:
+def _check_copies(copies: tuple[BlockCopy, ...], work: list[ScheduledWork]) -> None:
     """A copy fills a request admitted this step with its prefix: its prefill starts right after."""
     starts = {w.blocks: w.start for w in work}
     for c in copies:

@@ -329,7 +329,9 @@ def _set_prefix_caching(vllm_config, export: NeuronConfig) -> str:
     # one KV group, and no hybrid cache manager on this platform (support_hybrid_kv_cache)
     vllm_config.scheduler_config.disable_hybrid_kv_cache_manager = True
     _use_connector(vllm_config, PrefixCopyConnector)
-    return "on (copies cached prefixes between slots; --no-enable-prefix-caching turns it off)"
+    return (
+        "on (copies cached prefixes between whole-sequence blocks; --no-enable-prefix-caching turns it off)"
+    )
 
 
 def _use_connector(vllm_config, connector: type) -> None:

@@ -1,13 +1,13 @@
-"""Which KV-cache slot holds the longest prefix of a prompt: the prefix cache's index (pure).
+"""Which KV-cache pool block holds the longest prefix of a prompt: the prefix cache's index (pure).
 
-The cache has one slot per request and keeps nothing beside them: a slot's KV stays valid
-after its request ends, until the slot is given to another request. So the index records, per
-slot, the tokens whose K/V the slot holds (positions 0..n-1), and a new request reuses the
-longest common prefix with any slot by copying those positions into its own slot - or by no
-copy at all when vLLM's allocator gives it the very slot that holds them. Eviction is vLLM's
-block pool: a freed slot is reallocated most-recently-freed first (blocks without a hash go
+The cache has one pool block per request and keeps nothing beside them: a pool block's KV stays valid
+after its request ends, until the pool block is given to another request. So the index records, per
+pool block, the tokens whose K/V the pool block holds (positions 0..n-1), and a new request reuses the
+longest common prefix with any pool block by copying those positions into its own pool block - or by no
+copy at all when vLLM's allocator gives it the very pool block that holds them. Eviction is vLLM's
+block pool: a freed pool block is reallocated most-recently-freed first (blocks without a hash go
 to the front of the free queue, `BlockPool.free_blocks`, vllm/v1/core/block_pool.py, 0.32),
-and reallocating a slot replaces what the index says it holds.
+and reallocating a pool block replaces what the index says it holds.
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ class PrefixHit:
 
 
 @dataclass(frozen=True)
-class SlotCopy:
-    """Copy positions 0..length-1 of every layer's K/V from slot `source` to slot `target`."""
+class BlockCopy:
+    """Copy positions 0..length-1 of every layer's K/V from pool block `source` to pool block `target`."""
 
     source: int
     target: int
@@ -56,7 +56,7 @@ def worth_waiting(prompt, hit_length: int, computing: list, min_gain: int, block
 
 
 class PrefixIndex:
-    """slot -> token ids whose K/V the slot holds at positions 0, 1, ...
+    """pool block -> token ids whose K/V the pool block holds at positions 0, 1, ...
 
     `min_hit`: shorter common prefixes are not worth a copy call (a chat template's first
     tokens); a hit always leaves the prompt's last token to compute, so that it samples."""
@@ -65,23 +65,23 @@ class PrefixIndex:
         self.min_hit = min_hit
         self._held: dict[int, np.ndarray] = {}
 
-    def held(self, slot: int) -> np.ndarray:
-        return self._held.get(slot, np.empty(0, dtype=np.int64))
+    def held(self, pool_block: int) -> np.ndarray:
+        return self._held.get(pool_block, np.empty(0, dtype=np.int64))
 
-    def set(self, slot: int, token_ids) -> None:
-        """The slot now holds the K/V of `token_ids` (those before it are gone)."""
-        self._held[slot] = np.asarray(token_ids, dtype=np.int64)
+    def set(self, pool_block: int, token_ids) -> None:
+        """The pool block now holds the K/V of `token_ids` (those before it are gone)."""
+        self._held[pool_block] = np.asarray(token_ids, dtype=np.int64)
 
     def longest_hit(self, prompt) -> PrefixHit | None:
         prompt = np.asarray(prompt, dtype=np.int64)
         best = None
-        for slot, held in self._held.items():
+        for pool_block, held in self._held.items():
             n = min(common_prefix_length(prompt, held), len(prompt) - 1)
             if n >= self.min_hit and (best is None or n > best.length):
-                best = PrefixHit(slot, n)
+                best = PrefixHit(pool_block, n)
         return best
 
-    def admit(self, target: int, prompt, hit: PrefixHit | None) -> SlotCopy | None:
+    def admit(self, target: int, prompt, hit: PrefixHit | None) -> BlockCopy | None:
         """A request enters `target` with `hit` (what get_num_new_matched_tokens promised):
         the copy that puts the hit in place (None when none is needed), and the index now
         says `target` holds the hit's tokens. A copy is always read before anything of this
@@ -91,5 +91,5 @@ class PrefixIndex:
         already = common_prefix_length(prompt[:length], self.held(target))
         self.set(target, prompt[:length])
         if length == 0 or already >= length:
-            return None  # no hit, or the slot already holds it (slot affinity)
-        return SlotCopy(hit.source, target, length)
+            return None  # no hit, or the pool block already holds it (pool block affinity)
+        return BlockCopy(hit.source, target, length)

@@ -66,7 +66,6 @@ def accept_random(rows: list[RandomRow]) -> list[list[int]]:
         Drafts.of([r.drafts for r in rows]),
         target,
         torch.tensor([r.bonus for r in rows]),
-        torch.zeros(len(rows), dtype=torch.bool),
         generators,
     )
     return accepted_tokens(out)

@@ -34,7 +34,7 @@ ROW_BLOCK = 256
 def chunk_attention(
     query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, scale: float
 ) -> torch.Tensor:
-    """query [Hq, T, D], keys / values [Hkv, W, D] (the slot's first W cache positions),
+    """query [Hq, T, D], keys / values [Hkv, W, D] (the block's first W positions),
     positions [T] (the chunk's: consecutive, a padded row repeating the last real one)
     -> [Hq, T, D]. Query head h reads KV head h // (Hq / Hkv), as transformers' repeat_kv.
 

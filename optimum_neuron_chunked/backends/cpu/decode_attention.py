@@ -1,6 +1,6 @@
 """Decode attention as a C++ op (cpu backend only, kernels.decode_attention_op).
 
-A decode step (TG: one query row per slot or per block table) reads each row's live K/V once;
+A decode step (TG: one query row per block table) reads each row's live K/V once;
 that read is the step's cost. ATen's bmm with the 2 query heads of a KV group as its rows runs MKL sgemm far
 from the memory stream, so the op (decode_attention.cpp) reads each block of keys and values
 once for the group, with the softmax in between, one call a layer for all rows.
@@ -66,7 +66,7 @@ def decode_attention(
     """query [N, Hq, D] (one decode row each), lengths [N] -> [N, Hq, D]: row n over its
     positions 0 .. lengths[n] - 1, read in place. Paged: caches [blocks, Hkv, P, D], block
     tables [N, M], position p at offset p % P of block tables[n, p // P]. Slots: caches
-    [slots, Hkv, S, D], tables = the rows' slots [N] (one block of S positions each).
+    [blocks, Hkv, S, D], tables = the rows' whole-sequence blocks [N] (one block of S positions each).
     Query head h reads KV head h // (Hq / Hkv), as transformers' repeat_kv. Padded rows repeat
     a real row: the same result, computed twice. fp32."""
     load_op()

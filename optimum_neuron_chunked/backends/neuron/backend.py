@@ -284,7 +284,7 @@ class GraphBundle(nn.Module):
     names each example input after the parameter at its position and generate_hlo calls the
     module with them as keywords (`treat_inputs_as_kwargs=True`); NxDModel requires every
     tag to share one signature (trace/nxd_model/nxd_model.py `add`). The graphs' inputs
-    differ in number and meaning (copy: positions and slots first; TG: sampling inputs in
+    differ in number and meaning (copy: positions and blocks first; TG: sampling inputs in
     MX's chunk places), so the parameters are named by position: any other name would be
     wrong for some graph. Positional calls to the loaded NxDModel route by these names too
     (`convert_dict_to_ordered_list`: parameters in order, as traced)."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from optimum_neuron_chunked.vllm.slot_assignment import SlotAssignment
+from optimum_neuron_chunked.vllm.block_assignment import BlockAssignment
 
 
 def nothing_shared(slot: int) -> int:
@@ -12,7 +12,7 @@ def nothing_shared(slot: int) -> int:
 
 
 def test_without_reuse_slots_go_least_recently_freed_first():
-    slots = SlotAssignment(3)
+    slots = BlockAssignment(3)
     assert [slots.assign(b, nothing_shared) for b in (1, 2, 3)] == [0, 1, 2]
     slots.release(1)
     slots.release(0)
@@ -22,7 +22,7 @@ def test_without_reuse_slots_go_least_recently_freed_first():
 
 
 def test_the_free_slot_holding_the_longest_prefix_is_reused():
-    slots = SlotAssignment(3)
+    slots = BlockAssignment(3)
     for block in (1, 2, 3):
         slots.assign(block, nothing_shared)
     for slot in (0, 1, 2):
@@ -31,16 +31,16 @@ def test_the_free_slot_holding_the_longest_prefix_is_reused():
     assert slots.assign(3, held.get) == 2
     assert slots.assign(2, held.get) == 1
     assert slots.assign(1, held.get) == 0
-    assert slots.slot_of(3) == 2
+    assert slots.pool_block_of(3) == 2
 
 
 def test_a_mapped_block_or_a_full_pool_is_refused():
-    slots = SlotAssignment(1)
+    slots = BlockAssignment(1)
     slots.assign(1, nothing_shared)
-    with pytest.raises(ValueError, match="already stands for slot 0"):
+    with pytest.raises(ValueError, match="already stands for pool block 0"):
         slots.assign(1, nothing_shared)
-    with pytest.raises(RuntimeError, match="no free slot"):
+    with pytest.raises(RuntimeError, match="no free pool block"):
         slots.assign(2, nothing_shared)
     slots.release(0)
-    assert slots.slot_of(1) is None
+    assert slots.pool_block_of(1) is None
     assert slots.assign(2, nothing_shared) == 0
