@@ -222,6 +222,7 @@ class GraphRunner:
             return 0
         if length > self.config.sequence_length:
             raise ValueError(f"{length} positions exceed sequence_length {self.config.sequence_length}")
+        self._check_blocks([[src_block], [dst_block]], torch.tensor([length - 1, length - 1]))
         width = self.config.prefill_chunk_size
         blocks = torch.tensor([src_block, dst_block], dtype=INDEX_DTYPE)
         pieces = prefill_slices(length, width)

@@ -38,7 +38,7 @@ def test_a_copied_prefix_equals_the_computed_one(export_dir, neuron_model, hf_re
     assert int(tokens[0]) == int(expected_next)
 
 
-def test_copy_is_refused_by_standard_exports_and_checks_its_length():
+def test_copy_is_refused_by_standard_exports_and_checks_its_length_and_blocks():
     from optimum_neuron_chunked.config import NeuronConfig
     from optimum_neuron_chunked.graph_runner import GraphRunner
     from optimum_neuron_chunked.graphs import graph_specs
@@ -52,4 +52,6 @@ def test_copy_is_refused_by_standard_exports_and_checks_its_length():
     chunked = runner(prefill_chunk_size=32)
     with pytest.raises(ValueError, match="exceed"):
         chunked.copy_prefix(0, 1, 129)
+    with pytest.raises(ValueError, match="must hold pool blocks 0..1"):
+        chunked.copy_prefix(0, 2, 50)  # block 2 is outside the pool: refused before any call
     assert chunked.copy_prefix(1, 1, 50) == 0  # same block: nothing to copy
