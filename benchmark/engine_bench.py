@@ -1,36 +1,23 @@
-"""W1 and W2 at the engine: vLLM's `LLMEngine` stepped in-process, no HTTP (on 2 cores the API
-server's noise dominates and hurts the native contender most). serve_bench.py keeps the
-serving view; its contenders, model and exports are these.
+"""W1, W2, W4 and W5 at the engine: vLLM's `LLMEngine` stepped in-process, no HTTP (on 2 cores the
+API server's noise dominates). serve_bench.py keeps the serving view, its model and exports.
 
-Contenders (serve_bench.py's bench model, fp32, B=8, S=4096, C=256):
-  std            standard export (CE graph), whole prompts per step
-  chunked        chunked export, vLLM schedules the chunks (the default)
-  paged          chunked export with paged KV: 32 decode rows (max_num_seqs 32; TG widths 8 and
-                 32), a pool of P=128-token blocks holding the slot export's KV bytes (B x S
-                 positions), vLLM's KV cache manager allocating them (serve_bench.paged_shape)
-  chunked-whole  chunked export, budget max_model_len + max_num_seqs: whole prompts per step
-  native         vLLM's own CPU engine on the HF checkpoint, its default budget
-  native-budget  the same at the budget our platform derives for the chunked export
-  native-paged   the same with paged's rows and KV pool (max_num_seqs 32, N+1 blocks of P)
-Workloads (prefix caching off everywhere; fresh token ids per repeat, seeded):
-  W1  4 streams decode; after 100 tokens each a 3072-token prompt arrives. Its TTFT, the streams' max
-      stall (inter-token gap) in its prefill window, the decode step before it (4 streams)
-      and the median step inside the window.
+Contenders (the bench model, fp32, B=8, S=4096, C=256): std, chunked, chunked-whole (budget
+max_model_len + max_num_seqs), paged (32 decode rows, TG widths 8 and 32, a pool of P=128 blocks
+holding the slot export's KV: serve_bench.paged_shape), native (vLLM's CPU engine, its default
+budget), native-budget (our chunked export's budget), native-paged (paged's rows and pool).
+Workloads (prefix caching off; fresh token ids per repeat, seeded):
+  W1  4 streams decode; after 100 tokens each a 3072-token prompt arrives: its TTFT, the streams'
+      max stall in its prefill window, the decode step before it, the median step inside it.
   W2  48 prompts of 128-2048 tokens, 64 out, 8 in flight: output tok/s, TTFT p50.
-  W4  64 prompts of 64-512 tokens arriving together, 128 out: output tok/s, TTFT p50 (what
-      more decode rows buy: slot exports run 8 requests at a time, paged 32).
-  W4P W4's prompts with 1 token out: the prefill floor. Decode rows change the decode steps
-      only, so no export serves W4 in less wall time than this (the ceiling of a decode gain).
-  W5  32 prompts of 64-256 tokens, 128 out, greedy, 8 in flight, on a checkpoint that repeats
-      itself (the bench model with its attention and MLP output projections zeroed: every layer
-      still runs at the same cost, but the next token follows the last one alone, so answers
-      fall into loops, as code edits repeat their input):
-      n-gram speculation (K=4) off and on, ours (an export with --speculation-length 4) and
-      vLLM's native engine: output tok/s, tokens per decode step a row, draft acceptance.
+  W4  64 prompts of 64-512 tokens arriving together, 128 out (slot exports run 8 at a time,
+      paged 32); W4P the same with 1 token out: the prefill floor.
+  W5  32 greedy prompts of 64-256 tokens, 128 out, 8 in flight, on the bench model with its
+      output projections zeroed (answers loop): n-gram speculation (K=4) off and on, ours and
+      native: output tok/s, tokens per decode step a row, draft acceptance.
 Each contender runs in its own process (vLLM picks its platform once per process).
 
-    python benchmark/engine_bench.py [--quick] [--repeats 3] [--contenders chunked,native-budget] [--workloads w1,w5]
-                                     [--buckets 512,...,4096] [--prefill-widths 64,128,256] [--decode-widths 4,8]
+    python benchmark/engine_bench.py [--quick] [--repeats 3] [--contenders chunked,native-budget]
+        [--workloads w1,w5] [--buckets 512,...,4096] [--prefill-widths 64,128,256] [--decode-widths 4,8]
 """
 
 from __future__ import annotations
@@ -38,10 +25,8 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
 import random
 import statistics
-import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -52,19 +37,10 @@ REPO = HERE.parent
 sys.path[:0] = [str(REPO), str(HERE)]
 
 from client import prompt_ids  # noqa: E402
-from engine_loop import NATIVE_ENV, EngineLoop  # noqa: E402
-from host import describe_host  # noqa: E402
+from engine_loop import EngineLoop, in_own_process  # noqa: E402
+from host import describe_host, save  # noqa: E402
 from metrics import summarize_load, summarize_stall, values_at  # noqa: E402
-from serve_bench import (  # noqa: E402
-    FULL,
-    QUICK,
-    Setup,
-    add_shape_arguments,
-    describe,
-    exports,
-    paged_shape,
-    shaped,
-)
+from serve_bench import Setup, add_common_arguments, describe, exports, paged_shape, parse  # noqa: E402
 
 from optimum_neuron_chunked.vllm.limits import full_chunk_budget  # noqa: E402
 
@@ -103,9 +79,7 @@ def engine_args(name: str, model: str, setup: Setup) -> dict:
     rows = paged["batch_size"] if name in ("paged", "native-paged") else setup.batch
     limits = dict(model=model, max_num_seqs=rows, max_model_len=setup.seq, enable_prefix_caching=False)
     if name == "chunked-whole":
-        return limits | dict(
-            max_num_batched_tokens=setup.seq + setup.batch, long_prefill_token_threshold=setup.seq
-        )
+        return limits | dict(max_num_batched_tokens=setup.seq + setup.batch, long_prefill_token_threshold=setup.seq)  # fmt: skip
     if name.startswith("native"):
         limits |= dict(dtype="float32")
     if name.endswith("spec-on"):
@@ -113,23 +87,17 @@ def engine_args(name: str, model: str, setup: Setup) -> dict:
     if name in SPEC_CONTENDERS:
         limits |= dict(disable_log_stats=False)
     if name == "native-budget":
-        limits |= dict(
-            max_num_batched_tokens=full_chunk_budget(setup.chunk, setup.batch),
-            long_prefill_token_threshold=setup.chunk,
-        )
+        limits |= dict(max_num_batched_tokens=full_chunk_budget(setup.chunk, setup.batch),
+                       long_prefill_token_threshold=setup.chunk)  # fmt: skip
     if name == "native-paged":  # the pool of `paged` (vLLM's null block counted, as our platform does)
-        limits |= dict(
-            block_size=paged["kv_block_size"], num_gpu_blocks_override=paged["kv_cache_blocks"] + 1
-        )
+        limits |= dict(block_size=paged["kv_block_size"], num_gpu_blocks_override=paged["kv_cache_blocks"] + 1)  # fmt: skip
     return limits
 
 
 def w1(loop: EngineLoop, loads: Loads, seed: int) -> dict:
     rng = random.Random(seed)
-    streams = [
-        loop.add(f"s{i}-{seed}", prompt_ids(loads.stream_prompt, rng), loads.stream_tokens)
-        for i in range(loads.streams)
-    ]
+    prompts = [prompt_ids(loads.stream_prompt, rng) for _ in range(loads.streams)]
+    streams = [loop.add(f"s{i}-{seed}", ids, loads.stream_tokens) for i, ids in enumerate(prompts)]
     first_step = len(loop.steps)
     # the long prompt arrives once every stream has decoded warm_tokens (by tokens, not time:
     # a fast engine's streams would finish before a fixed delay)
@@ -152,10 +120,8 @@ def w1(loop: EngineLoop, loads: Loads, seed: int) -> dict:
 def w2(loop: EngineLoop, loads: Loads, seed: int) -> dict:
     """serve_bench's W2 prompts (the same lengths every repeat, fresh tokens per seed)."""
     lengths_rng, tokens_rng = random.Random(2), random.Random(seed)
-    queue = [
-        (f"r{i}-{seed}", prompt_ids(lengths_rng.randint(*loads.lengths), tokens_rng))
-        for i in range(loads.requests)
-    ]
+    lengths = [lengths_rng.randint(*loads.lengths) for _ in range(loads.requests)]
+    queue = [(f"r{i}-{seed}", prompt_ids(n, tokens_rng)) for i, n in enumerate(lengths)]
     started = time.perf_counter()
     traces = loop.serve(queue, loads.out_tokens, loads.in_flight)
     return summarize_load(traces, time.perf_counter() - started)
@@ -194,18 +160,11 @@ def w5(loop: EngineLoop, loads: Loads, seed: int) -> dict:
                   "tokens_per_step": statistics.mean(per_step) if per_step else None}  # fmt: skip
 
 
-WORKLOAD_RUNS = {
-    "w1": (w1, 100),
-    "w2": (w2, 200),
-    "w4": (w4, 400),
-    "w4p": (w4_prefill, 400),
-    "w5": (w5, 500),
-}  # (run, first seed)
+# each workload's run and the seed of its first repeat
+WORKLOAD_RUNS = {"w1": (w1, 100), "w2": (w2, 200), "w4": (w4, 400), "w4p": (w4_prefill, 400), "w5": (w5, 500)}
 
 
-def run_contender_here(
-    name: str, model: str, setup: Setup, loads: Loads, repeats: int, workloads: list[str]
-) -> dict:
+def run_contender_here(name: str, model: str, setup: Setup, loads: Loads, repeats: int, workloads: list) -> dict:  # fmt: skip
     loop = EngineLoop(**engine_args(name, model, setup))
     loop.warm_up_buckets(setup.chunk, setup.seq)
     out = {load: [] for load in workloads}
@@ -225,19 +184,10 @@ def headline(load: str, run: dict) -> str:
     return f"{run['output_tok_s']:.1f} tok/s, TTFT p50 {run['ttft']['p50']:.2f} s"
 
 
-def run_contender(
-    name: str, model: Path, quick: bool, repeats: int, workloads: list[str], scratch: Path
-) -> dict:
-    env = dict(os.environ)
-    if name.startswith("native"):
-        env |= NATIVE_ENV
-    out = scratch / f"engine-{name}.json"
-    cmd = [sys.executable, __file__, "--engine", name, "--model", str(model), "--out", str(out),
-           "--repeats", str(repeats), "--workloads", ",".join(workloads)] + (["--quick"] if quick else [])  # fmt: skip
-    proc = subprocess.run(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    if proc.returncode != 0:
-        return {"error": proc.stderr[-3000:]}
-    return json.loads(out.read_text())
+def run_contender(name: str, model: Path, quick: bool, repeats: int, workloads: list, scratch: Path) -> dict:
+    argv = [__file__, "--engine", name, "--model", str(model), "--repeats", str(repeats),
+            "--workloads", ",".join(workloads)] + (["--quick"] if quick else [])  # fmt: skip
+    return in_own_process(name, argv, scratch / f"engine-{name}.json")
 
 
 FIGURES = [  # (label, workload, path into a run's summary, scale)
@@ -274,13 +224,9 @@ def render(results: dict) -> str:
     contenders = results["contenders"]
     names = [n for n in contenders if "error" not in contenders[n]]
     workloads = [load for load in WORKLOADS if any(contenders[n].get(load) for n in names)]
-    lines = [
-        f"# Engine-level {'/'.join(load.upper() for load in workloads)} ({results['date']}, {results['machine']})",
-        "",
-        f"Setup: {results['setup']}; loads: {results['loads']}; repeats: {results['repeats']}. "
-        "Median [min-max] over repeats; LLMEngine stepped in-process, prefix caching off.",
-        "",
-    ]
+    lines = [f"# Engine-level {'/'.join(load.upper() for load in workloads)} ({results['date']}, {results['machine']})",
+             "", f"Setup: {results['setup']}; loads: {results['loads']}; repeats: {results['repeats']}. "
+             "Median [min-max] over repeats; LLMEngine stepped in-process, prefix caching off.", ""]  # fmt: skip
     if "paged" in results:
         lines += [f"paged: {results['paged']}", ""]
     lines += ["| figure | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
@@ -328,11 +274,9 @@ def repeating_export(ckpt: Path, setup: Setup, work: Path) -> tuple[Path, Path]:
     if not (repeating / "model.safetensors").is_file():
         shutil.copytree(ckpt, repeating, dirs_exist_ok=True)
         weights = load_file(ckpt / "model.safetensors")
-        scaled = ("o_proj.weight", "down_proj.weight")
-        save_file(
-            {k: v * 0 if k.endswith(scaled) else v for k, v in weights.items()},
-            repeating / "model.safetensors",
-        )
+        zeroed = ("o_proj.weight", "down_proj.weight")
+        weights = {k: v * 0 if k.endswith(zeroed) else v for k, v in weights.items()}
+        save_file(weights, repeating / "model.safetensors")
     out = work / f"spec-zeroed-{setup.batch}x{setup.seq}x{setup.chunk}-k{K}-{setup.backend}-{code_key()}"
     if not (out / "neuron_config.json").is_file():
         export(str(repeating), out, batch_size=setup.batch, sequence_length=setup.seq, prefill_chunk_size=setup.chunk,
@@ -342,52 +286,34 @@ def repeating_export(ckpt: Path, setup: Setup, work: Path) -> tuple[Path, Path]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="tiny model and loads (a smoke run)")
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--contenders", default=",".join(CONTENDERS))
+    add_common_arguments(p)
     p.add_argument("--workloads", default="w1,w2,w4,w4p", help="comma-separated: w1, w2, w4, w4p, w5")
-    p.add_argument(
-        "--w4-contenders",
-        help="comma-separated contenders that run W4 only (beside --contenders, which run --workloads)",
-    )
-    p.add_argument("--work", type=Path, default=Path.home() / ".cache" / "optimum-neuron-chunked" / "bench")
-    p.add_argument("--tag", default="")
-    add_shape_arguments(p)
-    p.add_argument("--results", type=Path, default=HERE / "results")
-    p.add_argument("--engine", help=argparse.SUPPRESS)
-    for name in ("--model", "--out"):
+    p.add_argument("--w4-contenders", help="contenders that run W4 only (beside --contenders)")
+    for name in ("--engine", "--model", "--out"):  # a contender's own process
         p.add_argument(name, help=argparse.SUPPRESS)
-    args = p.parse_args(argv)
-    setup, loads = (QUICK, QUICK_LOADS) if args.quick else (FULL, FULL_LOADS)
-    setup = shaped(setup, args)
-    workloads = args.workloads.split(",")
+    args, setup = parse(p, argv)
+    loads, workloads = QUICK_LOADS if args.quick else FULL_LOADS, args.workloads.split(",")
     if args.engine:
         result = run_contender_here(args.engine, args.model, setup, loads, args.repeats, workloads)
         Path(args.out).write_text(json.dumps(result))
         return 0
-    work = args.work / ("quick" if args.quick else "full")
-    work.mkdir(parents=True, exist_ok=True)
-    args.results.mkdir(parents=True, exist_ok=True)  # before the runs: their figures are not lost
-    runs = {name: [w for w in workloads if w != "w5"] for name in args.contenders.split(",")}
+    args.work.mkdir(parents=True, exist_ok=True)
+    names = (args.contenders or ",".join(CONTENDERS)).split(",")
+    runs = {name: [w for w in workloads if w != "w5"] for name in names}
     runs = {name: loads_of for name, loads_of in runs.items() if loads_of}
     runs |= {name: ["w5"] for name in SPEC_CONTENDERS if "w5" in workloads}
     for name in args.w4_contenders.split(",") if args.w4_contenders else ():
         runs[name] = sorted(set(runs.get(name, [])) | {"w4"})
-    reads_chunked = any(
-        n not in ("std", "paged", *SPEC_CONTENDERS) and not n.startswith("native") for n in runs
-    )
-    kinds = [
-        kind for kind in ("std", "chunked", "paged") if kind in runs or (kind == "chunked" and reads_chunked)
-    ]
-    ckpt, folders, export_info = exports(setup, work, kinds=tuple(kinds))
+    kinds = [k for k in ("std", "chunked", "paged") if k in runs or f"{k}-whole" in runs]
+    ckpt, folders, export_info = exports(setup, args.work, kinds=tuple(kinds))
     if "w5" in workloads:
-        folders["spec"], folders["repeating"] = repeating_export(ckpt, setup, work)
+        folders["spec"], folders["repeating"] = repeating_export(ckpt, setup, args.work)
     contenders = {}
     for name, loads_of in runs.items():
         model = ckpt if name.startswith("native") else folders.get(name, folders.get("chunked"))
         if name in SPEC_CONTENDERS:
             model = folders["repeating"] if name.startswith("native") else folders["spec"]
-        contenders[name] = run_contender(name, model, args.quick, args.repeats, loads_of, work)
+        contenders[name] = run_contender(name, model, args.quick, args.repeats, loads_of, args.work)
         print(f"{name} done", file=sys.stderr, flush=True)
     date = datetime.date.today().isoformat()
     results = dict(date=date, machine=describe_host(), repeats=args.repeats,
@@ -397,9 +323,7 @@ def main(argv: list[str] | None = None) -> int:
     if "paged" in runs:
         results["paged"] = str(paged_shape(setup))
     name = f"engine-{date}-vm{'-quick' if args.quick else ''}{'-' + args.tag if args.tag else ''}"
-    (args.results / f"{name}.json").write_text(json.dumps(results, indent=1))
-    (args.results / f"{name}.md").write_text(render(results))
-    print(render(results))
+    save(args.results, name, results, render(results).splitlines())
     return 0 if all("error" not in r for r in contenders.values()) else 1
 
 

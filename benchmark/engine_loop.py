@@ -7,14 +7,27 @@ One engine per process (vLLM picks its platform once per process).
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 from metrics import Trace
 
 # vLLM's own CPU engine: our platform plugin deselected, a KV cache that fits this machine
 NATIVE_ENV = {"VLLM_PLUGINS": "", "VLLM_CPU_KVCACHE_SPACE": "2"}
+
+
+def in_own_process(name: str, argv: list[str], out: Path) -> dict:
+    """Contender `name`'s run (`python argv --out out`) in a process of its own, native ones with
+    NATIVE_ENV: the JSON it writes to `out`, or {"error": the end of its stderr}."""
+    env = os.environ | (NATIVE_ENV if name.startswith("native") else {})
+    cmd = [sys.executable, *argv, "--out", str(out)]
+    proc = subprocess.run(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    return json.loads(out.read_text()) if proc.returncode == 0 else {"error": proc.stderr[-3000:]}
 
 
 @dataclass(frozen=True)
@@ -95,11 +108,8 @@ class EngineLoop:
 
     def counters(self, prefix: str) -> dict[str, float]:
         """vLLM's counters named `prefix`... (stats on: disable_log_stats=False)."""
-        return {
-            m.name: m.value
-            for m in self.engine.get_metrics()
-            if m.name.startswith(prefix) and hasattr(m, "value")
-        }
+        metrics = self.engine.get_metrics()
+        return {m.name: m.value for m in metrics if m.name.startswith(prefix) and hasattr(m, "value")}
 
     def close(self) -> None:
         self.engine.engine_core.shutdown()

@@ -1,10 +1,7 @@
-"""Peak memory of a streamed export, bf16 against --quantization int8 / fp8: the quantization
-runs tensor by tensor while the weights stream, so it should cost no more resident memory
-than the bf16 export of the same checkpoint.
-
-A synthetic llama checkpoint of ~1.1 B parameters (random bf16 weights, written tensor by
-tensor) is exported with each setting in its own process (peak RSS = the child's ru_maxrss),
-the settings interleaved `--repeats` times; medians and spread are reported.
+"""Peak memory of a streamed export, bf16 against --quantization int8 / fp8 (quantized tensor by
+tensor while the weights stream: it should cost no more than bf16). A synthetic ~1.1 B-parameter
+llama (random bf16 weights) is exported per setting in its own process (peak RSS: its
+ru_maxrss), the settings interleaved `--repeats` times; medians and spread.
 
     python benchmark/export_memory.py [--backend eager] [--repeats 3] [--scratch DIR] [--quick]
 """
@@ -13,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import shutil
 import statistics
 import subprocess
@@ -22,7 +18,9 @@ import tempfile
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))
+sys.path[:0] = [str(HERE.parent), str(HERE)]
+
+from host import results_folder, save  # noqa: E402
 
 # ~1.14 B parameters: 16 layers of 62.9 M, embeddings and lm_head of 65.5 M each
 LARGE = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=16,
@@ -74,9 +72,7 @@ print(time.perf_counter() - started, resource.getrusage(resource.RUSAGE_SELF).ru
 
 def run_export(model: Path, out: Path, backend: str, quantization: str) -> tuple[float, float]:
     """(seconds, peak RSS in GiB) of one export in a fresh process."""
-    code = CHILD.format(
-        repo=str(HERE.parent), model=str(model), out=str(out), backend=backend, quantization=quantization
-    )
+    code = CHILD.format(repo=str(HERE.parent), model=str(model), out=str(out), backend=backend, quantization=quantization)  # fmt: skip
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     seconds, maxrss_kib = done.stdout.split()[-2:]
     return float(seconds), int(maxrss_kib) / 2**20
@@ -86,12 +82,11 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--backend", default="eager", help="eager / xla: weights only; cpu compiles too")
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument(
-        "--scratch", type=Path, default=None, help="folder for the checkpoint and exports (deleted)"
-    )
+    p.add_argument("--scratch", type=Path, help="folder for the checkpoint and exports (deleted)")
     p.add_argument("--quick", action="store_true", help="a tiny checkpoint, one repeat (smoke run)")
-    p.add_argument("--results", type=Path, default=HERE / "results", help="folder of the results files")
+    p.add_argument("--results", type=Path, help="default benchmark/results (quick: a temporary folder)")
     args = p.parse_args(argv)
+    args.results = results_folder(args.results, smoke=args.quick)
     scratch = Path(tempfile.mkdtemp(prefix="export-memory-", dir=args.scratch))
     try:
         model, params = synthetic_checkpoint(scratch / "checkpoint", QUICK if args.quick else LARGE)
@@ -113,13 +108,8 @@ def main(argv: list[str] | None = None) -> int:
         f"Median of {len(runs[''])} interleaved runs each (spread = max - min).", "",
         "| weights | peak RSS GiB (spread) | vs bf16 | export s |", "|---|---|---|---|",
     ] + [f"| {r['setting']} | {r['peak_gib']:.2f} ({r['spread_gib']:.2f}) | {r['vs_bf16']:.3f}x | {r['seconds']:.1f} |" for r in rows]  # fmt: skip
-    args.results.mkdir(parents=True, exist_ok=True)
-    out = args.results / f"export-memory-{datetime.date.today().isoformat()}{'-quick' if args.quick else ''}"
-    out.with_suffix(".json").write_text(
-        json.dumps({"params": params, "backend": args.backend, "rows": rows, "runs": runs}, indent=1)
-    )
-    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    name = f"export-memory-{datetime.date.today().isoformat()}{'-quick' if args.quick else ''}"
+    save(args.results, name, {"params": params, "backend": args.backend, "rows": rows, "runs": runs}, lines)
     return 0
 
 

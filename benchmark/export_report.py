@@ -1,7 +1,6 @@
 """Export time, artifact size and HF parity of std vs chunked exports, for every family.
 
 Checkpoints here use shapes the tests do not (other head dims, GQA ratios, vocab sizes).
-Writes benchmark/results/export-<date>-<host>[-quick][-<tag>].{json,md} (--results: another folder).
 
     python benchmark/export_report.py [--batch-size 4 --sequence-length 1024 --chunk 128] [--families llama ...]
     python benchmark/export_report.py --quick    # one family, eager, S=256: a smoke run
@@ -22,8 +21,10 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+HERE = Path(__file__).resolve().parent
+sys.path[:0] = [str(HERE.parent), str(HERE)]
+
+from host import results_folder, save  # noqa: E402
 
 from optimum_neuron_chunked import NeuronModelForCausalLM  # noqa: E402
 from optimum_neuron_chunked.export.pipeline import export  # noqa: E402
@@ -36,59 +37,22 @@ UNSEEN = {
     "mistral": ((128, 256, 2, 2, 1, 700), dict(head_dim=64, sliding_window=300)),
     "qwen2": ((120, 200, 2, 5, 5, 900), dict(tie_word_embeddings=True)),
     "qwen3": ((96, 192, 2, 3, 3, 777), dict(head_dim=48, tie_word_embeddings=False)),
-    "granite": (
-        (96, 160, 2, 4, 2, 600),
-        dict(
-            head_dim=24,
-            embedding_multiplier=3.0,
-            residual_multiplier=0.3,
-            attention_multiplier=0.05,
-            logits_scaling=2.0,
-        ),
-    ),
+    "granite": ((96, 160, 2, 4, 2, 600), dict(head_dim=24, embedding_multiplier=3.0, residual_multiplier=0.3,
+                                              attention_multiplier=0.05, logits_scaling=2.0)),
     # the default no_rope_layer_interval 4: the last layer has no rotary embedding
     "smollm3": ((112, 224, 4, 7, 7, 820), dict(tie_word_embeddings=False)),
     "phi3": ((128, 272, 2, 8, 4, 650), dict(tie_word_embeddings=False, sliding_window=200)),
     # the default sliding_window_pattern 6: layers 0-3 all local
-    "gemma3_text": (
-        (96, 256, 4, 3, 1, 720),
-        dict(
-            head_dim=40,
-            tie_word_embeddings=True,
-            query_pre_attn_scalar=48,
-            sliding_window=160,
-            rope_theta=1000000.0,
-            rope_local_base_freq=10000.0,
-        ),
-    ),
+    "gemma3_text": ((96, 256, 4, 3, 1, 720), dict(head_dim=40, tie_word_embeddings=True, query_pre_attn_scalar=48,
+                    sliding_window=160, rope_theta=1000000.0, rope_local_base_freq=10000.0)),
     # decoder_sparse_step 2: layers 1 and 3 sparse, 0 and 2 dense
-    "qwen3_moe": (
-        (96, 160, 4, 6, 2, 800),
-        dict(
-            moe_intermediate_size=64,
-            num_experts=16,
-            num_experts_per_tok=4,
-            norm_topk_prob=False,
-            decoder_sparse_step=2,
-            head_dim=32,
-            tie_word_embeddings=False,
-        ),
-    ),
-    "mixtral": (
-        (128, 96, 2, 4, 1, 500),
-        dict(num_local_experts=8, num_experts_per_tok=2, tie_word_embeddings=False, sliding_window=256),
-    ),
-    "gpt_oss": (
-        (96, 80, 4, 6, 3, 640),
-        dict(
-            num_local_experts=12,
-            num_experts_per_tok=3,
-            head_dim=32,
-            tie_word_embeddings=False,
-            sliding_window=128,
-        ),
-    ),
-}
+    "qwen3_moe": ((96, 160, 4, 6, 2, 800), dict(moe_intermediate_size=64, num_experts=16, num_experts_per_tok=4,
+                  norm_topk_prob=False, decoder_sparse_step=2, head_dim=32, tie_word_embeddings=False)),
+    "mixtral": ((128, 96, 2, 4, 1, 500), dict(num_local_experts=8, num_experts_per_tok=2, tie_word_embeddings=False,
+                sliding_window=256)),
+    "gpt_oss": ((96, 80, 4, 6, 3, 640), dict(num_local_experts=12, num_experts_per_tok=3, head_dim=32,
+                tie_word_embeddings=False, sliding_window=128)),
+}  # fmt: skip
 
 
 def config(family: str) -> dict:
@@ -97,17 +61,12 @@ def config(family: str) -> dict:
 
 
 # --quick's settings (flags given still win); gemma3_text: sliding layers with rings and global ones
-QUICK = dict(batch_size=2, sequence_length=256, chunk=32, backend="eager", families=["gemma3_text"],
-             new_tokens=4)  # fmt: skip
-
-
-def write_results(results: Path, stamp: str, tag: str, meta: dict, rows: list, table: list[str]) -> None:
-    stamp += f"-{tag}" if tag else ""
-    results.mkdir(parents=True, exist_ok=True)
-    (results / f"{stamp}.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=2, default=str))
-    (results / f"{stamp}.md").write_text(
-        "\n".join([f"# {stamp}", "", f"`{json.dumps(meta)}`", "", *table]) + "\n"
-    )
+QUICK = dict(
+    batch_size=2, sequence_length=256, chunk=32, backend="eager", families=["gemma3_text"], new_tokens=4
+)
+FULL = dict(
+    batch_size=4, sequence_length=1024, chunk=128, backend="cpu", families=list(UNSEEN), new_tokens=16
+)
 
 
 def size_mb(path: Path, pattern: str = "*") -> float:
@@ -141,19 +100,9 @@ def family_rows(family: str, args: argparse.Namespace, lengths: list[int], work:
         export_s = time.perf_counter() - started
         model = NeuronModelForCausalLM.from_pretrained(out)
         matches = parity(model, hf, lengths, new_tokens=args.new_tokens)
-        rows.append(
-            dict(
-                family=family,
-                kind="chunked" if chunk else "std",
-                chunk=chunk,
-                export_s=round(export_s, 1),
-                graphs_mb=round(size_mb(out / "graphs"), 1),
-                weights_mb=round(size_mb(out, "*.safetensors"), 2),
-                total_mb=round(size_mb(out), 1),
-                greedy_equal_hf=all(matches.values()),
-                per_length=matches,
-            )
-        )
+        rows.append(dict(family=family, kind="chunked" if chunk else "std", chunk=chunk, export_s=round(export_s, 1),
+                         graphs_mb=round(size_mb(out / "graphs"), 1), weights_mb=round(size_mb(out, "*.safetensors"), 2),
+                         total_mb=round(size_mb(out), 1), greedy_equal_hf=all(matches.values()), per_length=matches))  # fmt: skip
         console.print(rows[-1])
     return rows
 
@@ -171,15 +120,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--new-tokens", type=int, help="greedy tokens per parity prompt, default 16 (quick 4)"
     )
-    parser.add_argument("--results", type=Path, default=REPO / "benchmark" / "results")
+    parser.add_argument("--results", type=Path, help="default benchmark/results (quick: a temporary folder)")
     parser.add_argument("--tag", default="", help="appended to the result file names")
     args = parser.parse_args(argv)
-    full = dict(
-        batch_size=4, sequence_length=1024, chunk=128, backend="cpu", families=list(UNSEEN), new_tokens=16
-    )
-    for name, value in (QUICK if args.quick else full).items():
+    for name, value in (QUICK if args.quick else FULL).items():
         if getattr(args, name) is None:
             setattr(args, name, value)
+    args.results = results_folder(args.results, smoke=args.quick)
     return args
 
 
@@ -189,9 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     s, c = args.sequence_length, args.chunk
     lengths = [1, c - 1, c, c + 1, 3 * c + 5, s - 24]
     with tempfile.TemporaryDirectory(prefix="export-report-") as work:
-        rows = [
-            row for family in args.families for row in family_rows(family, args, lengths, Path(work), console)
-        ]
+        rows = [row for f in args.families for row in family_rows(f, args, lengths, Path(work), console)]
     headers = ("family", "kind", "export s", "graphs MiB", "weights MiB", "greedy == HF")
     cells = [[str(r[k]) for k in ("family", "kind", "export_s", "graphs_mb", "weights_mb", "greedy_equal_hf")]
              for r in rows]  # fmt: skip
@@ -204,7 +149,14 @@ def main(argv: list[str] | None = None) -> int:
     lines = ["| " + " | ".join(headers) + " |", "|---" * len(headers) + "|"]
     lines += ["| " + " | ".join(row) + " |" for row in cells]
     stamp = f"export-{datetime.date.today()}-{platform.node()}{'-quick' if args.quick else ''}"
-    write_results(args.results, stamp, args.tag, meta, rows, lines)
+    stamp += f"-{args.tag}" if args.tag else ""
+    save(
+        args.results,
+        stamp,
+        dict(meta=meta, rows=rows),
+        [f"# {stamp}", "", f"`{json.dumps(meta)}`", "", *lines],
+        echo=False,
+    )
     return 0 if all(r["greedy_equal_hf"] for r in rows) else 1
 
 

@@ -1,10 +1,9 @@
 """W3 long context and the decode roofline.
 
-For each sequence length S (C=256): export a standard (CE) and a chunked (CP) model with one
-context bucket (S) in a child process - compile time and the child's peak RSS - then load it
-and time a prefill of S-1 tokens (the peak RSS it adds, sampled while it runs), and one decode step at several
-context lengths. The roofline divides the bytes a decode step must read (weights + live KV of
-the batch) by its median time over 30 calls and compares with this machine's measured read stream.
+Per sequence length S (C=256): export a standard (CE) and a chunked (CP) model with one bucket
+(S) in a child process (time, peak RSS), then time a prefill of S-1 tokens (the peak RSS it
+adds) and a decode step at several contexts. The roofline divides the bytes a decode step reads
+(weights + the batch's live KV) by its median time, against this machine's read stream.
 
     python benchmark/long_context.py [--lengths 1024,4096,8192] [--backend cpu] [--tag NAME]
     python benchmark/long_context.py --quick     # tiny model, eager backend, S=256: a smoke run
@@ -28,19 +27,16 @@ import psutil
 import torch
 
 HERE = Path(__file__).resolve().parent
-REPO = HERE.parent
-sys.path[:0] = [str(REPO), str(HERE)]
+sys.path[:0] = [str(HERE.parent), str(HERE)]
 
+from host import WORK, results_folder, save  # noqa: E402
 from serve_bench import FULL, QUICK  # noqa: E402
 
 from optimum_neuron_chunked.modeling.sampler import sampling_params  # noqa: E402
 from optimum_neuron_chunked.testing.checkpoints import COMMON, build_checkpoint  # noqa: E402
 
 BATCH = 4
-GREEDY = (
-    torch.tensor([sampling_params(temperature=0.0)] * BATCH),
-    torch.zeros(BATCH),
-)  # on-device sampling inputs
+GREEDY = (torch.tensor([sampling_params(temperature=0.0)] * BATCH), torch.zeros(BATCH))  # on-device sampling
 
 
 @dataclass(frozen=True)
@@ -165,26 +161,15 @@ def read_bandwidth_gb_s(mib: int) -> float:
 
 def measure(args: argparse.Namespace, scale: Scale) -> list[dict]:
     """A CE and a CP export per sequence length: export cost, then run_figures."""
-    ckpt = build_checkpoint(
-        "bench", args.work / "checkpoint", config={**COMMON, **scale.model, "max_position_embeddings": 8192}
-    )
+    config = {**COMMON, **scale.model, "max_position_embeddings": 8192}
+    ckpt = build_checkpoint("bench", args.work / "checkpoint", config=config)
     rows = []
     for seq in [int(x) for x in (args.lengths or scale.lengths).split(",")]:
         for kind, chunk in (("CE", 0), ("CP", scale.chunk)):
             out = args.work / f"{kind}-{seq}-{args.backend}"
             export_s, export_peak = child_peak(export_cmd(ckpt, out, seq, chunk, args.backend))
-            graphs = (
-                sum(f.stat().st_size for f in (out / "graphs").rglob("*")) / 2**20
-                if (out / "graphs").exists()
-                else 0
-            )
-            row = {
-                "seq": seq,
-                "graph": kind,
-                "export_s": export_s,
-                "export_peak_rss_mib": export_peak,
-                "graphs_mib": graphs,
-            }
+            graphs = sum(f.stat().st_size for f in (out / "graphs").rglob("*")) / 2**20
+            row = dict(seq=seq, graph=kind, export_s=export_s, export_peak_rss_mib=export_peak, graphs_mib=graphs)  # fmt: skip
             row |= run_figures(out, scale.decode_calls)
             rows.append(row)
             print(json.dumps(row), flush=True)
@@ -195,10 +180,6 @@ def write_report(args: argparse.Namespace, scale: Scale, rows: list[dict]) -> No
     bandwidth, read = copy_bandwidth_gb_s(scale.stream_mib // 4), read_bandwidth_gb_s(scale.stream_mib)
     tag = f"{datetime.date.today()}-{platform.node()}{'-quick' if args.quick else ''}"
     tag += f"-{args.tag}" if args.tag else ""
-    args.results.mkdir(parents=True, exist_ok=True)
-    (args.results / f"w3-{tag}.json").write_text(
-        json.dumps({"rows": rows, "copy_gb_s": bandwidth, "read_gb_s": read}, indent=1) + "\n"
-    )
     md = [f"# W3 long context ({args.backend}, B={BATCH}, C={scale.chunk}) {tag}", "",
           f"Machine copy bandwidth (read+write): {bandwidth:.1f} GB/s; read-only stream: {read:.1f} GB/s", "",
           f"Decode ms: the median [min-max] of {scale.decode_calls} calls. Decode GB/s: weights + the live KV of the batch, divided by the median step time; % of the read stream.", "",
@@ -206,36 +187,30 @@ def write_report(args: argparse.Namespace, scale: Scale, rows: list[dict]) -> No
           "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for r in rows:
         spread = r["decode_step_ms_spread"]
-        dec = ", ".join(
-            f"{v:.1f} [{spread[c][0]:.1f}-{spread[c][1]:.1f}] ({c})" for c, v in r["decode_step_ms"].items()
-        )
+        dec = ", ".join(f"{v:.1f} [{spread[c][0]:.1f}-{spread[c][1]:.1f}] ({c})" for c, v in r["decode_step_ms"].items())  # fmt: skip
         gbs = ", ".join(f"{v:.1f} ({c})" for c, v in r["decode_gb_s"].items())
         pct = ", ".join(f"{100 * v / read:.0f} ({c})" for c, v in r["decode_gb_s"].items())
-        md.append(
-            f"| {r['seq']} | {r['graph']} | {r['export_s']:.0f} | {r['export_peak_rss_mib']:.0f} | {r['graphs_mib']:.1f} "
-            f"| {r['prefill_s']:.2f} | {r['prefill_extra_rss_mib']:.0f} | {dec} | {gbs} | {pct} |"
-        )
+        md.append(f"| {r['seq']} | {r['graph']} | {r['export_s']:.0f} | {r['export_peak_rss_mib']:.0f} | {r['graphs_mib']:.1f} "
+                  f"| {r['prefill_s']:.2f} | {r['prefill_extra_rss_mib']:.0f} | {dec} | {gbs} | {pct} |")  # fmt: skip
     plot(rows, args.results / f"w3-{tag}-memory.png")
     md += ["", f"![memory and decode time](w3-{tag}-memory.png)"]
-    (args.results / f"w3-{tag}.md").write_text("\n".join(md) + "\n")
-    print("\n".join(md))
+    save(args.results, f"w3-{tag}", {"rows": rows, "copy_gb_s": bandwidth, "read_gb_s": read}, md)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--quick", action="store_true", help="tiny model and workload (a smoke run)")
-    parser.add_argument("--lengths", default=None, help=f"comma-separated S (default {FULL_SCALE.lengths})")
-    parser.add_argument(
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="tiny model and workload (a smoke run)")
+    p.add_argument("--lengths", default=None, help=f"comma-separated S (default {FULL_SCALE.lengths})")
+    p.add_argument(
         "--backend", default=None, help=f"default {FULL_SCALE.backend}, quick {QUICK_SCALE.backend}"
     )
-    parser.add_argument("--work", type=Path, default=Path.home() / ".cache" / "optimum-neuron-chunked" / "w3")
-    parser.add_argument("--results", type=Path, default=HERE / "results")
-    parser.add_argument("--tag", default="", help="suffix of the results files")
-    args = parser.parse_args(argv)
+    p.add_argument("--work", type=Path, default=WORK / "w3")
+    p.add_argument("--results", type=Path, help="default benchmark/results (quick: a temporary folder)")
+    p.add_argument("--tag", default="", help="suffix of the results files")
+    args = p.parse_args(argv)
     scale = QUICK_SCALE if args.quick else FULL_SCALE
     args.backend = args.backend or scale.backend
+    args.results = results_folder(args.results, smoke=args.quick)
     if args.quick:  # its own checkpoint: build_checkpoint keeps the one a folder holds
         args.work = args.work / "quick"
     write_report(args, scale, measure(args, scale))

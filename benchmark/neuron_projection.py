@@ -1,30 +1,18 @@
-"""What one graph call per mixed step (`--mixed-step`) would save on Neuron, and what a paged
-KV cache (`--kv-cache-blocks`) costs a decode step: an analytic roofline, not a measurement.
-Llama-3.1-8B in bf16, TP=8 on trn1 (8 NeuronCore-v2 = 4 Trainium chips), B decode rows + one
-C-token chunk per mixed step.
+"""An analytic roofline on trn1, not a measurement: Llama-3.1-8B bf16, TP=8 (8 NeuronCore-v2),
+B decode rows + one C-token chunk per mixed step.
 
-W4 (engine_bench.py's burst, 64 prompts of 64-512 tokens at once, 128 out): the wall time of a
-slot export (B rows) and a paged one (`--paged-rows` rows, same KV bytes): the same prefill
-calls, then B-row or paged-row decode steps at the rows' mean context. Output tok/s only: TTFT
-depends on vLLM's admission order.
+- Mixed step (`--mixed-step`): one graph call against TG + CP.
+- Paged TG (`--kv-cache-blocks`): each row's blocks are gathered into a window before attention
+  (the reference read, modeling/kv_cache.py), so the KV crosses HBM three times.
+- W4 (engine_bench.py's burst: 64 prompts of 64-512 tokens, 128 out): wall time of a slot export
+  (B rows) and a paged one (`--paged-rows`, same KV bytes); output tok/s only.
+- Verify step (`--speculation-length K`): B rows of K + 1 tokens; with `tau` tokens a row per
+  call (engine_bench.py W5), decode tok/s on / off is tau x TG ms / VF ms.
+- 8-bit weights (`--quantization int8|fp8`): 1 byte a projection weight + a float32 scale a channel.
 
-Verify step (`--speculation-length K`): B rows of K + 1 tokens through every layer and the LM
-head, each attending over its context. With n-gram speculation a row emits on average `tau`
-tokens per verify call (engine_bench.py W5 measures it), so decode tok/s on / off is
-tau x TG ms / VF ms.
-
-Paged TG: each row's blocks are gathered into a contiguous window before attention (the
-reference read every backend but cpu compiles, modeling/kv_cache.py gather_blocks), so the
-step's KV crosses HBM three times (blocks read, the copy written, the copy read) where a slot
-export's attention reads each slot's cache once.
-
-Quantized decode (`--quantization int8|fp8`): the layers' projections read as 1 byte a weight
-plus a float32 scale per output channel; embeddings, lm_head and KV keep bf16.
-
-Hardware (AWS Neuron docs, "Trainium Architecture"): a Trainium chip is 2 NeuronCore-v2 with
-190 BF16 TFLOPS and 820 GiB/s of HBM bandwidth. A graph's time is taken as
-max(bytes / (bandwidth * bw_eff), flops / (peak * mfu)) + the all-reduces' fixed cost; the
-efficiencies are assumptions (flags), the byte and FLOP counts are exact for the shapes.
+A graph's time: max(bytes / (bandwidth * bw_eff), flops / (peak * mfu)) + the all-reduces; a
+Trainium chip is 2 NeuronCore-v2, 190 BF16 TFLOPS, 820 GiB/s HBM (AWS Neuron docs). The
+efficiencies are assumptions (flags); byte and FLOP counts are exact for the shapes.
 
     python benchmark/neuron_projection.py [--batch 8] [--chunk 256] [--contexts 512,2048,8192]
 """
@@ -33,11 +21,11 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
+from host import results_folder, save
+
 GIB = 2**30
 
 
@@ -51,9 +39,7 @@ class Model:  # Llama-3.1-8B (config.json of meta-llama/Llama-3.1-8B)
     head_dim: int = 128
     vocab: int = 128256
     dtype_bytes: int = 2
-    projection_bytes: int = (
-        2  # 1: --quantization int8|fp8 (the layers' projections; embeddings, lm_head kept)
-    )
+    projection_bytes: int = 2  # 1: --quantization int8|fp8 (the layers' projections)
 
     @property
     def layer_params(self) -> int:
@@ -63,12 +49,7 @@ class Model:  # Llama-3.1-8B (config.json of meta-llama/Llama-3.1-8B)
     @property
     def layer_channels(self) -> int:
         """Output channels of a layer's projections: one float32 scale each when quantized."""
-        return (
-            self.head_dim * (self.heads + 2 * self.kv_heads)
-            + self.hidden
-            + 2 * self.intermediate
-            + self.hidden
-        )
+        return self.head_dim * (self.heads + 2 * self.kv_heads) + 2 * self.hidden + 2 * self.intermediate
 
     def layer_bytes(self) -> int:
         scales = 4 * self.layer_channels if self.projection_bytes < self.dtype_bytes else 0
@@ -101,17 +82,8 @@ def graph_ms(m: Model, hw: Hardware, tp: int, rows: int, lm_rows: int, attn_toke
                 memory_ms=memory_ms, compute_ms=compute_ms, ms=max(memory_ms, compute_ms) + collectives_ms)  # fmt: skip
 
 
-def project(
-    m: Model,
-    hw: Hardware,
-    tp: int,
-    batch: int,
-    chunk: int,
-    context: int,
-    mfu: float,
-    bw: float,
-    speculation: int,
-) -> dict:
+def project(m: Model, hw: Hardware, tp: int, batch: int, chunk: int, context: int, mfu: float, bw: float,
+            speculation: int) -> dict:  # fmt: skip
     """A mixed step at `context` (decode rows and chunk attend over that many positions)."""
     decodes = [(1, context)] * batch
     tg = graph_ms(m, hw, tp, batch, batch, decodes, mfu, bw)
@@ -121,16 +93,8 @@ def project(
     width = speculation + 1
     verify = graph_ms(m, hw, tp, batch * width, batch * width, [(width, context)] * batch, mfu, bw)
     separate = tg["ms"] + cp["ms"]
-    return dict(
-        context=context,
-        tg=tg,
-        cp=cp,
-        fused=fused,
-        paged_tg=paged_tg,
-        verify=verify,
-        separate_ms=separate,
-        saved=1 - fused["ms"] / separate,
-    )
+    return dict(context=context, tg=tg, cp=cp, fused=fused, paged_tg=paged_tg, verify=verify,
+                separate_ms=separate, saved=1 - fused["ms"] / separate)  # fmt: skip
 
 
 def project_w4(m: Model, hw: Hardware, tp: int, slots: int, rows: int, chunk: int, mfu: float, bw: float,
@@ -159,11 +123,9 @@ def mixed_lines(args: argparse.Namespace, hw: Hardware, rows: list[dict], w4: di
     ]  # fmt: skip
     for r in rows:
         tg, cp = r["tg"], r["cp"]
-        lines.append(
-            f"| {r['context']} | {tg['ms']:.2f} ({tg['weights_gib'] + tg['kv_gib']:.2f}) | {cp['ms']:.2f} "
-            f"({cp['tflop']:.2f}) | {r['separate_ms']:.2f} | {r['fused']['ms']:.2f} | {r['saved']:.0%} "
-            f"| {r['paged_tg']['ms']:.2f} ({r['paged_tg']['kv_gib']:.2f}) | {r['paged_tg']['ms'] / tg['ms']:.2f}x |"
-        )
+        lines.append(f"| {r['context']} | {tg['ms']:.2f} ({tg['weights_gib'] + tg['kv_gib']:.2f}) | {cp['ms']:.2f} "
+                     f"({cp['tflop']:.2f}) | {r['separate_ms']:.2f} | {r['fused']['ms']:.2f} | {r['saved']:.0%} "
+                     f"| {r['paged_tg']['ms']:.2f} ({r['paged_tg']['kv_gib']:.2f}) | {r['paged_tg']['ms'] / tg['ms']:.2f}x |")  # fmt: skip
     return lines + [
         "", f"W4 (64 prompts of 64-512 tokens at once, 128 out; decode rows at context {w4['context']}): "
         f"prefill {w4['prefill_s']:.2f} s either way; slot export B={args.batch}: TG {w4['slot_tg_ms']:.2f} ms, "
@@ -204,10 +166,8 @@ def quantized_lines(args: argparse.Namespace, hw: Hardware, contexts: list[int])
         a = graph_ms(bf16, hw, args.tp, args.batch, args.batch, decodes, args.mfu, args.bw)
         b = graph_ms(q8, hw, args.tp, args.batch, args.batch, decodes, args.mfu, args.bw)
         rows.append(dict(context=c, bf16=a, quantized=b, speedup=a["ms"] / b["ms"]))
-        lines.append(
-            f"| {c} | {a['ms']:.2f} ({a['weights_gib'] + a['kv_gib']:.2f}) | {b['ms']:.2f} "
-            f"({b['weights_gib'] + b['kv_gib']:.2f}) | **{a['ms'] / b['ms']:.2f}x** |"
-        )
+        lines.append(f"| {c} | {a['ms']:.2f} ({a['weights_gib'] + a['kv_gib']:.2f}) | {b['ms']:.2f} "
+                     f"({b['weights_gib'] + b['kv_gib']:.2f}) | **{a['ms'] / b['ms']:.2f}x** |")  # fmt: skip
     tokens = freed / (bf16.kv_bytes_per_token() / args.tp)
     lines += [
         "",
@@ -234,28 +194,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--bw", type=float, default=0.7, help="fraction of HBM bandwidth a memory-bound graph reaches"
     )
-    p.add_argument("--results", type=Path, default=HERE / "results", help="folder of the results files")
+    p.add_argument("--results", type=Path, help="folder of the results files (default benchmark/results)")
     args = p.parse_args(argv)
     m, hw = Model(), Hardware()
-    rows = [
-        project(m, hw, args.tp, args.batch, args.chunk, int(c), args.mfu, args.bw, args.speculation_length)
-        for c in args.contexts.split(",")
-    ]
-    w4 = project_w4(m, hw, args.tp, args.batch, args.paged_rows, args.chunk, args.mfu, args.bw)
     contexts = [int(c) for c in args.contexts.split(",")]
+    rows = [project(m, hw, args.tp, args.batch, args.chunk, c, args.mfu, args.bw, args.speculation_length)
+            for c in contexts]  # fmt: skip
+    w4 = project_w4(m, hw, args.tp, args.batch, args.paged_rows, args.chunk, args.mfu, args.bw)
     q_lines, q_rows = quantized_lines(args, hw, contexts)
     lines = mixed_lines(args, hw, rows, w4) + verify_lines(args, rows) + q_lines
-    args.results.mkdir(parents=True, exist_ok=True)
-    out = args.results / f"neuron-projection-{datetime.date.today().isoformat()}"
-    out.with_suffix(".json").write_text(
-        json.dumps(
-            {"args": vars(args), "model": asdict(m), "rows": rows, "w4": w4, "quantized": q_rows},
-            indent=1,
-            default=str,
-        )
-    )
-    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    data = {"args": vars(args), "model": asdict(m), "rows": rows, "w4": w4, "quantized": q_rows}
+    save(results_folder(args.results, smoke=False), f"neuron-projection-{datetime.date.today()}", data, lines)
     return 0
 
 

@@ -1,12 +1,7 @@
-"""Perplexity of an export on your own text, next to transformers on the source checkpoint:
-judge a quantized export (--quantization int8|fp8) on text you care about, which random test
-weights cannot.
-
-The export's prefill graphs return every position's logits (an export made with
---prompt-logprobs: vLLM's prompt_logprobs path); the text is tokenized, cut into windows of
-`--window` tokens (each a fresh sequence, prefilled chunk by chunk), and every token after a
-window's first is scored. transformers scores the same windows in fp32 (an FP8 checkpoint:
-transformers 5 dequantizes fine-grained FP8 on the cpu itself).
+"""Perplexity of an export on your own text, next to transformers on the source checkpoint: judge
+a quantized export (--quantization int8|fp8) on text you care about. The export (made with
+--prompt-logprobs: every position's logits) prefills windows of `--window` tokens chunk by
+chunk and scores every token after a window's first; transformers scores the same in fp32.
 
     python benchmark/perplexity.py EXPORT --text FILE [--model SOURCE] [--window 1024] [--max-tokens 16384]
 """
@@ -15,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import math
 import sys
 import time
@@ -24,7 +18,9 @@ from pathlib import Path
 import torch
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))
+sys.path[:0] = [str(HERE.parent), str(HERE)]
+
+from host import results_folder, save  # noqa: E402
 
 from optimum_neuron_chunked import NeuronModelForCausalLM  # noqa: E402
 from optimum_neuron_chunked.config import prefill_slices  # noqa: E402
@@ -45,10 +41,8 @@ def export_nll(model: NeuronModelForCausalLM, window: torch.Tensor) -> float:
     runner, config = model.runner, model.neuron_config
     blocks = model.kv_pool.acquire(len(window))
     try:
-        parts = [
-            runner.prefill(window[s], s.start, blocks, every_position=True)
-            for s in prefill_slices(len(window), config.prefill_chunk_size)
-        ]
+        slices = prefill_slices(len(window), config.prefill_chunk_size)
+        parts = [runner.prefill(window[s], s.start, blocks, every_position=True) for s in slices]
     finally:
         model.kv_pool.release(blocks)
     return scored(torch.cat(parts), window)
@@ -94,17 +88,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", help="the source checkpoint (folder or hub id) for transformers' perplexity")
     p.add_argument("--window", type=int, default=1024, help="tokens per scored sequence (<= the export's)")
     p.add_argument("--max-tokens", type=int, default=16384, help="score the text's first N tokens")
-    p.add_argument("--results", type=Path, default=HERE / "results", help="folder of the results files")
+    p.add_argument("--results", type=Path, help="folder of the results files (default benchmark/results)")
     args = p.parse_args(argv)
     r = perplexities(args.export, args.model, args.text.read_text(), args.window, args.max_tokens)
     line = f"perplexity of {r['export']} ({r['quantization']}): {r['export_ppl']:.4f}"
     if "reference_ppl" in r:
         line += f"; transformers on {r['model']}: {r['reference_ppl']:.4f} (ratio {r['ratio']:.4f})"
     line += f" over {r['tokens']} tokens in {r['windows']} windows of {r['window']}"
-    args.results.mkdir(parents=True, exist_ok=True)
-    out = args.results / f"perplexity-{datetime.date.today().isoformat()}"
-    out.with_suffix(".json").write_text(json.dumps(r, indent=1))
-    out.with_suffix(".md").write_text(f"# Perplexity\n\n{line}\n")
+    save(
+        results_folder(args.results, smoke=False),
+        f"perplexity-{datetime.date.today()}",
+        r,
+        ["# Perplexity", "", line],
+        False,
+    )
     print(line)
     return 0
 

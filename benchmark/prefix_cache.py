@@ -1,16 +1,12 @@
 """What prefix caching buys, engine-level: vLLM's `LLMEngine` stepped in-process, no HTTP.
 
-Contenders (serve_bench.py's bench model, fp32, B=8, S=4096, C=256):
-  ours-on / ours-off      the chunked export, --enable-prefix-caching / --no-enable-prefix-caching
-                          (our KV connector copies a cached prefix into the request's slot)
-  paged-on / paged-off    the chunked export with paged KV (serve_bench.paged_shape): vLLM's own
-                          prefix caching, hits share blocks (no copy); 8 rows as the others
-  native-on / native-off  vLLM's own CPU engine on the HF checkpoint, the same token budget
+Contenders (the bench model, fp32, B=8, S=4096, C=256), each `-on` / `-off` (prefix caching):
+ours (the chunked export: our KV connector copies a cached prefix into the request's block),
+paged (the paged export, serve_bench.paged_shape, 8 rows: vLLM's prefix caching shares blocks),
+native (vLLM's CPU engine, the same token budget).
 Workloads (fresh random prompts per repeat, 8 requests in flight, 64 tokens out each):
-  shared       16 requests = one 2048-token system prompt + a 64-256-token suffix each, cold:
-               the first 8 arrive together and one of them computes the system prompt
-  shared-warm  the same 16, after one untimed request with the system prompt (a server whose
-               system prompt was seen before: the steady state of a long-running one)
+  shared       16 requests = one 2048-token system prompt + a 64-256-token suffix each, cold
+  shared-warm  the same 16, after one untimed request with the system prompt
   no-sharing   16 requests of the same lengths, nothing shared
 Each contender runs in its own process (vLLM picks its platform once per process).
 
@@ -22,9 +18,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
 import statistics
-import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -34,9 +28,9 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path[:0] = [str(REPO), str(HERE)]
 
-from engine_loop import NATIVE_ENV, EngineLoop  # noqa: E402
-from host import describe_host  # noqa: E402
-from serve_bench import FULL, QUICK, Setup, add_shape_arguments, describe, exports, shaped  # noqa: E402
+from engine_loop import EngineLoop, in_own_process  # noqa: E402
+from host import describe_host, save  # noqa: E402
+from serve_bench import Setup, add_common_arguments, describe, exports, parse  # noqa: E402
 
 from optimum_neuron_chunked.vllm.limits import full_chunk_budget  # noqa: E402
 
@@ -74,33 +68,29 @@ def prompts(kind: str, load: Workload, vocab: int, seed: int) -> dict[str, list[
     return {"timed": timed, "prime": prime}
 
 
-def run_engine(args) -> dict:
-    """One contender, one workload, in this process: per-request TTFT, decode steps, tok/s."""
-    engine_args = dict(
-        model=args.model, max_num_seqs=args.batch, enable_prefix_caching=args.contender.endswith("-on")
-    )
-    if args.contender.startswith("native"):
-        # the budget and threshold our platform derives for the chunked export
-        engine_args |= dict(dtype="float32", max_model_len=args.seq,
-                            max_num_batched_tokens=full_chunk_budget(args.chunk, args.batch),
-                            long_prefill_token_threshold=args.chunk)  # fmt: skip
+def run_engine(name: str, model: str, setup: Setup, load: Workload, work: dict) -> dict:
+    """One contender, one workload ({"timed", "prime"} prompts), in this process: per-request
+    TTFT, decode steps, tok/s."""
+    engine_args = dict(model=model, max_num_seqs=setup.batch, enable_prefix_caching=name.endswith("-on"))
+    if name.startswith("native"):  # the budget and threshold our platform derives for the chunked export
+        engine_args |= dict(dtype="float32", max_model_len=setup.seq,
+                            max_num_batched_tokens=full_chunk_budget(setup.chunk, setup.batch),
+                            long_prefill_token_threshold=setup.chunk)  # fmt: skip
     loop = EngineLoop(**engine_args)
-    work = json.loads(Path(args.prompts).read_text())
-    loop.warm_up_buckets(args.chunk, args.seq)
+    loop.warm_up_buckets(setup.chunk, setup.seq)
     loop.warm_up(work["prime"])
+    queue = [(str(i), ids) for i, ids in enumerate(work["timed"])]
     started = time.perf_counter()
-    traces = loop.serve(
-        [(str(i), ids) for i, ids in enumerate(work["timed"])], args.out_tokens, args.in_flight
-    )
+    traces = loop.serve(queue, load.out_tokens, load.in_flight)
     wall = time.perf_counter() - started
     loop.close()
     ttft = [t.ttft * 1000 for t in traces]
-    later = ttft[args.in_flight :]  # the first wave is sent together, the rest as slots free
+    later = ttft[load.in_flight :]  # the first wave is sent together, the rest as slots free
     decode = [s.ms for s in loop.steps if not s.prefilling]
     return {
         "ttft_ms_p50": statistics.median(ttft),
         "ttft_ms_mean": statistics.fmean(ttft),
-        "ttft_ms_p50_first_wave": statistics.median(ttft[: args.in_flight]),
+        "ttft_ms_p50_first_wave": statistics.median(ttft[: load.in_flight]),
         "ttft_ms_p50_later": statistics.median(later) if later else None,
         "decode_step_ms_p50": statistics.median(decode) if decode else None,
         "output_tok_s": sum(len(t.tokens) for t in traces) / wall,
@@ -136,19 +126,13 @@ def copy_cost(export_dir: Path, repeats: int = 15) -> dict:
     return out
 
 
-def run_contender(name: str, kind: str, setup: Setup, load: Workload, model: Path, prompt_file: Path) -> dict:
-    env = dict(os.environ)
-    if name.startswith("native"):
-        env |= NATIVE_ENV
-    out = prompt_file.with_suffix(f".{name}.json")
-    cmd = [sys.executable, __file__, "--engine", "--contender", name, "--model", str(model),
-           "--prompts", str(prompt_file), "--out", str(out), "--batch", str(setup.batch),
-           "--seq", str(setup.seq), "--chunk", str(setup.chunk), "--out-tokens", str(load.out_tokens),
-           "--in-flight", str(load.in_flight)]  # fmt: skip
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise RuntimeError(f"{name} {kind} failed:\n{proc.stderr[-3000:]}")
-    return json.loads(out.read_text())
+def run_contender(name: str, kind: str, quick: bool, model: Path, prompt_file: Path) -> dict:
+    argv = [__file__, "--engine", name, "--model", str(model), "--prompts", str(prompt_file)]
+    argv += ["--quick"] if quick else []
+    result = in_own_process(name, argv, prompt_file.with_suffix(f".{name}.json"))
+    if "error" in result:
+        raise RuntimeError(f"{name} {kind} failed:\n{result['error']}")
+    return result
 
 
 def spread(values: list[float]) -> str:
@@ -189,23 +173,18 @@ def render(results: dict) -> str:
 
 
 def ratio_lines(kind: str, runs: dict) -> list[str]:
-    def med(name, field):
-        return statistics.median(r[field] for r in runs[name]) if name in runs else None
+    def ratio(engine: str, field: str) -> float | None:
+        on, off = (statistics.median(r[field] for r in runs[n]) if n in runs else None
+                   for n in (f"{engine}-on", f"{engine}-off"))  # fmt: skip
+        return on / off if on and off else None
 
     lines = []
     for engine in ("ours", "paged", "native"):
-        on, off = med(f"{engine}-on", "ttft_ms_p50"), med(f"{engine}-off", "ttft_ms_p50")
-        if on and off:
-            tput = med(f"{engine}-on", "output_tok_s") / med(f"{engine}-off", "output_tok_s")
-            lines.append(
-                f"- {kind}, {engine}: TTFT p50 on/off {on / off:.2f}x, output tok/s on/off {tput:.3f}x"
-            )
-        step_on, step_off = (
-            med(f"{engine}-on", "decode_step_ms_p50"),
-            med(f"{engine}-off", "decode_step_ms_p50"),
-        )
-        if step_on and step_off:
-            lines.append(f"- {kind}, {engine}: decode step on/off {step_on / step_off:.3f}x")
+        ttft, tput = ratio(engine, "ttft_ms_p50"), ratio(engine, "output_tok_s")
+        if ttft:
+            lines.append(f"- {kind}, {engine}: TTFT p50 on/off {ttft:.2f}x, output tok/s on/off {tput:.3f}x")
+        if step := ratio(engine, "decode_step_ms_p50"):
+            lines.append(f"- {kind}, {engine}: decode step on/off {step:.3f}x")
     return lines
 
 
@@ -217,8 +196,7 @@ def run_all(args: argparse.Namespace, setup: Setup, load: Workload, models: dict
             prompt_file = work / f"prefix-prompts-{kind}-{repeat}.json"
             prompt_file.write_text(json.dumps(prompts(kind, load, setup.model["vocab_size"], seed=repeat)))
             for name in args.contenders.split(","):
-                model = models[name.rsplit("-", 1)[0]]
-                result = run_contender(name, kind, setup, load, model, prompt_file)
+                result = run_contender(name, kind, args.quick, models[name.rsplit("-", 1)[0]], prompt_file)
                 runs[kind].setdefault(name, []).append(result)
                 summary = {k: round(v, 1) for k, v in result.items() if isinstance(v, float)}
                 print(f"repeat {repeat} {kind:11s} {name:10s} {json.dumps(summary)}", flush=True)
@@ -227,45 +205,27 @@ def run_all(args: argparse.Namespace, setup: Setup, load: Workload, models: dict
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="tiny model and workload (a smoke run)")
-    p.add_argument("--repeats", type=int, default=None, help="runs per workload (default 3, quick 1)")
-    p.add_argument("--contenders", default=",".join(CONTENDERS))
+    add_common_arguments(p)
     p.add_argument("--workloads", default=",".join(WORKLOADS))
-    p.add_argument("--work", type=Path, default=Path.home() / ".cache" / "optimum-neuron-chunked" / "bench")
-    p.add_argument("--tag", default="")
-    p.add_argument("--results", type=Path, default=HERE / "results", help="folder of the results files")
-    add_shape_arguments(p)
-    for name in ("--engine",):
-        p.add_argument(name, action="store_true", help=argparse.SUPPRESS)
-    for name in ("--contender", "--model", "--prompts", "--out"):
+    for name in ("--engine", "--model", "--prompts", "--out"):  # a contender's own process
         p.add_argument(name, help=argparse.SUPPRESS)
-    for name in ("--batch", "--seq", "--chunk", "--out-tokens", "--in-flight"):
-        p.add_argument(name, type=int, help=argparse.SUPPRESS)
-    args = p.parse_args(argv)
+    args, setup = parse(p, argv)
+    load = QUICK_LOAD if args.quick else FULL_LOAD
     if args.engine:
-        Path(args.out).write_text(json.dumps(run_engine(args)))
+        result = run_engine(args.engine, args.model, setup, load, json.loads(Path(args.prompts).read_text()))
+        Path(args.out).write_text(json.dumps(result))
         return 0
-    setup, load = (QUICK, QUICK_LOAD) if args.quick else (FULL, FULL_LOAD)
-    args.repeats = args.repeats or (1 if args.quick else 3)
-    setup = shaped(setup, args)
-    work = args.work / ("quick" if args.quick else "full")
-    work.mkdir(parents=True, exist_ok=True)
-    contenders = args.contenders.split(",")
-    kinds = ("chunked", "paged") if any(n.startswith("paged") for n in contenders) else ("chunked",)
-    ckpt, folders, _ = exports(setup, work, kinds=kinds)
-    chunked = folders["chunked"]
-    models = {"native": ckpt, "ours": chunked, "paged": folders.get("paged")}
-    runs = run_all(args, setup, load, models, work)
+    args.contenders = args.contenders or ",".join(CONTENDERS)
+    args.work.mkdir(parents=True, exist_ok=True)
+    kinds = ("chunked", "paged") if "paged-" in args.contenders else ("chunked",)
+    ckpt, folders, _ = exports(setup, args.work, kinds=kinds)
+    models = {"native": ckpt, "ours": folders["chunked"], "paged": folders.get("paged")}
+    runs = run_all(args, setup, load, models, args.work)
     date = datetime.date.today().isoformat()
-    results = dict(date=date, machine=describe_host(), repeats=args.repeats,
-                   setup=describe(setup),
-                   workload=asdict(load), runs=runs, copy_cost=copy_cost(chunked))  # fmt: skip
+    results = dict(date=date, machine=describe_host(), repeats=args.repeats, setup=describe(setup),
+                   workload=asdict(load), runs=runs, copy_cost=copy_cost(folders["chunked"]))  # fmt: skip
     name = f"prefix-{date}-vm{'-quick' if args.quick else ''}{'-' + args.tag if args.tag else ''}"
-    out = args.results
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"{name}.json").write_text(json.dumps(results, indent=1))
-    (out / f"{name}.md").write_text(render(results))
-    print(render(results))
+    save(args.results, name, results, render(results).splitlines())
     return 0
 
 

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
+from host import save
 from metrics import median_of
 from rich.console import Console
 from rich.table import Table
@@ -24,16 +24,15 @@ COLUMNS = [
     ("W2 ITL max ms", "w2", ("itl", "max"), 1e3, "{:.0f}"),
     ("W2 output tok/s", "w2", ("output_tok_s",), 1, "{:.1f}"),
 ]
+W1_PAIRS, W2_PAIRS = (
+    [("chunked", "std"), ("chunked", "chunked-whole")],
+    [("chunked", "std"), ("chunked", "native")],
+)
 RATIOS = [
-    ("W1 max stall", "w1", ("itl_in_window", "max"), [("chunked", "std"), ("chunked", "chunked-whole")]),
-    (
-        "W1 in-window decode tok/s",
-        "w1",
-        ("decode_tok_s_in_window",),
-        [("chunked", "std"), ("chunked", "chunked-whole")],
-    ),
-    ("W2 output tok/s", "w2", ("output_tok_s",), [("chunked", "std"), ("chunked", "native")]),
-    ("W2 TTFT p50", "w2", ("ttft", "p50"), [("chunked", "std"), ("chunked", "native")]),
+    ("W1 max stall", "w1", ("itl_in_window", "max"), W1_PAIRS),
+    ("W1 in-window decode tok/s", "w1", ("decode_tok_s_in_window",), W1_PAIRS),
+    ("W2 output tok/s", "w2", ("output_tok_s",), W2_PAIRS),
+    ("W2 TTFT p50", "w2", ("ttft", "p50"), W2_PAIRS),
 ]
 
 
@@ -62,12 +61,7 @@ def tables(report: dict) -> tuple[Table, list[str]]:
     md += ["", "| ratio (median over median) | value |", "|---|---|"]
     for label, workload, path, pairs in RATIOS:
         for a, b in pairs:
-            if (
-                a in contenders
-                and b in contenders
-                and "error" not in contenders[a]
-                and "error" not in contenders[b]
-            ):
+            if all(n in contenders and "error" not in contenders[n] for n in (a, b)):
                 num, _ = median_of(contenders[a][workload], *path)
                 den, _ = median_of(contenders[b][workload], *path)
                 ratio = f"{num / den:.2f}" if den else f"{num:.3g} / 0"
@@ -120,22 +114,13 @@ def plots(report: dict, stem: Path) -> list[Path]:
 
 
 def write_report(report: dict, results_dir: Path, tag: str) -> list[Path]:
-    results_dir.mkdir(parents=True, exist_ok=True)
-    stem = results_dir / f"bench-{tag}"
     table, md = tables(report)
     Console(width=250).print(table)
-    json_path = stem.with_suffix(".json")
-    json_path.write_text(json.dumps(report, indent=1) + "\n")
-    pngs = plots(report, stem)
+    pngs = plots(report, results_dir / f"bench-{tag}")
     setup = report["setup"]
-    head = [
-        f"# serve_bench {tag}",
-        "",
-        f"Model {setup['model']}, B={setup['batch']}, S={setup['seq']}, C={setup['chunk']}, backend {setup['backend']}; "
-        f"W1 {setup['w1']}; W2 {setup['w2']}; W1 {report['repeats']} run(s), W2 "
-        f"{report.get('w2_repeats', report['repeats'])} run(s); median ± half-range.",
-        "",
-    ]
-    md_path = stem.with_suffix(".md")
-    md_path.write_text("\n".join(head + md + [""] + [f"![{p.stem}]({p.name})" for p in pngs]) + "\n")
-    return [json_path, md_path, *pngs]
+    head = [f"# serve_bench {tag}", "",
+            f"Model {setup['model']}, B={setup['batch']}, S={setup['seq']}, C={setup['chunk']}, backend "
+            f"{setup['backend']}; W1 {setup['w1']}; W2 {setup['w2']}; {report['repeats']} run(s); median ± half-range.",
+            ""]  # fmt: skip
+    lines = head + md + [""] + [f"![{p.stem}]({p.name})" for p in pngs]
+    return [*save(results_dir, f"bench-{tag}", report, lines, echo=False), *pngs]

@@ -1,16 +1,11 @@
 """What chunked prefill buys, served with `vllm serve`, side by side in one run.
 
-Contenders (same locally built random-init Llama checkpoint):
-  std            standard export (CE graph), whole prompts per step
-  chunked        chunked export, vLLM schedules the chunks (this project's default)
-  chunked-whole  chunked export, budget >= max_model_len: whole prompts per step, chunks back
-                 to back inside it (optimum-neuron's runner-internal chunking)
-  native         vLLM's own CPU engine on the HF checkpoint (--dtype float32, plugin deselected)
-  native-budget  the same at a token budget equal to our chunk size
-Workloads:
-  W1 mixed-load stall: streams decode steadily, a long prompt arrives; ITL and decode rate
-     of the streams inside its prefill window vs before it
-  W2 throughput: many prompts of random lengths at fixed concurrency; TTFT, ITL, output tok/s
+Contenders (one random Llama checkpoint): std (CE graph, whole prompts per step), chunked
+(vLLM schedules the chunks), chunked-whole (budget >= max_model_len: whole prompts per step,
+chunks back to back inside it), native (vLLM's own CPU engine), native-budget (the same at a
+token budget of our chunk size).
+W1: streams decode, a long prompt arrives; the streams' ITL and decode rate in its prefill
+window against before it. W2: prompts of random lengths at fixed concurrency; TTFT, ITL, tok/s.
 
     python benchmark/serve_bench.py [--quick] [--repeats 3] [--contenders std,chunked,...]
 """
@@ -37,6 +32,7 @@ sys.path[:0] = [str(REPO), str(HERE)]
 
 from client import mixed_load_stall, throughput  # noqa: E402
 from engine_loop import NATIVE_ENV  # noqa: E402
+from host import WORK, results_folder  # noqa: E402
 from metrics import summarize_load, summarize_stall  # noqa: E402
 
 from optimum_neuron_chunked.testing.checkpoints import COMMON, build_checkpoint  # noqa: E402
@@ -65,16 +61,8 @@ class Setup:
 
 
 FULL = Setup(
-    model=dict(
-        model_type="llama",
-        hidden_size=512,
-        intermediate_size=1376,
-        num_hidden_layers=8,
-        num_attention_heads=8,
-        num_key_value_heads=4,
-        vocab_size=1024,
-        tie_word_embeddings=False,
-    ),
+    model=dict(model_type="llama", hidden_size=512, intermediate_size=1376, num_hidden_layers=8,
+               num_attention_heads=8, num_key_value_heads=4, vocab_size=1024, tie_word_embeddings=False),
     batch=8,
     seq=4096,
     chunk=256,
@@ -85,18 +73,10 @@ FULL = Setup(
     # P = 128: divides every bucket (512-4096) and C, vLLM's CPU engine's default block size
     paged_rows=32,
     kv_block_size=128,
-)
+)  # fmt: skip
 QUICK = Setup(
-    model=dict(
-        model_type="llama",
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=512,
-        tie_word_embeddings=False,
-    ),
+    model=dict(model_type="llama", hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+               num_attention_heads=4, num_key_value_heads=2, vocab_size=512, tie_word_embeddings=False),
     batch=4,
     seq=512,
     chunk=64,
@@ -106,37 +86,40 @@ QUICK = Setup(
     contenders=("std", "chunked"),
     paged_rows=16,
     kv_block_size=64,
-)
+)  # fmt: skip
 
 
-def add_shape_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--buckets", help="the exports' context buckets, comma-separated, S last (default: the exporter's)"
-    )
-    p.add_argument(
-        "--prefill-widths", help="the chunked export's CP widths, comma-separated, C last (default: C)"
-    )
-    p.add_argument(
-        "--decode-widths", help="every export's TG widths in rows, comma-separated, B last (default: B)"
-    )
-    p.add_argument(
-        "--mixed-step", action="store_true", help="the chunked export runs decodes + a chunk in one MX call"
-    )
+def add_common_arguments(p: argparse.ArgumentParser) -> None:
+    """The options every engine benchmark takes: a smoke mode, repeats, folders, export shapes."""
+    p.add_argument("--quick", action="store_true", help="tiny model and loads (a smoke run)")
+    p.add_argument("--repeats", type=int, help="runs per workload (default 3, quick 1)")
+    p.add_argument("--contenders", help="comma-separated subset")
+    p.add_argument("--work", type=Path, default=WORK / "bench", help="checkpoint and exports (cached)")
+    p.add_argument("--results", type=Path, help="default benchmark/results (quick: a temporary folder)")
+    p.add_argument("--tag", default="", help="suffix of the results files")
+    p.add_argument("--buckets", help="the exports' context buckets, comma-separated, S last")
+    p.add_argument("--prefill-widths", help="the chunked export's CP widths, comma-separated, C last")
+    p.add_argument("--decode-widths", help="every export's TG widths in rows, comma-separated, B last")
+    p.add_argument("--mixed-step", action="store_true", help="the chunked export has MX graphs")
 
 
-def shaped(setup: Setup, args: argparse.Namespace) -> Setup:
-    """`setup` with the export shapes given by add_shape_arguments' flags."""
+def parse(p: argparse.ArgumentParser, argv: list[str] | None) -> tuple[argparse.Namespace, Setup]:
+    """The arguments, and the setup (FULL or QUICK) with the export shapes they give; repeats
+    and results folder defaulted (a smoke run's results go to a temporary folder)."""
+    args = p.parse_args(argv)
+    setup = QUICK if args.quick else FULL
 
     def ints(text: str | None) -> tuple[int, ...]:
         return tuple(int(x) for x in text.split(",")) if text else ()
 
-    return replace(
-        setup,
-        buckets=ints(args.buckets) or setup.buckets,
-        widths=ints(args.prefill_widths) or setup.widths,
-        decode_widths=ints(args.decode_widths) or setup.decode_widths,
-        mixed_step=args.mixed_step or setup.mixed_step,
-    )
+    args.repeats = args.repeats or (1 if args.quick else 3)
+    if not getattr(args, "engine", None):  # a contender's child process writes no results
+        args.results = results_folder(args.results, smoke=args.quick)
+    args.work = args.work / ("quick" if args.quick else "full")
+    return args, replace(setup, buckets=ints(args.buckets) or setup.buckets,
+                         widths=ints(args.prefill_widths) or setup.widths,
+                         decode_widths=ints(args.decode_widths) or setup.decode_widths,
+                         mixed_step=args.mixed_step or setup.mixed_step)  # fmt: skip
 
 
 def describe(setup: Setup) -> str:
@@ -192,10 +175,8 @@ def exports(setup: Setup, work: Path, kinds=("std", "chunked")) -> tuple[Path, d
 
 def server_for(name: str, setup: Setup, ckpt: Path, folders: dict[str, Path], log: Path) -> Server:
     limits = ["--max-num-seqs", str(setup.batch), "--max-model-len", str(setup.seq)]
-    if name == "std":
-        return Server(folders["std"], log, *limits)
-    if name == "chunked":
-        return Server(folders["chunked"], log, *limits)
+    if name in ("std", "chunked"):
+        return Server(folders[name], log, *limits)
     if name == "chunked-whole":
         # max_model_len + max_num_seqs: above any prompt, and not one of vLLM's own default budgets
         # (which the platform reads as "not given", see README)
@@ -204,15 +185,9 @@ def server_for(name: str, setup: Setup, ckpt: Path, folders: dict[str, Path], lo
         return Server(folders["chunked"], log, *limits, *whole)
     # Prefix caching off, like our static cache: measure the engines, not a cache hit.
     native = [*limits, "--dtype", "float32", "--gpu-memory-utilization", "0.2", "--no-enable-prefix-caching"]
-    env = dict(NATIVE_ENV)
     if name == "native-budget":
-        native += [
-            "--max-num-batched-tokens",
-            str(setup.chunk),
-            "--long-prefill-token-threshold",
-            str(setup.chunk),
-        ]
-    return Server(ckpt, log, *native, env=env)
+        native += ["--max-num-batched-tokens", str(setup.chunk), "--long-prefill-token-threshold", str(setup.chunk)]  # fmt: skip
+    return Server(ckpt, log, *native, env=dict(NATIVE_ENV))
 
 
 class PeakRss:
@@ -240,9 +215,7 @@ class PeakRss:
         return round(self.peak / 2**20, 1)
 
 
-def run_contender(
-    name: str, setup: Setup, ckpt: Path, folders: dict, work: Path, repeats: int, w2_repeats: int
-) -> dict:
+def run_contender(name: str, setup: Setup, ckpt: Path, folders: dict, work: Path, repeats: int) -> dict:
     server = server_for(name, setup, ckpt, folders, work / f"{name}.log")
     started = time.perf_counter()
     try:
@@ -257,16 +230,11 @@ def run_contender(
         for i in range(repeats):
             streams, long = asyncio.run(mixed_load_stall(server.url, model, **setup.w1, seed=100 + i))
             result["w1"].append(summarize_stall(streams, long) | {"timeline": timeline(streams, long)})
-            if i >= w2_repeats:
-                continue
             traces, wall = asyncio.run(throughput(server.url, model, **setup.w2, seed=200 + i))
-            result["w2"].append(
-                summarize_load(traces, wall) | {"itl_all": [g for t in traces for g in t.gaps]}
-            )
-            print(
-                f"{name}: W1 window {result['w1'][-1].get('prefill_window_s')}, W2 {wall:.1f} s",
-                file=sys.stderr,
-            )
+            itl_all = [g for t in traces for g in t.gaps]
+            result["w2"].append(summarize_load(traces, wall) | {"itl_all": itl_all})
+            window = result["w1"][-1].get("prefill_window_s")
+            print(f"{name}: W1 window {window}, W2 {wall:.1f} s", file=sys.stderr)
     finally:
         result["peak_rss_mib"] = rss.stop()
         server.stop()
@@ -282,38 +250,14 @@ def timeline(streams, long) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument(
-        "--quick", action="store_true", help="tiny model, eager backend, seconds per contender"
-    )
-    parser.add_argument("--repeats", type=int, default=None, help="runs per workload (default 3, quick 1)")
-    parser.add_argument(
-        "--w2-repeats", type=int, default=None, help="W2 runs (default: --repeats; W2 takes minutes a run)"
-    )
-    parser.add_argument("--contenders", default=None, help="comma-separated subset")
-    parser.add_argument("--results", type=Path, default=HERE / "results")
-    parser.add_argument("--tag", default="", help="suffix of the results files (keeps another run's files)")
-    parser.add_argument(
-        "--work", type=Path, default=Path.home() / ".cache" / "optimum-neuron-chunked" / "bench"
-    )
-    args = parser.parse_args(argv)
-    setup = QUICK if args.quick else FULL
-    repeats = args.repeats or (1 if args.quick else 3)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_common_arguments(p)
+    args, setup = parse(p, argv)
     names = args.contenders.split(",") if args.contenders else list(setup.contenders)
-    work = args.work / ("quick" if args.quick else "full")
-    work.mkdir(parents=True, exist_ok=True)
-    ckpt, folders, export_info = exports(setup, work)
-    w2_repeats = min(args.w2_repeats or repeats, repeats)
-    results = {name: run_contender(name, setup, ckpt, folders, work, repeats, w2_repeats) for name in names}
-    report = {
-        "setup": asdict(setup),
-        "repeats": repeats,
-        "w2_repeats": w2_repeats,
-        "exports": export_info,
-        "contenders": results,
-    }
+    args.work.mkdir(parents=True, exist_ok=True)
+    ckpt, folders, export_info = exports(setup, args.work)
+    results = {name: run_contender(name, setup, ckpt, folders, args.work, args.repeats) for name in names}
+    report = dict(setup=asdict(setup), repeats=args.repeats, exports=export_info, contenders=results)
     from report import write_report
 
     tag = f"{'quick-' if args.quick else ''}{datetime.date.today()}-{platform.node()}"
