@@ -170,6 +170,7 @@ def _has_model_config(repo_id: str, revision: str | None) -> bool:
 
 def _not_an_export(repo_id: str, where: str) -> ExportNotFoundError:
     return ExportNotFoundError(
-        f"{where} has no {CONFIG_NAME}: it is not an export of optimum-neuron-chunked. Export it "
-        f"first: optimum-cli export neuron --model {repo_id} --batch_size B --sequence_length S OUT"
+        f"{where} has no {CONFIG_NAME}: it is not an export of optimum-neuron-chunked. Export it: "
+        f"from_pretrained({repo_id!r}, export=True, batch_size=B, sequence_length=S), `vllm serve "
+        f"{repo_id}`, or optimum-cli export neuron --model {repo_id} --batch_size B --sequence_length S OUT"
     )
