@@ -88,9 +88,12 @@ class Rows:
     def append(self, i: int, tokens: list[int], token: int, logits: torch.Tensor | None) -> bool:
         """Add `token` to row i; whether a stopping criterion ends the row."""
         tokens.append(token)
-        if self.streamer is not None:
-            self.streamer.put(torch.tensor([token]))
+        self.stream([token])
         return logits is not None and self.plan.stops(self.ids(i, tokens), logits)
+
+    def stream(self, new_tokens: list[int]) -> None:
+        for token in new_tokens if self.streamer is not None else ():
+            self.streamer.put(torch.tensor([token]))
 
 
 def _check_lookup(config, k: int | None, sampled: bool) -> int:
@@ -135,10 +138,12 @@ def _generate_tokens(
         while live:
             kvs = [blocks[i] for i in live]
             if lookup:
+                before = [len(tokens[i]) for i in live]
                 _verify_step(runner, [prompts[i].tolist() for i in live], [tokens[i] for i in live], kvs, lookup,
                              max_new_tokens)  # fmt: skip
-                for i in live:
+                for i, n in zip(live, before, strict=True):
                     _cut_at_eos(tokens[i], eos_ids)
+                    rows.stream(tokens[i][n:])
                 live = [i for i in live if not _finished(tokens[i], eos_ids, max_new_tokens)]
                 continue
             ids = torch.tensor([tokens[i][-1] for i in live])

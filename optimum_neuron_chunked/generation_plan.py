@@ -55,7 +55,8 @@ def plan(defaults: GenerationConfig, generation_config: GenerationConfig | None,
     unused = config.update(**kwargs)
     if unused:
         raise TypeError(f"generate() got arguments it does not take: {', '.join(sorted(unused))}.")
-    _refuse_unhandled(config)
+    given = set(kwargs) | (_set_fields(generation_config) if generation_config is not None else set())
+    _refuse_unhandled(config, given)
     processors = _processors(config, prompt_length) + list(logits_processor or [])
     stopping = list(stopping_criteria or [])
     if config.stop_strings:
@@ -67,12 +68,17 @@ def plan(defaults: GenerationConfig, generation_config: GenerationConfig | None,
     return GenerationPlan(config, LogitsProcessorList(processors), StoppingCriteriaList(stopping))
 
 
-def _refuse_unhandled(config: GenerationConfig) -> None:
+def _set_fields(config: GenerationConfig) -> set[str]:
+    """The fields of `config` away from their defaults."""
     default = GenerationConfig().to_dict()
-    current = config.to_dict()
-    refused = sorted(
-        k for k, v in current.items() if k not in HANDLED and v != default.get(k) and v not in (None, False)
-    )
+    return {k for k, v in config.to_dict().items() if v != default.get(k) and v not in (None, False)}
+
+
+def _refuse_unhandled(config: GenerationConfig, given: set[str]) -> None:
+    """Refuse what the caller asked for and the plan cannot do; a field the checkpoint's own
+    generation config sets (e.g. gemma3's cache_implementation) concerns transformers' model,
+    not this one, and is left alone."""
+    refused = sorted(k for k in _set_fields(config) & given if k not in HANDLED)
     if (config.num_beams or 1) != 1 or (config.num_return_sequences or 1) != 1:
         refused += ["num_beams / num_return_sequences (one sequence a prompt, no beam search)"]
     if refused:

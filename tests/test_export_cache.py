@@ -123,5 +123,9 @@ def test_from_pretrained_exports_through_the_cache_and_generate_takes_transforme
     assert "".join(streamer) == streamer.tokenizer.decode(output[0, ids.shape[1] :])
     with pytest.raises(ValueError, match="generate\\(\\) does not support: .*num_beams"):
         model.generate(ids, num_beams=2)
+    model.generation_config.cache_implementation = "hybrid"  # a checkpoint's own (gemma3's): left alone
+    assert model.generate(ids, max_new_tokens=2, do_sample=False).shape[1] == ids.shape[1] + 2
+    with pytest.raises(ValueError, match="does not support: cache_implementation"):
+        model.generate(ids, cache_implementation="static")  # asked for: refused
     with pytest.raises(TypeError, match="export options batch_size: they export a plain checkpoint"):
         NeuronModelForCausalLM.from_pretrained(model.model_dir, batch_size=2)

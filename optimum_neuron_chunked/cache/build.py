@@ -49,7 +49,8 @@ def cached_export(
     options.pop("cpu_isa", None)  # decided again by the exporting host: the same one
 
     def build(out: Path) -> None:
-        source = local_source(model, revision)  # a Hub checkpoint's weights: only to build
+        # a Hub checkpoint's files only to build, at the commit the key names
+        source = local_source(model, key.source.get("commit", revision))
         check_free_space(source, options)
         export(source, out, console=console, instance_type=instance, **options)
 

@@ -58,7 +58,7 @@ def gather_blocks(cache: torch.Tensor, block_tables: torch.Tensor, positions) ->
 @dataclass(frozen=True)
 class KVCache:
     """One layer's K and V and how positions address them (its LayerKV, from KVLayout): one
-    write and one read. `write` returns the cache with a part's K/V in it (the same tensors, or
+    write, one copy and three named reads. `write` returns the cache with a part's K/V in it (the same tensors, or
     new ones under `functional` XLA tracing)."""
 
     keys: torch.Tensor  # [blocks, Hkv, P, D]

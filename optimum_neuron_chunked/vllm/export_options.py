@@ -20,7 +20,7 @@ from __future__ import annotations
 from difflib import get_close_matches
 
 from ..config import EXPORT_OPTIONS, NeuronConfig
-from .limits import EngineRequest, ServingConfigError
+from .limits import SPECULATIVE_METHODS, EngineRequest, ServingConfigError
 
 # export option -> the vLLM flag that sets it
 FROM_FLAGS = {
@@ -81,6 +81,11 @@ def export_options(vllm_config, request: EngineRequest) -> tuple[dict, list[str]
         raise ServingConfigError(
             f"--tensor-parallel-size {options['tp_degree']} shards the export across NeuronCores: the "
             f"{options['backend']} backend runs on one process; drop the flag."
+        )
+    if request.speculative_method not in (None, *SPECULATIVE_METHODS):
+        raise ServingConfigError(
+            f"--speculative-config method {request.speculative_method!r} is not supported: the runner "
+            f'drafts with vLLM\'s n-gram proposer only (method "ngram").'
         )
     options["speculation_length"] = request.speculative_tokens if request.speculative_method else 0
     quantization = quantization_option(model_config, options.get("quantization"))

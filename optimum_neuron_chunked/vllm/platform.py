@@ -98,10 +98,10 @@ class NeuronChunkedPlatform(Platform):
         model_config = vllm_config.model_config
         if model_config is None:
             return
+        refuse_unsupported(vllm_config)  # before any work, an export included
         export = check_export(_export_folder(vllm_config))
         check_export_keys(export, vllm_config)
         _one_worker_drives_every_core(vllm_config.parallel_config)
-        refuse_unsupported(vllm_config)
         # validate_request has no config: what the export serves is kept for this process.
         cls.serves_prompt_logprobs = export.prompt_logprobs
         check_serving_host(export, vllm_config.parallel_config)  # each worker takes its devices
@@ -298,7 +298,7 @@ def check_serving_host(export: NeuronConfig, parallel_config) -> None:
 def _set_prefix_caching(vllm_config, export: NeuronConfig) -> str:
     """Prefix caching when vLLM's flag asks for it (`--enable-prefix-caching`, on by default
     for generative models in vLLM 0.32) and the export can serve it.
-    Slot exports: through our copy connector (connector.py); vLLM's own is always off (one block
+    Whole-sequence blocks: through our copy connector (connector.py); vLLM's own is always off (one block
     per request never fills). Idempotent: on the second call the flag reads False and our
     connector is what says it was asked for.
     Paged exports: vLLM's own block prefix cache, with our wait connector (prefix_wait.py) so

@@ -65,8 +65,8 @@ def decode_attention(
 ) -> torch.Tensor:
     """query [N, Hq, D] (one decode row each), lengths [N] -> [N, Hq, D]: row n over its
     positions 0 .. lengths[n] - 1, read in place. Paged: caches [blocks, Hkv, P, D], block
-    tables [N, M], position p at offset p % P of block tables[n, p // P]. Slots: caches
-    [blocks, Hkv, S, D], tables = the rows' whole-sequence blocks [N] (one block of S positions each).
+    tables [N, M], position p at offset p % P of block tables[n, p // P]. Whole-sequence blocks:
+    caches [blocks, Hkv, S, D], tables = the rows' blocks [N, 1].
     Query head h reads KV head h // (Hq / Hkv), as transformers' repeat_kv. Padded rows repeat
     a real row: the same result, computed twice. fp32."""
     load_op()

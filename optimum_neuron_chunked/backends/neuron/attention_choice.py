@@ -76,7 +76,7 @@ def _describe(module) -> str:
     if not path or not Path(path).is_file():
         return f"{KERNEL_MODULE} (no file)"
     digest = hashlib.sha256(Path(path).read_bytes()).hexdigest()[:16]
-    return f"{path} sha256:{digest}"
+    return f"attention_cte.py sha256:{digest}"  # the content, not the host's path (cache keys)
 
 
 def nkilib_missing() -> str | None:

@@ -27,7 +27,7 @@ from ...modeling.decoder import DecoderModel
 from ...modeling.kernels import Kernels
 from ...modeling.parallel import ShardLayout, rank_shard, tp_checkpoint
 from ..base import DEFAULT_CHUNK_SIZE, GRAPHS_DIR, Backend, KernelCompileError, OnGraph
-from .attention_choice import LNC1_MIN_WIDTH, choose_nki_graphs, installed_limits
+from .attention_choice import LNC1_MIN_WIDTH, choose_nki_graphs, installed_limits, target_misfit
 from .kernel_probe import KernelProbe, kernel_specs
 from .nki_kernels import NkiKernels
 from .sdk import installed_compiler_version
@@ -69,8 +69,11 @@ class NeuronBackend(Backend):
         return versions | {"nkilib": installed_limits().source}
 
     def default_chunk_size(self, instance_type: str) -> int:
-        """The chunk the attention kernel serves on the target (attention_choice.target_misfit)."""
-        return LNC1_MIN_WIDTH if TARGETS[instance_type].logical_nc_config == 1 else DEFAULT_CHUNK_SIZE
+        """The base default, or the smallest chunk the attention kernel serves on the target
+        (attention_choice.target_misfit)."""
+        if target_misfit(instance_type, DEFAULT_CHUNK_SIZE, sinks=False) is None:
+            return DEFAULT_CHUNK_SIZE
+        return LNC1_MIN_WIDTH
 
     def kernels(self, config: NeuronConfig) -> Kernels:
         """nkilib's attention_cte for the prefill chunks of the graphs the export chose."""
