@@ -2,11 +2,15 @@ from __future__ import annotations
 
 import glob
 import importlib.util
+import os
 
 import pytest
 import torch
-from fixtures.export_models import EXPORTS, checkpoint_path, export_model
+from fixtures.export_models import EXPORTS, cache_root, checkpoint_path, export_model
 from helpers import HLO_CENSUS
+
+# `vllm serve CHECKPOINT` and from_pretrained(export=True) in tests: never the user's own cache
+os.environ.setdefault("ONC_EXPORT_CACHE", str(cache_root() / "export-cache"))
 
 
 def pytest_collection_modifyitems(config, items):

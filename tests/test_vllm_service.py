@@ -143,7 +143,7 @@ def test_metrics_are_served(server):
     [
         ("max-model-len", ["--max-model-len 4096", "sequence_length 128"]),
         ("max-num-seqs", ["--max-num-seqs 8", "batch_size 2"]),
-        ("checkpoint", ["is not an export", "optimum-cli export neuron"]),
+        ("checkpoint", ["--additional-config 'prefil_chunk_size' (did you mean 'prefill_chunk_size'?)"]),
         ("incomplete", ["incomplete export", "model.safetensors"]),
         ("damaged", ["model.safetensors is damaged", "Copy it again from the original export"]),
     ],
@@ -154,8 +154,8 @@ def test_start_up_refusals_name_the_fix(export_dir, tmp_path, case, expected):
         args = ["--max-model-len", "4096"]
     elif case == "max-num-seqs":
         args = ["--max-num-seqs", "8"]
-    elif case == "checkpoint":
-        model = checkpoint_path("llama")
+    elif case == "checkpoint":  # a plain checkpoint is exported from the flags: a wrong key is refused first
+        model, args = checkpoint_path("llama"), ["--additional-config", '{"prefil_chunk_size": 8}']
     else:
         model = tmp_path / "partial"
         shutil.copytree(export_dir, model)
