@@ -1,12 +1,15 @@
 """The cpu backend's attention paths (kernels.KernelChoices): where they differ from the
 reference (modeling/kernels.py) is only in what they read and which core computes - views of
 a block (or a row's live blocks) up to its live length instead of gathered bucket windows, and
-SDPA or a custom op instead of the masked softmax. Each falls back to the reference's pieces
+SDPA or a custom op instead of the masked softmax. `layer_plan` makes both choices for a layer
+of a call, in one place; `attend` carries them out. Each falls back to the reference's pieces
 where it does not apply (rings, sliding windows, sinks, other dtypes)."""
 
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
+from enum import Enum
 
 import torch
 from torch import nn
@@ -17,59 +20,80 @@ from .chunk_attention import chunk_attention
 from .decode_attention import decode_attention
 
 
-def attend(choices, decode_op: bool, spec: AttentionSpec, part: GraphPart, q, cache: KVCache, sinks):
-    """One part's queries [N, Hq, T, D] over its blocks -> [N, Hq, T, D] (Kernels.attend)."""
-    if decode_op and part.decode_rows and part.position_ids.shape[1] == 1 and _plain_fp32(spec, q):
-        return _decode_op(spec, part, q, cache)
+class Read(Enum):
+    IN_PLACE = "the decode op reads each row's blocks in place"
+    PER_ROW = "each row's own block up to its own live length (views)"
+    POOL = "every block of the pool in block order (views)"
+    BLOCK = "the one row's block up to the live length (a view)"
+    LIVE_BLOCKS = "the blocks holding the live context (gathered)"
+
+
+class Core(Enum):
+    DECODE_OP = "the C++ decode op"
+    SDPA = "scaled_dot_product_attention"
+    MASKED_SOFTMAX = "the reference's masked softmax"
+    ONEDNN_CHUNK = "the oneDNN chunk op"
+
+
+@dataclass(frozen=True)
+class LayerPlan:
+    read: Read
+    core: Core
+
+
+def layer_plan(
+    choices, decode_op: bool, spec: AttentionSpec, part: GraphPart, cache: KVCache, dtype
+) -> LayerPlan:
+    """What one layer of a call reads and which core computes it, from the call's CacheRead
+    (CpuKernels.cache_read: pool order, block, rows), the layer's spec and layout, the choices."""
     read = part.read
-    live = cache.extent(read.window, read.live)[1]
+    if decode_op and part.decode_rows and part.position_ids.shape[1] == 1:
+        if spec.plain_causal and dtype == torch.float32:  # what the op computes
+            return LayerPlan(Read.IN_PLACE, Core.DECODE_OP)
     if read.pool_order:
-        core = _core(choices, spec, part, cache, sinks)
-        if read.rows is not None:
-            return _attend_per_row(q, cache, part.position_ids, read.rows, core)
+        where = Read.PER_ROW if read.rows is not None else Read.POOL
+    else:
+        where = Read.BLOCK if read.block is not None else Read.LIVE_BLOCKS
+    window = cache.extent(read.window, read.live)[0]
+    onednn_from = choices.onednn_chunk_attention_from_window if spec.plain_causal else None
+    one_chunk = not part.decode_rows and part.position_ids.shape[0] == 1
+    if (
+        where in (Read.BLOCK, Read.LIVE_BLOCKS)
+        and one_chunk
+        and onednn_from is not None
+        and window >= onednn_from
+    ):
+        return LayerPlan(where, Core.ONEDNN_CHUNK)
+    # SDPA from the choice's window on (not for sinks: SDPA has no place for them)
+    sdpa_from = choices.sdpa_decode_from_window if part.decode_rows else choices.sdpa_prefill_from_window
+    use_sdpa = not spec.sinks and sdpa_from is not None and window >= sdpa_from
+    return LayerPlan(where, Core.SDPA if use_sdpa else Core.MASKED_SOFTMAX)
+
+
+def attend(choices, decode_op: bool, spec: AttentionSpec, part: GraphPart, q, cache: KVCache, sinks):
+    """One part's queries [N, Hq, T, D] over its blocks -> [N, Hq, T, D] (Kernels.attend), as
+    layer_plan says."""
+    plan = layer_plan(choices, decode_op, spec, part, cache, q.dtype)
+    if plan.core is Core.DECODE_OP:
+        lengths = part.position_ids[:, 0] + 1
+        out = decode_attention(q[:, :, 0], cache.keys, cache.values, part.tables, lengths, spec.scale)
+        return out[:, :, None]
+    read, position_ids = part.read, part.position_ids
+    live = cache.extent(read.window, read.live)[1]
+    core = _sdpa(spec) if plan.core is Core.SDPA else functools.partial(masked_softmax, spec, sinks)
+    if plan.read is Read.PER_ROW:
+        return _attend_per_row(q, cache, position_ids, read.rows, core)
+    if plan.read is Read.POOL:
         return attend_read(q, cache, part, live, core)
-    if read.block is not None:
-        keys, values, key_positions = cache.read_block(read.block, live, part.position_ids)
+    if plan.read is Read.BLOCK:
+        keys, values, key_positions = cache.read_block(read.block, live, position_ids)
     else:  # the blocks holding the live context (read.live: every row's, with live_window)
         size = cache.keys.shape[2]
         blocks = (live + size - 1) // size
         torch._check(blocks <= part.tables.shape[1])
-        keys, values, key_positions = cache.read_tables(part.tables[:, :blocks], live, part.position_ids)
-    return _attend_windows(choices, spec, part, q, cache, sinks, keys, values, key_positions)
-
-
-def _decode_op(spec: AttentionSpec, part: GraphPart, q, cache: KVCache) -> torch.Tensor:
-    """Each row over its positions 0..its own, read in place: [N, Hq, 1, D]."""
-    lengths = part.position_ids[:, 0] + 1
-    out = decode_attention(q[:, :, 0], cache.keys, cache.values, part.tables, lengths, spec.scale)
-    return out[:, :, None]
-
-
-def _plain_fp32(spec: AttentionSpec, q: torch.Tensor) -> bool:
-    """What the C++ decode op computes: plain causal layers in fp32."""
-    return spec.plain_causal and q.dtype == torch.float32
-
-
-def _core(choices, spec: AttentionSpec, part: GraphPart, cache: KVCache, sinks):
-    """SDPA from the choice's window on (none for gpt-oss: its sinks join the softmax, where
-    SDPA has no place for them), else the reference's masked softmax."""
-    window = cache.extent(part.read.window, part.read.live)[0]
-    sdpa_from = choices.sdpa_decode_from_window if part.decode_rows else choices.sdpa_prefill_from_window
-    use_sdpa = not spec.sinks and sdpa_from is not None and window >= sdpa_from
-    return _sdpa(spec) if use_sdpa else functools.partial(masked_softmax, spec, sinks)
-
-
-def _attend_windows(
-    choices, spec: AttentionSpec, part: GraphPart, q, cache, sinks, keys, values, key_positions
-):
-    """A part's queries over each row's window read from position 0 (a ring: its whole ring),
-    keys / values [N, Hkv, W, D]: the oneDNN chunk op for one wide plain causal chunk, else
-    the part's core."""
-    position_ids, window = part.position_ids, cache.extent(part.read.window, part.read.live)[0]
-    onednn_from = choices.onednn_chunk_attention_from_window if spec.plain_causal else None
-    if not part.decode_rows and onednn_from is not None and window >= onednn_from and q.shape[0] == 1:
+        keys, values, key_positions = cache.read_tables(part.tables[:, :blocks], live, position_ids)
+    if plan.core is Core.ONEDNN_CHUNK:
         return chunk_attention(q[0], keys[0], values[0], position_ids[0], spec.scale)[None]
-    core = _core(choices, spec, part, cache, sinks)
     return core(q, keys, values, position_ids, key_positions)
 
 
