@@ -274,7 +274,10 @@ def check_compile(name: str, tp: int, nki: bool = False, quantization: str = "")
     name += f"-{quantization}" if quantization else ""
     if nki:
         kinds = (GraphKind.CP, GraphKind.MX)
-        config = replace(config, nki_attention=tuple(s.name for s in graph_specs(config) if s.kind in kinds))
+        # "nki": the kernel in these graphs as chosen (under "auto" the compile would first probe
+        # it alone, which the stubbed closed calls cannot compile)
+        chosen = tuple(s.name for s in graph_specs(config) if s.kind in kinds)
+        config = replace(config, attention_kernel="nki", nki_attention=chosen)
         name += "-nki"
     hf_config = AutoConfig.from_pretrained(path)
     # the eager reference graphs below: unsharded, plain layers, HF weights (an FP8
