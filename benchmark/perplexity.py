@@ -1,7 +1,9 @@
 """Perplexity of an export on your own text, next to transformers on the source checkpoint: judge
 a quantized export (--quantization int8|fp8) on text you care about. The export (made with
 --prompt-logprobs: every position's logits) prefills windows of `--window` tokens chunk by
-chunk and scores every token after a window's first; transformers scores the same in fp32.
+chunk and scores every token after a window's first; transformers scores the same in fp32, an
+FP8 checkpoint through its own weight-only dequantization (what the export computes; a plain
+from_pretrained of a W8A8 checkpoint also rounds activations). The line names the reference.
 
     python benchmark/perplexity.py EXPORT --text FILE [--model SOURCE] [--window 1024] [--max-tokens 16384]
 """
@@ -24,6 +26,7 @@ from host import results_folder, save  # noqa: E402
 
 from optimum_neuron_chunked import NeuronModelForCausalLM  # noqa: E402
 from optimum_neuron_chunked.config import prefill_slices  # noqa: E402
+from optimum_neuron_chunked.quantized_checkpoint import transformers_weight_only  # noqa: E402
 
 
 def windows(ids: list[int], size: int) -> list[torch.Tensor]:
@@ -57,7 +60,7 @@ def perplexities(export: Path, model: str | None, text: str, window: int, max_to
     neuron = NeuronModelForCausalLM.from_pretrained(export)
     if not neuron.neuron_config.prompt_logprobs:
         raise SystemExit(f"{export} returns last-position logits only: export it with --prompt-logprobs")
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(export)
     ids = tokenizer(text, add_special_tokens=False)["input_ids"][:max_tokens]
@@ -71,9 +74,10 @@ def perplexities(export: Path, model: str | None, text: str, window: int, max_to
     result["export_ppl"] = math.exp(sum(export_nll(neuron, w) for w in parts) / scored_tokens)
     result["export_s"] = time.perf_counter() - started
     if model:
-        hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+        hf, reference = transformers_weight_only(model)
         result |= {
             "model": model,
+            "reference": reference,
             "reference_ppl": math.exp(sum(reference_nll(hf, w) for w in parts) / scored_tokens),
         }
         result["ratio"] = result["export_ppl"] / result["reference_ppl"]
@@ -93,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     r = perplexities(args.export, args.model, args.text.read_text(), args.window, args.max_tokens)
     line = f"perplexity of {r['export']} ({r['quantization']}): {r['export_ppl']:.4f}"
     if "reference_ppl" in r:
-        line += f"; transformers on {r['model']}: {r['reference_ppl']:.4f} (ratio {r['ratio']:.4f})"
+        line += f"; {r['reference']} on {r['model']}: {r['reference_ppl']:.4f} (ratio {r['ratio']:.4f})"
     line += f" over {r['tokens']} tokens in {r['windows']} windows of {r['window']}"
     save(
         results_folder(args.results, smoke=False),

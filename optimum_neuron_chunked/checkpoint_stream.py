@@ -31,8 +31,8 @@ from .modeling.decoder import DecoderModel, rotary_buffer, split_fused_projectio
 from .modeling.layers import Rotary
 from .modeling.moe import moe_layer_from_hf
 from .modeling.parallel import ShardLayout, rank_shard, tp_checkpoint
-from .modeling.quantization import EXPERT_WEIGHTS, dequantize, fit_neuron_fp8, quantize, scale_name
-from .quantized_checkpoint import SourceQuantization, source_scale
+from .modeling.quantization import EXPERT_WEIGHTS, fit_neuron_fp8, quantize, scale_name
+from .quantized_checkpoint import SourceQuantization, dequantized, source_scale
 from .safetensors_io import CheckpointFiles, SafetensorsWriter
 
 _FUSED = {
@@ -118,7 +118,7 @@ class ConvertedCheckpoint:
         if stored.dtype != torch.float8_e4m3fn:
             return stored
         disk_scale = name.removesuffix("weight") + self.source.scale_suffix
-        return dequantize(stored, source_scale(stored, self._read(disk_scale), self.source), torch.float32)
+        return dequantized(stored, self._read(disk_scale), self.source)
 
     def _quantized(self, weight: str) -> tuple[torch.Tensor, torch.Tensor]:
         """A weight as stored, and its scale: the FP8 checkpoint's own (fitted into Neuron's

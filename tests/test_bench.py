@@ -177,6 +177,29 @@ def test_perplexity_of_an_int8_export_is_transformers_on_its_weights_and_near_th
     assert figures[""]["export_ppl"] == pytest.approx(figures[""]["reference_ppl"], rel=1e-4)
     assert figures["int8"]["export_ppl"] != figures[""]["export_ppl"]
     assert figures["int8"]["ratio"] == pytest.approx(1, abs=0.05)
+    assert figures[""]["reference"] == "transformers"
+
+
+def test_perplexity_of_an_fp8_checkpoint_is_against_transformers_weight_only_dequantization(tmp_path, capsys):
+    """An FP8_DYNAMIC checkpoint (compressed-tensors' API): the reference is transformers'
+    weight-only dequantization of the same checkpoint, the export's own math, named in the line."""
+    from fixtures.export_models import fp8_checkpoint_path
+    from perplexity import main
+
+    from optimum_neuron_chunked.export.pipeline import export
+    from optimum_neuron_chunked.testing.checkpoints import CORPUS
+
+    source = fp8_checkpoint_path("llama", "FP8_DYNAMIC")
+    out = export(str(source), tmp_path / "out", backend="eager", prompt_logprobs=True, batch_size=1,
+                 sequence_length=128, prefill_chunk_size=32, context_buckets=(64, 128))  # fmt: skip
+    text = tmp_path / "text.txt"
+    text.write_text(" ".join(CORPUS * 3))
+    main(
+        [str(out), "--text", str(text), "--model", str(source), "--window", "100", "--results", str(tmp_path)]
+    )
+    assert "transformers, FP8 weights dequantized (weight-only) on" in capsys.readouterr().out
+    (report,) = tmp_path.glob("perplexity-*.json")
+    assert json.loads(report.read_text())["ratio"] == pytest.approx(1, rel=1e-4)
 
 
 @pytest.mark.slow

@@ -226,8 +226,14 @@ def test_quantized_checkpoints_are_dequantized_or_refused():
     assert quantization_kwargs(LlamaConfig()) == {}
     mxfp4 = quantization_kwargs(LlamaConfig(quantization_config={"quant_method": "mxfp4"}))
     assert mxfp4["quantization_config"].dequantize
-    with pytest.raises(NeuronConfigError, match=r"quantized with gptq.*export a dequantized copy"):
+    with pytest.raises(
+        NeuronConfigError, match=r"quantized with gptq.*export the unquantized original checkpoint"
+    ):
         quantization_kwargs(LlamaConfig(quantization_config={"quant_method": "gptq", "bits": 4}))
+    with pytest.raises(
+        NeuronConfigError, match=r"bitsandbytes.*call model.dequantize\(\) and save_pretrained"
+    ):
+        quantization_kwargs(LlamaConfig(quantization_config={"quant_method": "bitsandbytes"}))
 
 
 def test_paged_kv_options():

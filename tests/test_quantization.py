@@ -12,12 +12,18 @@ import torch
 from fixtures.export_models import checkpoint_path, export_with, fp8_checkpoint_path
 from helpers import fake_quantize, prompt, quantization_rule
 from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
 from optimum_neuron_chunked import NeuronModelForCausalLM
 from optimum_neuron_chunked.config import NeuronConfig, NeuronConfigError
 from optimum_neuron_chunked.export.pipeline import export
-from optimum_neuron_chunked.testing.fp8_checkpoints import KEPT, load_dequantized
+from optimum_neuron_chunked.modeling.quantization import block_expand
+from optimum_neuron_chunked.quantized_checkpoint import (
+    dropped_notes,
+    source_quantization,
+    transformers_weight_only,
+)
+from optimum_neuron_chunked.testing.fp8_checkpoints import KEPT
 from optimum_neuron_chunked.testing.reference import hf_greedy
 
 SHAPE = dict(batch_size=2, sequence_length=128, prefill_chunk_size=32, context_buckets=(64, 128))
@@ -51,8 +57,9 @@ def assert_bitwise_equal(got: torch.Tensor, want: torch.Tensor, name: str) -> No
 def assert_generates_as(model: NeuronModelForCausalLM, hf) -> None:
     for length in (7, 3 * SHAPE["prefill_chunk_size"] + 5):  # one chunk; several, the last partial
         ids = prompt(length)
-        output = model.generate(ids[None], max_new_tokens=NEW_TOKENS, do_sample=False)
-        assert output[0, length:].tolist() == hf_greedy(hf, ids, NEW_TOKENS)
+        got = model.generate(ids[None], max_new_tokens=NEW_TOKENS, do_sample=False)[0, length:].tolist()
+        want = hf_greedy(hf, ids, NEW_TOKENS)  # generate stops at eos: compared up to it
+        assert got == want[: len(got)] and (len(got) == NEW_TOKENS or got[-1] == hf.config.eos_token_id)
 
 
 @pytest.mark.parametrize("quantization", ["int8", "fp8"])
@@ -109,56 +116,91 @@ def test_skipped_modules_keep_the_export_dtype():
     assert_generates_as(NeuronModelForCausalLM.from_pretrained(out), hf)
 
 
-@pytest.fixture(scope="module", params=["block", "channel"])
+@pytest.fixture(scope="module", params=["block", "FP8_DYNAMIC", "FP8_BLOCK", "W8_CHANNEL", "W8_TENSOR"])
 def fp8_source(request):
     return fp8_checkpoint_path("llama", request.param)
 
 
 def test_fp8_checkpoint_exports_its_own_weights_in_neurons_range(fp8_source, tmp_path, caplog):
-    """Block-wise (transformers' fine-grained FP8) and per-channel (compressed-tensors) FP8
-    checkpoints: exported as FP8 without --quantization, values past +-240 halved with their
-    scale doubled, the ignored projection kept; tokens equal transformers 5 running its own
-    dequantization of the checkpoint."""
+    """transformers' fine-grained FP8, and compressed-tensors' FP8_DYNAMIC, FP8_BLOCK and
+    weight-only FP8 per channel and per tensor (written by compressed-tensors' own API):
+    exported as FP8 without --quantization, values past +-240 halved with their scale doubled,
+    the ignored projection and FP8_BLOCK's partial-block ones kept in --dtype; tokens equal
+    transformers 5 running its own weight-only dequantization of the checkpoint."""
     with caplog.at_level(logging.WARNING):
         out = export(str(fp8_source), tmp_path / "out", backend="eager", **SHAPE)
-    config = NeuronConfig.load(out)
-    block = json.loads((fp8_source / "config.json").read_text())["quantization_config"].get(
-        "weight_block_size"
+    config, source = NeuronConfig.load(out), source_quantization(AutoConfig.from_pretrained(fp8_source))
+    assert (config.quantization, config.quantization_block) == ("fp8", source.block or ())
+    partial = [
+        "model.layers.0.self_attn.k_proj",
+        "model.layers.0.self_attn.v_proj",
+    ]  # [32, 64] in 64x32 blocks
+    assert all(m in config.quantization_skip for m in partial) == (
+        fp8_source.name.startswith("llama-fp8-FP8_BLOCK")
     )
-    assert (config.quantization, config.quantization_block) == ("fp8", tuple(block or ()))
+    assert ("kept in --dtype, their shapes not whole 64x32 blocks" in caplog.text) == (
+        source.block == (64, 32)
+    )
     assert KEPT in config.quantization_skip
-    assert ("activation scales are ignored" in caplog.text) == (block is None)  # W8A8 FP8_DYNAMIC
 
-    source, stored = load_file(fp8_source / "model.safetensors"), load_file(out / "model.safetensors")
-    assert stored[f"{KEPT}.weight"].dtype == torch.float32
+    stored, reference = load_file(out / "model.safetensors"), transformers_weight_only(fp8_source)[0]
     halved = 0
-    for name in [n for n in stored if n.endswith(".scale")]:
-        module = name.removesuffix(".scale")
-        weight, scale = stored[f"{module}.weight"], stored[name]
-        src_weight = source[f"{module}.weight"]
-        src_scale = source.get(f"{module}.weight_scale_inv", source.get(f"{module}.weight_scale"))
+    for module in [n.removesuffix(".scale") for n in stored if n.endswith(".scale")]:
+        weight, scale = stored[f"{module}.weight"], stored[f"{module}.scale"]
+        src_weight, src_scale = _source_tensors(fp8_source, module)
         assert weight.dtype == torch.float8_e4m3fn and weight.float().abs().max() <= 240
         ratio = (scale / src_scale).unique().tolist()
         assert set(ratio) <= {1.0, 2.0}
         halved += 2.0 in ratio
-        expand = [weight.shape[0] // scale.shape[0], weight.shape[1] // scale.shape[1]]
-        factor = (scale / src_scale).repeat_interleave(expand[0], 0).repeat_interleave(expand[1], 1)
         normal = src_weight.float().abs() >= 2**-5  # halving is exact but for e4m3's subnormals
-        assert torch.equal(weight.float()[normal] * factor[normal], src_weight.float()[normal]), name
+        factor = block_expand(scale / src_scale, tuple(weight.shape))
+        assert torch.equal(weight.float()[normal] * factor[normal], src_weight.float()[normal]), module
     assert halved > 0  # amax / 448 scales: some groups reach past 240
-
-    reference = load_dequantized(fp8_source)
+    for module in [m for m in config.quantization_skip if f"{m}.weight" in stored]:
+        assert stored[f"{module}.weight"].dtype == torch.float32 and f"{module}.scale" not in stored
+        assert torch.equal(stored[f"{module}.weight"], reference.state_dict()[f"{module}.weight"]), module
     assert_generates_as(NeuronModelForCausalLM.from_pretrained(out), reference)
-    # --quantization fp8 keeps the same weights; a skipped projection is dequantized by its scale
-    skipped = export(str(fp8_source), tmp_path / "skip", backend="eager", quantization="fp8",
+
+
+def _source_tensors(folder, module: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """A checkpoint's FP8 weight and its scale, the scale 2-d (a per-tensor [1] as [1, 1])."""
+    source = load_file(folder / "model.safetensors")
+    scale = source.get(f"{module}.weight_scale_inv", source.get(f"{module}.weight_scale")).float()
+    return source[f"{module}.weight"], scale.reshape(1, 1) if scale.dim() == 1 else scale
+
+
+def test_skipped_fp8_projection_is_dequantized_by_its_scale(tmp_path):
+    """--quantization fp8 keeps an FP8 checkpoint's weights; a --quantization-skip projection is
+    its weight times its scale, as transformers dequantizes it."""
+    source = fp8_checkpoint_path("llama", "block")
+    stored = load_file(export(str(source), tmp_path / "out", backend="eager", **SHAPE) / "model.safetensors")
+    skipped = export(str(source), tmp_path / "skip", backend="eager", quantization="fp8",
                      quantization_skip=("o_proj",), **SHAPE)  # fmt: skip
-    kept = load_file(skipped / "model.safetensors")
+    kept, reference = load_file(skipped / "model.safetensors"), transformers_weight_only(source)[0]
     for name in [n for n in stored if "o_proj" not in n]:
         assert_bitwise_equal(kept[name], stored[name], name)
     o_proj = "model.layers.1.self_attn.o_proj"
     assert kept[f"{o_proj}.weight"].dtype == torch.float32 and f"{o_proj}.scale" not in kept
     assert torch.equal(kept[f"{o_proj}.weight"], reference.state_dict()[f"{o_proj}.weight"])
     assert_generates_as(NeuronModelForCausalLM.from_pretrained(skipped), reference)
+
+
+def test_fp8_checkpoint_notes_say_what_the_export_drops(tmp_path, capsys):
+    """Activation and KV-cache scales: one line each, only where the checkpoint has them
+    (FP8 with static input scales and a KV-cache scheme, by compressed-tensors' API); none for
+    dynamic activations; a mixed-precision checkpoint of supported groups is accepted."""
+    dynamic = source_quantization(AutoConfig.from_pretrained(fp8_checkpoint_path("llama", "FP8_DYNAMIC")))
+    assert dropped_notes(dynamic, "bfloat16") == []
+    static = fp8_checkpoint_path("llama", "FP8_STATIC_KV")
+    export(str(static), tmp_path / "out", backend="eager", dtype="bfloat16", **SHAPE)
+    printed = " ".join("".join(capsys.readouterr()).split())  # the console wraps long lines
+    assert "activation scales dropped: the export quantizes weights only" in printed
+    assert "KV-cache scales dropped: the export's KV cache is bfloat16 (--dtype)" in printed
+    quant = json.loads((static / "config.json").read_text())["quantization_config"]
+    group = quant["config_groups"]["group_0"]
+    weight_only = {**group, "format": "naive-quantized", "input_activations": None}
+    mixed = {**quant, "format": "mixed-precision", "config_groups": {"a": group, "b": weight_only}}
+    assert source_quantization(PretrainedConfig(quantization_config=mixed)).block is None
 
 
 @pytest.mark.parametrize("layout", ["block", "channel"])
@@ -171,7 +213,7 @@ def test_fp8_moe_checkpoint_stacks_its_experts_scales(layout, tmp_path):
     experts = "model.layers.0.mlp.experts"
     assert stored[f"{experts}.gate_proj"].dtype == torch.float8_e4m3fn
     assert stored[f"{experts}.gate_proj_scale"].shape == ((8, 3, 4) if layout == "block" else (8, 48, 1))
-    assert_generates_as(NeuronModelForCausalLM.from_pretrained(out), load_dequantized(source))
+    assert_generates_as(NeuronModelForCausalLM.from_pretrained(out), transformers_weight_only(source)[0])
 
 
 def test_what_cannot_be_exported_as_asked_is_refused_by_name(tmp_path):
@@ -191,11 +233,24 @@ def test_what_cannot_be_exported_as_asked_is_refused_by_name(tmp_path):
     config["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [16, 16]}
     (fused / "config.json").write_text(json.dumps(config))
     with pytest.raises(
-        ExportError, match="FP8 checkpoints of phi3 .* dequantized copy with --quantization fp8"
+        ExportError, match="FP8 checkpoints of phi3 .* unquantized original with --quantization fp8"
     ):
         export(str(fused), tmp_path / "b", backend="eager", **SHAPE)
     with pytest.raises(NeuronConfigError, match="--quantization-skip .* with --quantization"):
         NeuronConfig(backend="eager", quantization_skip=("down_proj",), **SHAPE)
+    # compressed-tensors: the scheme decides; an int8 group, or groups mixing scale layouts, refused
+    quant = json.loads((fp8_checkpoint_path("llama", "FP8_BLOCK") / "config.json").read_text())[
+        "quantization_config"
+    ]
+    blocks = quant["config_groups"]["group_0"]
+    int8 = {**blocks, "format": "int-quantized", "weights": {**blocks["weights"], "type": "int"}}
+    channel = {**blocks, "weights": {**blocks["weights"], "strategy": "channel", "block_structure": None}}
+    for groups, message in [
+        ({"group_0": int8}, "group_0 holds int 8-bit block weights stored int-quantized: compressed-tensors checkpoints export when"),
+        ({"a": blocks, "b": channel}, r"groups mix FP8 scale layouts \(\(64, 32\), per channel / tensor\)"),
+    ]:  # fmt: skip
+        with pytest.raises(NeuronConfigError, match=message):
+            source_quantization(PretrainedConfig(quantization_config={**quant, "config_groups": groups}))
 
 
 def test_blockwise_scales_shard_in_whole_blocks_only():
@@ -255,7 +310,7 @@ def test_vllm_serve_of_quantized_exports_answers_with_transformers_on_their_weig
         export_dir = export(
             str(fp8_checkpoint_path("llama", "block")), tmp_path / "fp8", backend=backend, **SHAPE
         )
-        hf = load_dequantized(fp8_checkpoint_path("llama", "block"))
+        hf = transformers_weight_only(fp8_checkpoint_path("llama", "block"))[0]
     prompts = [prompt(n, seed=50 + i) for i, n in enumerate((1, 33, 3 * 32 + 5, 70))]
     expected = [hf_greedy(hf, p, 8) for p in prompts]
     assert (

@@ -50,9 +50,10 @@ from optimum_neuron_chunked.modeling import (
 )
 from optimum_neuron_chunked.modeling.parallel import ShardLayout, check_block_shards
 from optimum_neuron_chunked.quantized_checkpoint import (
+    dropped_notes,
     export_quantization,
+    kept_modules,
     source_quantization,
-    unquantized_modules,
 )
 from optimum_neuron_chunked.safetensors_io import CheckpointFiles
 
@@ -104,6 +105,8 @@ def export(
         model_type=spec.model_type,
     )
     _check_shapes(hf_config, config)
+    for note in dropped_notes(source, config.dtype):
+        console.print(f"[yellow]warning[/]: {note}")
     ShardLayout.of(spec, config.tp_degree)  # refuses a tp degree the heads cannot split by
     if config.quantization_block:
         check_block_shards(spec, config.quantization_block, config.tp_degree)
@@ -142,15 +145,15 @@ def _quantization_fields(model: str, source, spec, options: dict, weights: str) 
     if spec.fused_projections or (spec.moe is not None and spec.moe.expert_bias):
         raise ExportError(
             f"FP8 checkpoints of {spec.model_type} (fused projections, or experts in gpt-oss's layout) are "
-            "not exported as FP8 yet: export a dequantized copy with --quantization fp8."
+            "not exported as FP8 yet: export the unquantized original with --quantization fp8."
         )
     folder = checkpoint_folder(model) if weights == "stream" else None
     if folder is None:
         raise ExportError(
             f"an FP8 checkpoint exports from its safetensors, streamed: {model} (weights={weights})."
         )
-    dtypes = {name: info.dtype for name, (_, info) in CheckpointFiles(folder).tensors.items()}
-    kept = unquantized_modules(dtypes)
+    tensors = {name: info for name, (_, info) in CheckpointFiles(folder).tensors.items()}
+    kept = kept_modules(tensors, source)
     return fields | {
         "quantization_block": source.block or (),
         "quantization_skip": tuple(options.get("quantization_skip") or ()) + kept,

@@ -113,29 +113,31 @@ def _check_divisible(what: str, value: int, tp: int) -> None:
 
 def check_block_shards(spec: FamilySpec, block: tuple[int, int], tp_degree: int) -> None:
     """Block-wise scales shard with their weights only where every rank's slice is whole
-    blocks (a KV head copied to several ranks: whole blocks per head)."""
+    blocks (a KV head copied to several ranks: whole blocks per head). Projections not whole
+    blocks at full size are kept in --dtype (quantized_checkpoint.kept_modules): not checked."""
     layout = ShardLayout.of(spec, tp_degree)
     bo, bi = block
-    q, kv = spec.num_heads * spec.head_dim, layout.kv_heads * spec.head_dim
-    per_rank = {
-        "q_proj rows": (q // tp_degree, bo),
-        "k_proj/v_proj rows": (kv // tp_degree, bo),
-        "a KV head's rows": (spec.head_dim if layout.kv_heads != layout.num_kv_heads else bo, bo),
-        "o_proj columns": (q // tp_degree, bi),
-        "gate_proj/up_proj rows": (spec.intermediate_size // tp_degree, bo),
-        "down_proj columns": (spec.intermediate_size // tp_degree, bi),
-        "hidden_size": (spec.hidden_size, bi),
+    q, kv = spec.num_heads * spec.head_dim, layout.num_kv_heads * spec.head_dim
+    head_rows = spec.head_dim if layout.kv_heads != layout.num_kv_heads else kv // tp_degree
+    sizes = {  # what: (size at full width, per rank, block side)
+        "q_proj rows": (q, q // tp_degree, bo),
+        "k_proj/v_proj rows": (kv, layout.kv_heads * spec.head_dim // tp_degree, bo),
+        "a KV head's rows": (kv, head_rows, bo),
+        "o_proj columns": (q, q // tp_degree, bi),
+        "gate_proj/up_proj rows": (spec.intermediate_size, spec.intermediate_size // tp_degree, bo),
+        "down_proj columns": (spec.intermediate_size, spec.intermediate_size // tp_degree, bi),
     }
     if spec.moe is not None:
-        per_rank["the experts' gate/up rows"] = (spec.moe.intermediate_size // tp_degree, bo)
-        per_rank["the experts' down_proj columns"] = (spec.moe.intermediate_size // tp_degree, bi)
-    for what, (size, unit) in per_rank.items():
-        if size % unit:
+        experts = spec.moe.intermediate_size
+        sizes["the experts' gate/up rows"] = (experts, experts // tp_degree, bo)
+        sizes["the experts' down_proj columns"] = (experts, experts // tp_degree, bi)
+    for what, (full, size, unit) in sizes.items():
+        if full % unit == 0 and size % unit:
             raise NeuronConfigError(
                 f"{what} per rank ({size}) is not a whole number of the checkpoint's {bo}x{bi} "
                 f"scale blocks at --tensor_parallel_size {tp_degree}: choose a tensor parallel size "
-                "that splits every projection into whole blocks, or export a dequantized copy with "
-                "--quantization fp8 (per-channel scales shard at any size)."
+                "that splits every projection into whole blocks, or export the unquantized original "
+                "with --quantization fp8 (per-channel scales shard at any size)."
             )
 
 

@@ -1,8 +1,11 @@
-"""FP8 checkpoints made locally from a tiny fp32 one, in the two layouts users download:
-transformers' fine-grained FP8 (`quant_method: fp8`, blocks, `weight_scale_inv`) and
-compressed-tensors' float-quantized per channel (llm-compressor's FP8_DYNAMIC: `weight_scale`,
-dynamic activations). Scales are amax / 448 (OCP e4m3fn's range, as those tools write them), so
-values beyond Neuron's +-240 occur. One projection stays in full precision, listed as ignored."""
+"""FP8 checkpoints made locally from a tiny fp32 one, in the layouts users download:
+- compressed-tensors schemes (SCHEMES), written by the compressed-tensors library's own API
+  (apply_quantization_config, calculate_qparams, ModelCompressor), as llm-compressor writes them;
+- transformers' fine-grained FP8 (`quant_method: fp8`, blocks, `weight_scale_inv`), and
+  compressed-tensors per channel for MoE models, written by hand: transformers 5 holds MoE
+  experts as fused 3-D parameters, not the Linear modules compressed-tensors targets.
+Hand-written scales are amax / 448 (OCP e4m3fn's range, as those tools write them), so values
+beyond Neuron's +-240 occur. One projection stays in full precision, listed as ignored."""
 
 from __future__ import annotations
 
@@ -15,6 +18,107 @@ import torch
 E4M3FN_MAX = 448.0
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 KEPT = "model.layers.0.mlp.down_proj"  # in the checkpoint's ignore list
+CT_BLOCK = (64, 32)  # FP8_BLOCK here: k_proj and v_proj [32, 64] end in a partial block, the rest whole
+
+FP8_WEIGHTS = dict(num_bits=8, type="float", symmetric=True, dynamic=False)
+SCHEMES = {  # compressed-tensors: a preset's name, or weight-only FP8 (labelled naive-quantized)
+    "FP8_DYNAMIC": "FP8_DYNAMIC",  # per channel, dynamic activations
+    "FP8_BLOCK": "FP8_BLOCK",  # blocks, dynamic per-group activations
+    "FP8_STATIC_KV": "FP8",  # per tensor, static activation scales, and a KV-cache scheme
+    "W8_CHANNEL": dict(strategy="channel"),
+    "W8_TENSOR": dict(strategy="tensor"),
+}
+
+
+def fp8_checkpoint(source: Path, out: Path, layout: str, block: tuple[int, int] = (32, 32)) -> Path:
+    """`source` (a model.safetensors checkpoint) as an FP8 checkpoint in `out`; `layout` a
+    compressed-tensors scheme of SCHEMES, "block" (fine-grained, `block` sized) or "channel"
+    (compressed-tensors per channel, by hand)."""
+    if (out / "config.json").is_file():
+        return out
+    staging = out.with_name(out.name + ".partial")
+    shutil.rmtree(staging, ignore_errors=True)
+    if layout in SCHEMES:
+        _compressed_tensors_checkpoint(source, staging, layout)
+    else:
+        _hand_written(source, staging, layout, block)
+    staging.rename(out)
+    return out
+
+
+def _compressed_tensors_checkpoint(source: Path, out: Path, layout: str) -> None:
+    from compressed_tensors.compressors import ModelCompressor
+    from compressed_tensors.quantization import (
+        QuantizationArgs,
+        QuantizationConfig,
+        QuantizationScheme,
+        apply_quantization_config,
+        preset_name_to_scheme,
+    )
+    from compressed_tensors.quantization.utils import calculate_qparams
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
+    scheme = SCHEMES[layout]
+    if isinstance(scheme, str):
+        scheme = preset_name_to_scheme(scheme, ["Linear"])
+    else:
+        scheme = QuantizationScheme(targets=["Linear"], weights=QuantizationArgs(**FP8_WEIGHTS, **scheme))
+    if layout == "FP8_BLOCK":
+        scheme.weights.block_structure = list(CT_BLOCK)
+    kv = QuantizationArgs(**FP8_WEIGHTS, strategy="tensor") if layout == "FP8_STATIC_KV" else None
+    config = QuantizationConfig(
+        config_groups={"group_0": scheme}, ignore=["lm_head", KEPT], kv_cache_scheme=kv
+    )
+    apply_quantization_config(model, config)
+    for module in model.modules():
+        args = getattr(getattr(module, "quantization_scheme", None), "weights", None)
+        if args is not None:
+            scale, _ = calculate_qparams(*_weight_range(module.weight.data, args), args)
+            module.weight_scale.data.copy_(scale.reshape(module.weight_scale.shape))
+        for name in ("input_scale", "k_scale", "v_scale"):  # static scales: any calibration will do
+            if hasattr(module, name):
+                getattr(module, name).data.fill_(0.05)
+    compressor = ModelCompressor.from_pretrained_model(model)
+    compressor.compress_model(model)
+    model.save_pretrained(out)
+    compressor.update_config(out)
+    AutoTokenizer.from_pretrained(source).save_pretrained(out)
+
+
+def _weight_range(w: torch.Tensor, args) -> tuple[torch.Tensor, torch.Tensor]:
+    """min and max of a weight [out, in] per scale group of `args` (a partial last block padded)."""
+    strategy = str(getattr(args.strategy, "value", args.strategy))
+    if strategy == "tensor":
+        return w.min().reshape(1), w.max().reshape(1)
+    if strategy == "channel":
+        return w.amin(-1, keepdim=True), w.amax(-1, keepdim=True)
+    bo, bi = args.block_structure
+    padded = torch.nn.functional.pad(w, (0, -w.shape[1] % bi, 0, -w.shape[0] % bo))
+    blocks = padded.reshape(padded.shape[0] // bo, bo, padded.shape[1] // bi, bi)
+    return blocks.amin(dim=(1, 3)), blocks.amax(dim=(1, 3))
+
+
+def _hand_written(source: Path, out: Path, layout: str, block: tuple[int, int]) -> None:
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(source, out)
+    state = load_file(out / "model.safetensors")
+    for name in [n for n in state if n.endswith(".weight") and n.split(".")[-2] in PROJECTIONS]:
+        module = name.removesuffix(".weight")
+        if module == KEPT:
+            continue
+        w = state[name].float()
+        if layout == "block":
+            scale = _block_scales(w, block)
+            state[name], state[f"{module}.weight_scale_inv"] = _quantized(w, scale), scale
+        else:
+            scale = w.abs().amax(-1, keepdim=True) / E4M3FN_MAX
+            state[name], state[f"{module}.weight_scale"] = _quantized(w, scale), scale
+    save_file(state, out / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((out / "config.json").read_text())
+    config["quantization_config"] = _block_config(block) if layout == "block" else _channel_config()
+    (out / "config.json").write_text(json.dumps(config, indent=2))
 
 
 def _block_scales(w: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
@@ -28,36 +132,6 @@ def _quantized(w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     out, inner = w.shape
     expanded = scale.repeat_interleave(out // scale.shape[0], 0).repeat_interleave(inner // scale.shape[1], 1)
     return (w / expanded).clamp(-E4M3FN_MAX, E4M3FN_MAX).to(torch.float8_e4m3fn)
-
-
-def fp8_checkpoint(source: Path, out: Path, layout: str, block: tuple[int, int] = (32, 32)) -> Path:
-    """`source` (a model.safetensors checkpoint) as an FP8 checkpoint in `out`; `layout`
-    "block" (fine-grained, `block` sized) or "channel" (compressed-tensors)."""
-    from safetensors.torch import load_file, save_file
-
-    if (out / "config.json").is_file():
-        return out
-    staging = out.with_name(out.name + ".partial")
-    shutil.rmtree(staging, ignore_errors=True)
-    shutil.copytree(source, staging)
-    state = load_file(staging / "model.safetensors")
-    for name in [n for n in state if n.endswith(".weight") and n.split(".")[-2] in PROJECTIONS]:
-        module = name.removesuffix(".weight")
-        if module == KEPT:
-            continue
-        w = state[name].float()
-        if layout == "block":
-            scale = _block_scales(w, block)
-            state[name], state[f"{module}.weight_scale_inv"] = _quantized(w, scale), scale
-        else:
-            scale = w.abs().amax(-1, keepdim=True) / E4M3FN_MAX
-            state[name], state[f"{module}.weight_scale"] = _quantized(w, scale), scale
-    save_file(state, staging / "model.safetensors", metadata={"format": "pt"})
-    config = json.loads((staging / "config.json").read_text())
-    config["quantization_config"] = _block_config(block) if layout == "block" else _channel_config()
-    (staging / "config.json").write_text(json.dumps(config, indent=2))
-    staging.rename(out)
-    return out
 
 
 def _block_config(block: tuple[int, int]) -> dict:
@@ -87,23 +161,3 @@ def _channel_config() -> dict:
         "ignore": ["lm_head", KEPT],
         "kv_cache_scheme": None,
     }
-
-
-def load_dequantized(folder: Path):
-    """transformers 5 running its own dequantization of the checkpoint, in fp32 on the cpu
-    (fine-grained FP8: quantizers/quantizer_finegrained_fp8.py dequantizes without a GPU;
-    compressed-tensors: CompressedTensorsConfig(dequantize=True), its activation fake-quantization
-    off: the export quantizes weights only)."""
-    from transformers import AutoModelForCausalLM
-
-    method = json.loads((Path(folder) / "config.json").read_text())["quantization_config"]["quant_method"]
-    if method == "fp8":
-        return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    from compressed_tensors.quantization import disable_quantization
-    from transformers import CompressedTensorsConfig
-
-    model = AutoModelForCausalLM.from_pretrained(
-        folder, dtype=torch.float32, quantization_config=CompressedTensorsConfig(dequantize=True)
-    )
-    model.apply(disable_quantization)
-    return model.eval()
