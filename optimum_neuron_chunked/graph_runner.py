@@ -222,13 +222,11 @@ class GraphRunner:
             return 0
         if length > self.config.sequence_length:
             raise ValueError(f"{length} positions exceed sequence_length {self.config.sequence_length}")
-        self._check_blocks([[src_block], [dst_block]], torch.tensor([length - 1, length - 1]))
-        width = self.config.prefill_chunk_size
-        blocks = torch.tensor([src_block, dst_block], dtype=INDEX_DTYPE)
-        pieces = prefill_slices(length, width)
-        for piece in pieces:
-            positions = torch.arange(piece.start, piece.stop, dtype=INDEX_DTYPE)
-            self.graphs[COPY](pad_repeat_last(positions[None], width, dim=1), blocks)
+        spec = GraphSpec(GraphKind.COPY, 1, self.config.prefill_chunk_size, 0)
+        pieces = prefill_slices(length, spec.width)
+        for piece in pieces:  # rows: the source block and the destination, the same positions
+            span = torch.arange(piece.start, piece.stop, dtype=INDEX_DTYPE)
+            self._call(spec, [span, span], [piece.start] * 2, [[src_block], [dst_block]])
         return len(pieces)
 
     def _call(self, spec: GraphSpec, token_rows, starts, blocks, sampling=None, chunk=None) -> tuple:
@@ -239,6 +237,11 @@ class GraphRunner:
         caller's row order). Decode rows go longest context first, so the padding repeats the
         shortest: where each row reads only its live context (the cpu backend's per_row_live),
         a padded row costs the least it can."""
+        if spec.kind is GraphKind.COPY:  # a copy reads no token: its source row's positions, each row's block
+            inputs, order = self._row_inputs(
+                2, spec.width, self.config.sequence_length, token_rows, starts, blocks
+            )
+            return (self.graphs[spec.name](inputs[1][:1], inputs[2][:, 0]),), order
         inputs, order = self._row_inputs(
             spec.batch, spec.width if chunk is None else 1, spec.window, token_rows, starts, blocks
         )

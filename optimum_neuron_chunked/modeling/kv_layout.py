@@ -104,6 +104,10 @@ class LayerKV:
         """(window, live) read of each row from position 0: a ring layer reads its whole ring."""
         return (window, live) if self.ring is None else (self.ring, self.ring)
 
+    def blocks_holding(self, positions):
+        """The table columns holding a row's first `positions` positions: ceil(positions / P)."""
+        return (positions + self.block_size - 1) // self.block_size
+
     def key_positions(self, position_ids: torch.Tensor, width: int) -> torch.Tensor:
         """[N or 1, width] absolute position of each entry read. A padded row repeats its last
         real position, so the last column is the last position written."""

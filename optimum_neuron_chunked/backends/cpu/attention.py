@@ -88,8 +88,7 @@ def attend(choices, decode_op: bool, spec: AttentionSpec, part: GraphPart, q, ca
     if plan.read is Read.BLOCK:
         keys, values, key_positions = cache.read_block(read.block, live, position_ids)
     else:  # the blocks holding the live context (read.live: every row's, with live_window)
-        size = cache.keys.shape[2]
-        blocks = (live + size - 1) // size
+        blocks = cache.layer.blocks_holding(live)
         torch._check(blocks <= part.tables.shape[1])
         keys, values, key_positions = cache.read_tables(part.tables[:, :blocks], live, position_ids)
     if plan.core is Core.ONEDNN_CHUNK:
