@@ -5,27 +5,28 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from .modeling.kv_layout import KVPool
+
 
 class NoFreeBlockError(RuntimeError):
     """Fewer free KV blocks than a request needs."""
 
 
 class BlockPool:
-    """The export's pool of `num_blocks` blocks of `block_size` positions, ids 0..num_blocks - 1
-    (NeuronConfig.kv_pool_blocks, kv_block_positions): one block per request where a block
-    is a whole sequence."""
+    """The free blocks of an export's pool (modeling/kv_layout.KVPool), ids 0..num_blocks - 1:
+    one block per request where a block is a whole sequence."""
 
-    def __init__(self, num_blocks: int, block_size: int):
-        self._free = list(range(num_blocks))
-        self.num_blocks, self.block_size = num_blocks, block_size
+    def __init__(self, pool: KVPool):
+        self._free = list(range(pool.num_blocks))
+        self.pool, self.num_blocks = pool, pool.num_blocks
 
     @property
     def num_free(self) -> int:
         return len(self._free)
 
     def acquire(self, positions: int) -> tuple[int, ...]:
-        """Blocks for `positions` positions (one per block_size, rounded up; at least one)."""
-        n = max(1, -(-positions // self.block_size))
+        """Blocks for `positions` positions (one per P positions, rounded up; at least one)."""
+        n = max(1, self.pool.blocks_holding(positions))
         if n > len(self._free):
             raise NoFreeBlockError(
                 f"{n} KV blocks wanted, {len(self._free)} of {self.num_blocks} free (the pool holds "

@@ -26,7 +26,7 @@ class NeuronModelForCausalLM:
         self.config = runner.hf_config  # transformers' name for the HF config
         self.neuron_config = runner.config
         self.generation_config = generation_config
-        self.kv_pool = BlockPool(runner.config.kv_pool_blocks, runner.config.kv_block_positions)
+        self.kv_pool = BlockPool(runner.pool)
 
     @classmethod
     def from_pretrained(

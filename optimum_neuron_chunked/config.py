@@ -344,6 +344,13 @@ class NeuronConfig:
                 "export: pass both, positive, with --prefill-chunk-size (a pool of N blocks of P "
                 "positions), or neither (one whole-sequence block per batch row)."
             )
+        from .modeling.kv_layout import KVPool  # the layout's rules read the config
+
+        if size and KVPool.of(self).whole_sequence_blocks:
+            raise NeuronConfigError(
+                f"--kv-block-size {size} is the whole --sequence_length: omit --kv-cache-blocks and "
+                "--kv-block-size (one whole-sequence block per batch row), or pick a smaller P."
+            )
         if any(bucket % size for bucket in self.context_buckets if size):
             raise NeuronConfigError(
                 f"--kv-block-size {size} must divide every context bucket {list(self.context_buckets)} "
@@ -358,22 +365,6 @@ class NeuronConfig:
     def verify_width(self) -> int:
         """Tokens per row of a VF graph: the last token and up to speculation_length drafts."""
         return self.speculation_length + 1
-
-    @property
-    def kv_pool_blocks(self) -> int:
-        """Blocks in the KV pool that every export's cache is: --kv-cache-blocks, else one block
-        per batch row (a whole-sequence block)."""
-        return self.kv_cache_blocks or self.batch_size
-
-    @property
-    def kv_block_positions(self) -> int:
-        """Positions per KV block, P: --kv-block-size, else a whole sequence (the layout's rules:
-        modeling/kv_layout.py)."""
-        return self.kv_block_size or self.sequence_length
-
-    def table_columns(self, window: int) -> int:
-        """Columns of the block tables a graph of context bucket `window` takes: ceil(W / P)."""
-        return -(-window // self.kv_block_positions)
 
     @property
     def prefill_width(self) -> int | None:

@@ -33,6 +33,7 @@ from .graphs import (
     tg_spec,
     vf_spec,
 )
+from .modeling.kv_layout import KVPool
 
 logger = logging.getLogger(__name__)
 
@@ -82,6 +83,7 @@ class GraphRunner:
         self.graphs = graphs
         self.hf_config = hf_config
         self.capabilities = ExportCapabilities.of(config, hf_config) if hf_config is not None else None
+        self.pool = KVPool.of(config)
 
     @classmethod
     def load(
@@ -170,8 +172,7 @@ class GraphRunner:
         decode_writes = self._decode_writes(positions, blocks)
         c = self.config.prefill_chunk_size
         end = chunk_start + c
-        size = self.config.kv_block_positions
-        chunk_writes = set(list(chunk_blocks)[chunk_start // size : (end - 1) // size + 1])
+        chunk_writes = set(list(chunk_blocks)[self.pool.column(chunk_start) : self.pool.column(end - 1) + 1])
         if not self.config.mixed_step or chunk_ids.shape[0] != c or chunk_writes & decode_writes:
             raise ValueError(
                 f"a mixed step takes decode rows and a full chunk of {c} tokens writing other blocks "
@@ -268,7 +269,7 @@ class GraphRunner:
             ids.append(pad_repeat_last(token_rows[i].to(INDEX_DTYPE)[None], width, dim=1)[0])
             pos.append(pad_repeat_last(span[None], width, dim=1)[0])
             table_rows.append(blocks[i])
-        tables = block_table(table_rows, self.config.table_columns(window))
+        tables = block_table(table_rows, self.pool.blocks_holding(window))
         return [pad_repeat_last(x, rows, dim=0) for x in (torch.stack(ids), torch.stack(pos), tables)], order
 
     def _decode_outputs(self, outputs: tuple, unsort: torch.Tensor, need_logits: bool) -> tuple:
@@ -285,9 +286,8 @@ class GraphRunner:
         n, batch = len(blocks), self.config.batch_size
         if not 0 < n <= batch:
             raise ValueError(f"a decode step takes 1 to {batch} rows, got {n}")
-        size = self.config.kv_block_positions
         rows = self._check_blocks(blocks, last_positions)
-        writes = {row[int(p) // size] for p, row in zip(last_positions, rows, strict=True)}
+        writes = {row[self.pool.column(int(p))] for p, row in zip(last_positions, rows, strict=True)}
         if len(writes) != n:
             # two rows writing one block: one would overwrite the other's positions
             raise ValueError(
@@ -296,14 +296,14 @@ class GraphRunner:
         return writes
 
     def _check_blocks(self, blocks: Sequence[Sequence[int]], last_positions: torch.Tensor) -> list[list[int]]:
-        """Each row holds pool blocks (0..kv_pool_blocks - 1) for every position up to its last
+        """Each row holds pool blocks (0..num_blocks - 1) for every position up to its last
         -> the rows as lists (a row may be given as a tensor, or one block as an int)."""
-        size, pool = self.config.kv_block_positions, self.config.kv_pool_blocks
+        size, pool = self.pool.block_size, self.pool.num_blocks
         rows = [torch.as_tensor(row).reshape(-1).tolist() for row in blocks]
         if len(rows) != len(last_positions):
             raise ValueError(f"{len(rows)} rows of blocks for {len(last_positions)} rows of tokens")
         for row, last in zip(rows, last_positions.tolist(), strict=True):
-            if int(last) // size + 1 > len(row) or any(not 0 <= b < pool for b in row):
+            if self.pool.blocks_holding(int(last) + 1) > len(row) or any(not 0 <= b < pool for b in row):
                 raise ValueError(
                     f"blocks {rows} must hold pool blocks 0..{pool - 1} for positions up to "
                     f"{last_positions.tolist()} ({size} positions a block)"

@@ -251,8 +251,9 @@ def example_inputs(spec: GraphSpec, config: NeuronConfig) -> tuple[torch.Tensor,
 
 def example_block_tables(config: NeuronConfig, rows: int, window: int) -> torch.Tensor:
     """[rows, ceil(window / P)] block tables of distinct pool blocks (shapes only)."""
-    columns = config.table_columns(window)
-    blocks = torch.arange(rows * columns, dtype=INDEX_DTYPE) % config.kv_pool_blocks
+    pool = KVPool.of(config)
+    columns = pool.blocks_holding(window)
+    blocks = torch.arange(rows * columns, dtype=INDEX_DTYPE) % pool.num_blocks
     return blocks.view(rows, columns)
 
 

@@ -245,23 +245,18 @@ def test_paged_kv_options():
         (dict(kv_cache_blocks=-8, kv_block_size=8), "pass both, positive"),
         (dict(kv_cache_blocks=8, kv_block_size=8, prefill_chunk_size=0), "with --prefill-chunk-size"),
         (dict(kv_cache_blocks=8, kv_block_size=12), "--kv-block-size 12 must divide every context bucket"),
+        (dict(kv_cache_blocks=8, kv_block_size=64), "--kv-block-size 64 is the whole --sequence_length"),
     ]:
         with pytest.raises(NeuronConfigError, match=message):
             NeuronConfig(**(shapes | fields))
     paged = NeuronConfig(**shapes, kv_cache_blocks=8, kv_block_size=8, mixed_step=True)
-    assert (paged.kv_pool_blocks, paged.kv_block_positions, KVPool.of(paged).whole_sequence_blocks) == (
-        8,
-        8,
-        False,
-    )
-    assert [paged.table_columns(w) for w in paged.context_buckets] == [4, 8]
+    pool = KVPool.of(paged)
+    assert (pool.num_blocks, pool.block_size, pool.whole_sequence_blocks) == (8, 8, False)
+    assert [pool.blocks_holding(w) for w in paged.context_buckets] == [4, 8]
     slots = NeuronConfig(**shapes)  # the pool of one whole-sequence block per batch row
-    assert (slots.kv_pool_blocks, slots.kv_block_positions, KVPool.of(slots).whole_sequence_blocks) == (
-        2,
-        64,
-        True,
-    )
-    assert [slots.table_columns(w) for w in slots.context_buckets] == [1, 1]
+    pool = KVPool.of(slots)
+    assert (pool.num_blocks, pool.block_size, pool.whole_sequence_blocks) == (2, 64, True)
+    assert [pool.blocks_holding(w) for w in slots.context_buckets] == [1, 1]
     assert [s.name for s in graph_specs(paged)] == [
         "cp_w32",
         "tg_w32",

@@ -262,6 +262,10 @@ def test_blockwise_scales_shard_in_whole_blocks_only():
     check_block_shards(spec, (32, 32), 1)
     with pytest.raises(NeuronConfigError, match="not a whole number of the checkpoint's 32x32 scale blocks"):
         check_block_shards(spec, (32, 32), 4)
+    # 64x32 (FP8_BLOCK's partial k/v blocks, kept in --dtype): q_proj's 64 rows split in 2 are not
+    check_block_shards(spec, (64, 32), 1)
+    with pytest.raises(NeuronConfigError, match="q_proj rows per rank \\(32\\) .* 64x32 scale blocks"):
+        check_block_shards(spec, (64, 32), 2)
 
 
 def test_export_summary_prints_the_bytes_saved_and_the_kv_blocks_they_hold(tmp_path):

@@ -169,7 +169,7 @@ def quantization_summary(decoder: DecoderModel, config: NeuronConfig) -> str:
     stored = sum(state[n].numel() * state[n].element_size() for n in quantized)
     saved, tp = (full - stored) / config.tp_degree, config.tp_degree
     blocks = ""
-    if config.kv_cache_blocks:
+    if not decoder.kv.whole_sequence_blocks:
         caches = [getattr(decoder, n) for n in decoder.cache_names()]
         per_head = (
             sum(c.numel() * c.element_size() for c in caches)
@@ -178,7 +178,7 @@ def quantization_summary(decoder: DecoderModel, config: NeuronConfig) -> str:
         )
         block_bytes = per_head * ShardLayout.of(decoder.spec, tp).kv_heads_per_rank
         blocks = (
-            f", the HBM of {int(saved // block_bytes)} more KV blocks of {config.kv_block_size} positions"
+            f", the HBM of {int(saved // block_bytes)} more KV blocks of {decoder.kv.block_size} positions"
         )
     where = "" if tp == 1 else " per rank"
     return (

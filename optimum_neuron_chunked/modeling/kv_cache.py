@@ -102,7 +102,7 @@ class KVCache:
         """Block tables [N, M]: each row's blocks in table order, each cut to `live` where one
         block holds it all (a copy; callers pass the columns up to the block of position live - 1)."""
         live = self.layer.extent(live, live)[1]
-        positions = torch.sym_min(self.keys.shape[2], live)
+        positions = torch.sym_min(self.layer.block_size, live)
         keys, values = (
             gather_blocks(self.keys, tables, positions),
             gather_blocks(self.values, tables, positions),

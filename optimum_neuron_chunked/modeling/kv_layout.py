@@ -48,11 +48,26 @@ class KVPool:
 
     @classmethod
     def of(cls, config: NeuronConfig) -> KVPool:
-        return cls(config.kv_pool_blocks, config.kv_block_positions, config.sequence_length, config.chunked)
+        """--kv-cache-blocks blocks of --kv-block-size positions; by default one whole-sequence
+        block per batch row."""
+        blocks, size = (
+            config.kv_cache_blocks or config.batch_size,
+            config.kv_block_size or config.sequence_length,
+        )
+        return cls(blocks, size, config.sequence_length, config.chunked)
+
+    def column(self, position: int) -> int:
+        """The block-table column holding `position`: p // P."""
+        return position // self.block_size
+
+    def blocks_holding(self, positions):
+        """Blocks (table columns) holding a row's first `positions` positions: ceil(positions / P)
+        (a graph of context bucket W takes tables of blocks_holding(W) columns)."""
+        return _ceil_div(positions, self.block_size)
 
     @property
     def whole_sequence_blocks(self) -> bool:
-        """The rule: a block holds a whole sequence (no --kv-block-size, or P = sequence_length)."""
+        """The rule: a block holds a whole sequence (no --kv-block-size; config refuses P = S)."""
         return self.block_size == self.sequence_length
 
     @property
@@ -105,8 +120,8 @@ class LayerKV:
         return (window, live) if self.ring is None else (self.ring, self.ring)
 
     def blocks_holding(self, positions):
-        """The table columns holding a row's first `positions` positions: ceil(positions / P)."""
-        return (positions + self.block_size - 1) // self.block_size
+        """The table columns holding a row's first `positions` positions of this layer."""
+        return _ceil_div(positions, self.block_size)
 
     def key_positions(self, position_ids: torch.Tensor, width: int) -> torch.Tensor:
         """[N or 1, width] absolute position of each entry read. A padded row repeats its last
@@ -114,6 +129,10 @@ class LayerKV:
         if self.ring is None:
             return torch.arange(width, device=position_ids.device)[None]
         return ring_positions(position_ids[:, -1], self.ring)
+
+
+def _ceil_div(n, d: int):
+    return (n + d - 1) // d  # n may be a SymInt: no float, no negation
 
 
 def ring_positions(last_positions: torch.Tensor, length: int) -> torch.Tensor:

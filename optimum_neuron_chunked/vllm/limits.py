@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..config import NeuronConfig
+from ..modeling.kv_layout import KVPool
 
 
 class ServingConfigError(ValueError):
@@ -45,7 +46,7 @@ class ServingLimits:
     max_num_batched_tokens: int
     long_prefill_token_threshold: int
     enable_chunked_prefill: bool
-    block_size: int  # the export's P (kv_block_positions)
+    block_size: int  # the export's P (KVPool.block_size)
     num_blocks: int  # the pool's blocks + vLLM's null block
 
 
@@ -142,14 +143,15 @@ def kv_blocks(
     """(block_size, num_blocks) of vLLM's one KV-cache group: the export's pool (a whole
     sequence a block by default), or fewer blocks if asked, plus vLLM's null block 0
     (vllm/v1/core/block_pool.py, 0.16.0 and 0.32), which num_blocks counts."""
-    size, pool = config.kv_block_positions, config.kv_pool_blocks + 1
+    kv = KVPool.of(config)
+    size, pool = kv.block_size, kv.num_blocks + 1
     blocks = pool if override is None else override
     if not 2 <= blocks <= pool:
         raise ServingConfigError(
             f"--num-gpu-blocks-override {blocks} is outside the export's KV pool: {pool - 1} blocks of "
             f"{size} tokens plus vLLM's null block; pass 2 to {pool}, or omit it."
         )
-    needed = -(-max_model_len // size)
+    needed = kv.blocks_holding(max_model_len)
     if needed > blocks - 1:
         raise ServingConfigError(
             f"--max-model-len {max_model_len} needs {needed} KV blocks of {size} tokens, the pool "

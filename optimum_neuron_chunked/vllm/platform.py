@@ -18,7 +18,7 @@ from ..backends import get_backend
 from ..config import NeuronConfig
 from ..export_folder import ExportCapabilities, check_export
 from ..hub import is_export, resolve_export
-from ..modeling.kv_layout import PrefixCache
+from ..modeling.kv_layout import KVPool, PrefixCache
 from .compat import cap_scheduled_tokens
 from .export_options import check_export_keys, describe_plan, export_options
 from .features import refuse_unsupported
@@ -349,5 +349,5 @@ def _use_connector(vllm_config, connector: type) -> None:
 
 def _describe(config: NeuronConfig) -> str:
     kind = f"chunked C={config.prefill_chunk_size}" if config.chunked else "standard"
-    kv = f"KV {config.kv_pool_blocks} blocks of {config.kv_block_positions}"
+    kv = f"KV {KVPool.of(config).num_blocks} blocks of {KVPool.of(config).block_size}"
     return f"{kind}, B={config.batch_size}, S={config.sequence_length}, {kv}, backend={config.backend}"
