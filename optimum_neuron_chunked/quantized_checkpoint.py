@@ -124,7 +124,10 @@ def _fp8_group(name: str, group: dict, default_format: str | None) -> tuple[int,
         and (strategy in ("channel", "tensor") or (strategy == "block" and block and len(block) == 2))
     )
     if not fp8 or fmt not in ("float-quantized", "naive-quantized"):
-        held = f"{w.get('type')} {w.get('num_bits')}-bit {strategy}{' dynamic' if w.get('dynamic') else ''}"
+        traits = [
+            t for t, on in (("asymmetric", not w.get("symmetric", True)), ("dynamic", w.get("dynamic"))) if on
+        ]
+        held = " ".join([f"{w.get('type')} {w.get('num_bits')}-bit", *traits, str(strategy)])
         raise UnsupportedQuantizationError(
             f"the compressed-tensors checkpoint's {name} holds {held} weights stored {fmt}: {CT_EXPORTED}; "
             f"for this one, {ORIGINAL_HINT}."

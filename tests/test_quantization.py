@@ -169,6 +169,21 @@ def _source_tensors(folder, module: str) -> tuple[torch.Tensor, torch.Tensor]:
     return source[f"{module}.weight"], scale.reshape(1, 1) if scale.dim() == 1 else scale
 
 
+def test_partial_fp8_blocks_dequantize_element_by_element():
+    """A [100, 70] weight in 48x32 blocks (compressed-tensors' partial last blocks, rows and
+    columns): each value times the scale of its block."""
+    from optimum_neuron_chunked.quantized_checkpoint import SourceQuantization, dequantized
+
+    generator = torch.Generator().manual_seed(0)
+    weight = (torch.randn(100, 70, generator=generator) * 50).to(torch.float8_e4m3fn)
+    scale = torch.rand(3, 3, generator=generator) + 0.5
+    expected = torch.tensor(
+        [[(weight[i, j].float() * scale[i // 48, j // 32]).item() for j in range(70)] for i in range(100)]
+    )
+    got = dequantized(weight, scale, SourceQuantization("compressed-tensors", (48, 32), "weight_scale"))
+    assert torch.equal(got, expected)
+
+
 def test_skipped_fp8_projection_is_dequantized_by_its_scale(tmp_path):
     """--quantization fp8 keeps an FP8 checkpoint's weights; a --quantization-skip projection is
     its weight times its scale, as transformers dequantizes it."""
@@ -189,8 +204,9 @@ def test_fp8_checkpoint_notes_say_what_the_export_drops(tmp_path, capsys):
     """Activation and KV-cache scales: one line each, only where the checkpoint has them
     (FP8 with static input scales and a KV-cache scheme, by compressed-tensors' API); none for
     dynamic activations; a mixed-precision checkpoint of supported groups is accepted."""
-    dynamic = source_quantization(AutoConfig.from_pretrained(fp8_checkpoint_path("llama", "FP8_DYNAMIC")))
-    assert dropped_notes(dynamic, "bfloat16") == []
+    for quiet in ("FP8_DYNAMIC", "W8_CHANNEL"):  # dynamic activations; none at all
+        source = source_quantization(AutoConfig.from_pretrained(fp8_checkpoint_path("llama", quiet)))
+        assert dropped_notes(source, "bfloat16") == []
     static = fp8_checkpoint_path("llama", "FP8_STATIC_KV")
     export(str(static), tmp_path / "out", backend="eager", dtype="bfloat16", **SHAPE)
     printed = " ".join("".join(capsys.readouterr()).split())  # the console wraps long lines
@@ -245,7 +261,9 @@ def test_what_cannot_be_exported_as_asked_is_refused_by_name(tmp_path):
     blocks = quant["config_groups"]["group_0"]
     int8 = {**blocks, "format": "int-quantized", "weights": {**blocks["weights"], "type": "int"}}
     channel = {**blocks, "weights": {**blocks["weights"], "strategy": "channel", "block_structure": None}}
+    asymmetric = {**channel, "weights": {**channel["weights"], "symmetric": False}}
     for groups, message in [
+        ({"g": asymmetric}, "g holds float 8-bit asymmetric channel weights stored float-quantized"),
         ({"group_0": int8}, "group_0 holds int 8-bit block weights stored int-quantized: compressed-tensors checkpoints export when"),
         ({"a": blocks, "b": channel}, r"groups mix FP8 scale layouts \(\(64, 32\), per channel / tensor\)"),
     ]:  # fmt: skip
@@ -264,6 +282,7 @@ def test_blockwise_scales_shard_in_whole_blocks_only():
         check_block_shards(spec, (32, 32), 4)
     # 64x32 (FP8_BLOCK's partial k/v blocks, kept in --dtype): q_proj's 64 rows split in 2 are not
     check_block_shards(spec, (64, 32), 1)
+    check_block_shards(spec, (48, 32), 4)  # no projection whole 48-row blocks: all kept in --dtype
     with pytest.raises(NeuronConfigError, match="q_proj rows per rank \\(32\\) .* 64x32 scale blocks"):
         check_block_shards(spec, (64, 32), 2)
 

@@ -117,22 +117,26 @@ def check_block_shards(spec: FamilySpec, block: tuple[int, int], tp_degree: int)
     blocks at full size are kept in --dtype (quantized_checkpoint.kept_modules): not checked."""
     layout = ShardLayout.of(spec, tp_degree)
     bo, bi = block
-    q, kv = spec.num_heads * spec.head_dim, layout.num_kv_heads * spec.head_dim
-    head_rows = spec.head_dim if layout.kv_heads != layout.num_kv_heads else kv // tp_degree
-    sizes = {  # what: (size at full width, per rank, block side)
-        "q_proj rows": (q, q // tp_degree, bo),
-        "k_proj/v_proj rows": (kv, layout.kv_heads * spec.head_dim // tp_degree, bo),
-        "a KV head's rows": (kv, head_rows, bo),
-        "o_proj columns": (q, q // tp_degree, bi),
-        "gate_proj/up_proj rows": (spec.intermediate_size, spec.intermediate_size // tp_degree, bo),
-        "down_proj columns": (spec.intermediate_size, spec.intermediate_size // tp_degree, bi),
-    }
+    hidden, inter, tp = spec.hidden_size, spec.intermediate_size, tp_degree
+    q, kv = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+    kv_rows = layout.kv_heads * spec.head_dim // tp  # replicated KV heads: whole blocks per head
+    head_rows = spec.head_dim if layout.kv_heads != layout.num_kv_heads else kv_rows
+    checks = [  # (what, the projection's full [out, in], per rank, block side)
+        ("q_proj rows", (q, hidden), q // tp, bo),
+        ("k_proj/v_proj rows", (kv, hidden), kv_rows, bo),
+        ("a KV head's rows", (kv, hidden), head_rows, bo),
+        ("o_proj columns", (hidden, q), q // tp, bi),
+        ("gate_proj/up_proj rows", (inter, hidden), inter // tp, bo),
+        ("down_proj columns", (hidden, inter), inter // tp, bi),
+    ]
     if spec.moe is not None:
         experts = spec.moe.intermediate_size
-        sizes["the experts' gate/up rows"] = (experts, experts // tp_degree, bo)
-        sizes["the experts' down_proj columns"] = (experts, experts // tp_degree, bi)
-    for what, (full, size, unit) in sizes.items():
-        if full % unit == 0 and size % unit:
+        checks += [
+            ("the experts' gate/up rows", (experts, hidden), experts // tp, bo),
+            ("the experts' down_proj columns", (hidden, experts), experts // tp, bi),
+        ]
+    for what, (out, inner), size, unit in checks:
+        if out % bo == 0 and inner % bi == 0 and size % unit:
             raise NeuronConfigError(
                 f"{what} per rank ({size}) is not a whole number of the checkpoint's {bo}x{bi} "
                 f"scale blocks at --tensor_parallel_size {tp_degree}: choose a tensor parallel size "
