@@ -47,7 +47,7 @@ def test_chunk_attention_equals_the_masked_softmax(monkeypatch, row_block, heads
     width = int(positions.max()) + 1
     cache_k, cache_v = torch.randn(2, kv_heads, 64, 8), torch.randn(2, kv_heads, 64, 8)
     query = pad_repeat_last(torch.randn(heads, real, 8), 16, dim=1)  # a padded token repeats the last
-    keys, values = cache_k[1, :, :width], cache_v[1, :, :width]  # a view of slot 1, as CP reads
+    keys, values = cache_k[1, :, :width], cache_v[1, :, :width]  # a view of block 1, as CP reads
     got = chunk_attention(query, keys, values, positions, 0.3)
     torch.testing.assert_close(got, masked_softmax_attention(query, keys, values, positions, 0.3))
     torch.testing.assert_close(got[:, real:], got[:, real - 1 : real].expand(-1, 16 - real, -1))
@@ -55,26 +55,26 @@ def test_chunk_attention_equals_the_masked_softmax(monkeypatch, row_block, heads
 
 @pytest.mark.slow
 def test_chunk_attention_compiled_by_aotinductor_with_an_unbacked_width(tmp_path):
-    """The op as a cpu chunk graph calls it: over a slot view whose width is read from the
+    """The op as a cpu chunk graph calls it: over a block's view whose width is read from the
     positions inside the graph, one compiled graph for every width."""
 
-    class SlotAttention(torch.nn.Module):
+    class BlockAttention(torch.nn.Module):
         def __init__(self):
             super().__init__()
             self.register_buffer("k", torch.randn(2, 2, 64, 8))
             self.register_buffer("v", torch.randn(2, 2, 64, 8))
 
-        def forward(self, query, positions, slot):
-            live, slot = positions.max().item() + 1, slot.item()
+        def forward(self, query, positions, block):
+            live, block = positions.max().item() + 1, block.item()
             torch._check(live >= 1)  # the bounds CpuKernels.cache_read gives the graph
             torch._check(live <= 64)
-            torch._check(slot >= 0)
-            torch._check(slot < 2)
-            return chunk_attention(query, self.k[slot, :, :live], self.v[slot, :, :live], positions, 0.3)
+            torch._check(block >= 0)
+            torch._check(block < 2)
+            return chunk_attention(query, self.k[block, :, :live], self.v[block, :, :live], positions, 0.3)
 
-    module = SlotAttention()
-    query, slot = torch.randn(4, 16, 8), torch.tensor(1)
-    program = torch.export.export(module, (query, chunk(48, 16, 16), slot))
+    module = BlockAttention()
+    query, block = torch.randn(4, 16, 8), torch.tensor(1)
+    program = torch.export.export(module, (query, chunk(48, 16, 16), block))
     compiled = torch._inductor.aoti_load_package(
         torch._inductor.aoti_compile_and_package(program, package_path=str(tmp_path / "a.pt2"))
     )
@@ -82,7 +82,7 @@ def test_chunk_attention_compiled_by_aotinductor_with_an_unbacked_width(tmp_path
         positions = chunk(start, real, 16)
         width = int(positions.max()) + 1
         want = masked_softmax_attention(query, module.k[1, :, :width], module.v[1, :, :width], positions, 0.3)
-        torch.testing.assert_close(compiled(query, positions, slot), want)
+        torch.testing.assert_close(compiled(query, positions, block), want)
 
 
 @pytest.mark.parametrize("from_window, window", [(64, 64), (128, 64), (None, 64)])
