@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .lora_targets import resolve_targets
 from .version import __version__
 
 CONFIG_NAME = "neuron_config.json"
@@ -197,6 +198,28 @@ class NeuronConfig:
         "at a dot (down_proj, layers.0.mlp) or a glob over the whole name ('model.layers.1?.*'); end "
         "the patterns with -- when OUT follows.",
     )
+    max_loras: int = option(
+        "--max-loras",
+        "--max_loras",
+        default=0,
+        help="LoRA adapter slots compiled into every graph: rows of up to N adapters share one call, "
+        "adapters are written into the slots at run time (vLLM --enable-lora, model.load_adapter); "
+        "0 (default): none.",
+    )
+    max_lora_rank: int = option(
+        "--max-lora-rank",
+        "--max_lora_rank",
+        default=16,
+        help="With --max-loras: the largest adapter rank a slot holds (smaller ranks are zero-padded).",
+    )
+    lora_target_modules: tuple[str, ...] = option(
+        "--lora-target-modules",
+        "--lora_target_modules",
+        default=(),
+        help="With --max-loras: the projections that get slots (q_proj,k_proj,v_proj,o_proj,gate_proj,"
+        "up_proj,down_proj; vLLM's qkv_proj and gate_up_proj stand for their sets), comma or space "
+        "separated. Default: every attention and dense MLP projection.",
+    )
     # Recorded by the export.
     quantization_block: tuple[int, ...] = ()  # FP8 checkpoints' block-wise scales: (rows, columns)
     nki_attention: tuple[str, ...] = ()  # graphs whose prefill chunks run nkilib's attention_cte
@@ -218,6 +241,11 @@ class NeuronConfig:
         )
         for name in ("quantization_skip", "quantization_block"):  # the CLI gives lists
             object.__setattr__(self, name, tuple(getattr(self, name)))
+        if self.max_loras:  # as typed -> the projections, in the decoder's order (modeling/lora.py)
+            try:
+                object.__setattr__(self, "lora_target_modules", resolve_targets(self.lora_target_modules))
+            except ValueError as e:
+                raise NeuronConfigError(str(e)) from None
         self._validate()
 
     def _validate(self) -> None:
@@ -292,6 +320,19 @@ class NeuronConfig:
                 f"{self.prefill_chunk_size}: every bucket must hold at least one chunk."
             )
         self._validate_paged()
+        self._validate_lora()
+
+    def _validate_lora(self) -> None:
+        slots, rank = self.max_loras, self.max_lora_rank
+        if slots < 0 or (slots and rank < 1):
+            raise NeuronConfigError(
+                f"--max-loras {slots} --max-lora-rank {rank}: pass --max-loras N >= 1 with --max-lora-rank r >= 1 "
+                "(adapter slots), or --max-loras 0 for none."
+            )
+        if self.lora_target_modules and not slots:
+            raise NeuronConfigError(
+                "--lora-target-modules names the projections of adapter slots: pass --max-loras N too."
+            )
 
     def _validate_speculation(self) -> None:
         k = self.speculation_length
@@ -419,6 +460,7 @@ class NeuronConfig:
         d["nki_attention"] = list(self.nki_attention)
         d["quantization_skip"] = list(self.quantization_skip)
         d["quantization_block"] = list(self.quantization_block)
+        d["lora_target_modules"] = list(self.lora_target_modules)
         return d
 
     @classmethod
@@ -437,6 +479,7 @@ class NeuronConfig:
         d["nki_attention"] = tuple(d.get("nki_attention", ()))
         d["quantization_skip"] = tuple(d.get("quantization_skip", ()))
         d["quantization_block"] = tuple(d.get("quantization_block", ()))
+        d["lora_target_modules"] = tuple(d.get("lora_target_modules", ()))
         return cls(**d)
 
     def save(self, directory: str | Path, files: dict[str, dict] | None = None) -> None:

@@ -19,6 +19,7 @@ import torch
 from transformers import AutoConfig, PretrainedConfig
 
 from .backends import get_backend
+from .backends.base import SlotWriter
 from .config import NeuronConfig, prefill_slices
 from .export_folder import ExportCapabilities, check_export
 from .graphs import (
@@ -33,7 +34,10 @@ from .graphs import (
     tg_spec,
     vf_spec,
 )
+from .lora_adapter import LoraAdapter, slot_tensors
+from .modeling.family import family_spec
 from .modeling.kv_layout import KVPool
+from .modeling.lora import NO_ADAPTER, LoraSpec, with_adapter_column
 
 logger = logging.getLogger(__name__)
 
@@ -78,9 +82,11 @@ class GraphRunner:
         config: NeuronConfig,
         graphs: dict[str, Callable],
         hf_config: PretrainedConfig | None = None,
+        write_slot: SlotWriter | None = None,
     ):
         self.config = config
         self.graphs = graphs
+        self.write_slot = write_slot
         self.hf_config = hf_config
         self.capabilities = ExportCapabilities.of(config, hf_config) if hf_config is not None else None
         self.pool = KVPool.of(config)
@@ -110,16 +116,34 @@ class GraphRunner:
                 "%s: %s projection weights, scales %s%s", model_dir, config.quantization, scales, kept
             )
         hf_config = AutoConfig.from_pretrained(model_dir)
-        graphs = get_backend(config.backend).load(hf_config, config, graph_specs(config), Path(model_dir))
-        return cls(config, graphs, hf_config)
+        graphs, write_slot = get_backend(config.backend).load(
+            hf_config, config, graph_specs(config), Path(model_dir)
+        )
+        return cls(config, graphs, hf_config, write_slot)
+
+    def write_adapter(self, slot: int, adapter: LoraAdapter) -> None:
+        """Put `adapter` (lora_adapter.read_adapter) into LoRA slot `slot` of every graph: a write
+        of that slot's tensors, never a recompile; rows naming the slot run it from the next call."""
+        lora = LoraSpec.of(self.config)
+        if lora is None or self.write_slot is None:
+            raise ValueError("this export has no adapter slots: export again with --max-loras N")
+        if not 0 <= slot < lora.slots:
+            raise ValueError(f"slot {slot} is not one of the export's {lora.slots} adapter slots")
+        spec = family_spec(self.hf_config)
+        self.write_slot(slot, lambda rank: slot_tensors(adapter, spec, lora, self.config.tp_degree, rank))
 
     def prefill(
-        self, token_ids: torch.Tensor, start: int, blocks: Sequence[int], every_position: bool = False
+        self,
+        token_ids: torch.Tensor,
+        start: int,
+        blocks: Sequence[int],
+        every_position: bool = False,
+        adapter: int = NO_ADAPTER,
     ) -> torch.Tensor:
         """Tokens [T] at positions start.. of the request with KV blocks `blocks` -> logits [V]
         after the last one, or [T, V] after every one if `every_position` (exports with
         prompt_logprobs). Chunked exports take T <= prefill_chunk_size; standard ones a whole
-        prompt."""
+        prompt. `adapter`: the LoRA slot the tokens run under (NO_ADAPTER: the base)."""
         if every_position and not self.config.prompt_logprobs:
             raise ValueError(
                 "this export returns the last position's logits only: re-export with --prompt-logprobs"
@@ -133,7 +157,7 @@ class GraphRunner:
             )
         width = self.config.width_for(t) if self.config.chunked else window
         spec = cp_spec(self.config, width, window) if self.config.chunked else ce_spec(window)
-        (logits,), _ = self._call(spec, [token_ids], [start], [blocks])
+        (logits,), _ = self._call(spec, [token_ids], [start], [blocks], adapters=[adapter])
         if every_position:
             return logits[0, :t].clone()
         return (logits[0, t - 1] if self.config.prompt_logprobs else logits[0]).clone()
@@ -145,6 +169,7 @@ class GraphRunner:
         blocks: Sequence[Sequence[int]],  # each row's KV blocks in position order
         sampling: tuple[torch.Tensor, torch.Tensor] | None = None,  # ([N, 3] params, [N] rand)
         need_logits: bool = True,
+        adapters: Sequence[int] | None = None,  # each row's LoRA slot (None: the base)
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """One TG step for N <= batch_size rows, in the narrowest TG graph that holds them ->
         (tokens [N] sampled on the device, or None where the export samples on the host;
@@ -153,7 +178,9 @@ class GraphRunner:
         n = len(self._decode_writes(positions, blocks))
         window = self.config.bucket_for(int(positions.max()) + 1)
         spec = tg_spec(self.config, self.config.decode_width_for(n), window)
-        outputs, unsort = self._call(spec, list(token_ids[:, None]), positions.tolist(), blocks, sampling)
+        outputs, unsort = self._call(
+            spec, list(token_ids[:, None]), positions.tolist(), blocks, sampling, adapters=adapters
+        )
         return self._decode_outputs(outputs, unsort, need_logits)
 
     def decode_with_chunk(
@@ -166,6 +193,8 @@ class GraphRunner:
         chunk_start: int,
         chunk_blocks: Sequence[int],
         need_logits: bool = True,
+        adapters: Sequence[int] | None = None,  # each decode row's LoRA slot
+        chunk_adapter: int = NO_ADAPTER,
     ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
         """A decode step and a full prefill chunk of another request in one MX call (mixed_step
         exports) -> (tokens, decode logits as `decode` returns them, the chunk's last logits [V])."""
@@ -180,9 +209,9 @@ class GraphRunner:
                 f"decoding rows with blocks {[list(b) for b in blocks]}, mixed_step={self.config.mixed_step}"
             )
         spec = mx_spec(self.config, self.config.bucket_for(max(int(positions.max()) + 1, end)))
-        chunk = ([chunk_ids], [chunk_start], [chunk_blocks])
+        chunk = ([chunk_ids], [chunk_start], [chunk_blocks], [chunk_adapter])
         outputs, unsort = self._call(
-            spec, list(token_ids[:, None]), positions.tolist(), blocks, sampling, chunk
+            spec, list(token_ids[:, None]), positions.tolist(), blocks, sampling, chunk, adapters
         )
         tokens, logits = self._decode_outputs(outputs[:-1], unsort, need_logits)
         return tokens, logits, outputs[-1].cpu()[0].clone()
@@ -193,6 +222,7 @@ class GraphRunner:
         positions: torch.Tensor,  # [N]: the position of each row's first token
         blocks: Sequence[Sequence[int]],
         need_logits: bool = True,
+        adapters: Sequence[int] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One VF call (exports with speculation_length K) -> (argmax [N, K + 1], logits
         [N, K + 1, V] or None): entry j of a row is what follows its token j. A row with fewer
@@ -208,7 +238,7 @@ class GraphRunner:
         spec = vf_spec(
             self.config, self.config.decode_width_for(n), self.config.bucket_for(int(last.max()) + 1)
         )
-        (argmax, logits), unsort = self._call(spec, token_rows, positions.tolist(), blocks)
+        (argmax, logits), unsort = self._call(spec, token_rows, positions.tolist(), blocks, adapters=adapters)
         return argmax.cpu()[unsort].long(), logits.cpu()[unsort] if need_logits else None
 
     def copy_prefix(self, src_block: int, dst_block: int, length: int) -> int:
@@ -230,21 +260,24 @@ class GraphRunner:
             self._call(spec, [span, span], [piece.start] * 2, [[src_block], [dst_block]])
         return len(pieces)
 
-    def _call(self, spec: GraphSpec, token_rows, starts, blocks, sampling=None, chunk=None) -> tuple:
+    def _call(
+        self, spec: GraphSpec, token_rows, starts, blocks, sampling=None, chunk=None, adapters=None
+    ) -> tuple:
         """The one path: rows (token ids [T_i] at positions starts[i].., KV blocks) checked
         against the pool, padded by the one rule to graph `spec`'s rows and width, its block
         tables built once at its columns; a mixed step's chunk after them, the sampling inputs
         last where the graph samples -> (the graph's outputs, the permutation back to the
         caller's row order). Decode rows go longest context first, so the padding repeats the
         shortest: where each row reads only its live context (the cpu backend's per_row_live),
-        a padded row costs the least it can."""
+        a padded row costs the least it can. LoRA exports: each row's adapter slot (`adapters`,
+        None: the base) joins its block table as one more column (modeling/lora.py)."""
         if spec.kind is GraphKind.COPY:  # a copy reads no token: its source row's positions, each row's block
             inputs, order = self._row_inputs(
                 2, spec.width, self.config.sequence_length, token_rows, starts, blocks
             )
             return (self.graphs[spec.name](inputs[1][:1], inputs[2][:, 0]),), order
         inputs, order = self._row_inputs(
-            spec.batch, spec.width if chunk is None else 1, spec.window, token_rows, starts, blocks
+            spec.batch, spec.width if chunk is None else 1, spec.window, token_rows, starts, blocks, adapters
         )
         if chunk is not None:
             inputs += self._row_inputs(1, spec.width, spec.window, *chunk)[0]
@@ -256,7 +289,7 @@ class GraphRunner:
         return tuple(outputs) if isinstance(outputs, tuple | list) else (outputs,), torch.argsort(order)
 
     def _row_inputs(
-        self, rows: int, width: int, window: int, token_rows, starts, blocks
+        self, rows: int, width: int, window: int, token_rows, starts, blocks, adapters=None
     ) -> tuple[list, torch.Tensor]:
         """[rows, width] token ids and positions and [rows, ceil(window / P)] block tables, real
         rows longest context first -> (inputs, that order), integers INDEX_DTYPE."""
@@ -270,6 +303,9 @@ class GraphRunner:
             pos.append(pad_repeat_last(span[None], width, dim=1)[0])
             table_rows.append(blocks[i])
         tables = block_table(table_rows, self.pool.blocks_holding(window))
+        if self.config.max_loras:
+            slots = [NO_ADAPTER] * len(token_rows) if adapters is None else list(adapters)
+            tables = with_adapter_column(tables, torch.tensor(slots, dtype=INDEX_DTYPE)[order])
         return [pad_repeat_last(x, rows, dim=0) for x in (torch.stack(ids), torch.stack(pos), tables)], order
 
     def _decode_outputs(self, outputs: tuple, unsort: torch.Tensor, need_logits: bool) -> tuple:

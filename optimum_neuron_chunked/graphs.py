@@ -17,7 +17,8 @@
 
 Every row of every graph (copy aside) comes with its block table, [N, ceil(W / P)] int32
 (row r's position p in block table[r, p // P], modeling/kv_cache.py): one column where a
-block is a whole sequence (the default: one per batch row), W / P with --kv-block-size.
+block is a whole sequence (the default: one per batch row), W / P with --kv-block-size. LoRA
+exports (--max-loras) add one column: the row's adapter slot (modeling/lora.py).
 
 Prefill graphs return the logits of the last real token (host sampling), or of every
 position when the export serves prompt logprobs (`prompt_logprobs`); TG graphs sample
@@ -43,6 +44,7 @@ from torch import nn
 from .config import NeuronConfig
 from .modeling.decoder import DecoderModel, PartInputs
 from .modeling.kv_layout import KVPool
+from .modeling.lora import NO_ADAPTER, with_adapter_column
 from .modeling.sampler import sample
 
 INDEX_DTYPE = torch.int32
@@ -250,11 +252,12 @@ def example_inputs(spec: GraphSpec, config: NeuronConfig) -> tuple[torch.Tensor,
 
 
 def example_block_tables(config: NeuronConfig, rows: int, window: int) -> torch.Tensor:
-    """[rows, ceil(window / P)] block tables of distinct pool blocks (shapes only)."""
+    """[rows, ceil(window / P)] block tables of distinct pool blocks (shapes only), and the
+    adapter column of LoRA exports (modeling/lora.py)."""
     pool = KVPool.of(config)
     columns = pool.blocks_holding(window)
-    blocks = torch.arange(rows * columns, dtype=INDEX_DTYPE) % pool.num_blocks
-    return blocks.view(rows, columns)
+    blocks = (torch.arange(rows * columns, dtype=INDEX_DTYPE) % pool.num_blocks).view(rows, columns)
+    return with_adapter_column(blocks, torch.full((rows,), NO_ADAPTER)) if config.max_loras else blocks
 
 
 def _token_inputs(rows: int, width: int, tables: torch.Tensor) -> tuple[torch.Tensor, ...]:

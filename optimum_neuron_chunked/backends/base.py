@@ -6,7 +6,9 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from pathlib import Path
+from typing import NamedTuple
 
+import torch
 from safetensors.torch import load_file, save_file
 
 from ..checkpoint_stream import WeightFile
@@ -24,6 +26,34 @@ WEIGHTS_NAME = "model.safetensors"
 
 # Called around each graph's compilation (progress display); must return a context manager.
 OnGraph = Callable[[GraphSpec], AbstractContextManager]
+
+
+# Writes one adapter slot: (slot, rank -> that rank's slot tensors by parameter name) -> None.
+# Single-process backends ask for rank 0 (lora_adapter.slot_tensors shards by rank).
+SlotWriter = Callable[[int, Callable[[int], dict[str, torch.Tensor]]], None]
+
+
+class LoadedGraphs(NamedTuple):
+    """What `Backend.load` returns: graph callables by name, all bound to the same weights and KV
+    cache, and the writer of adapter slots (None for exports without --max-loras)."""
+
+    graphs: dict[str, Callable]
+    write_slot: SlotWriter | None = None
+
+
+def parameter_slot_writer(model: DecoderModel) -> SlotWriter | None:
+    """Slots that are the model's own parameters, bound by every graph (cpu, eager, xla): written
+    in place, one slot's row of each, so every graph reads the new adapter at its next call."""
+    slots = model.lora_slots()
+    if not slots:
+        return None
+
+    def write(slot: int, rank_tensors: Callable[[int], dict[str, torch.Tensor]]) -> None:
+        with torch.no_grad():
+            for name, tensor in rank_tensors(0).items():
+                slots[name][slot].copy_(tensor)
+
+    return write
 
 
 class BackendUnavailableError(RuntimeError):
@@ -55,10 +85,8 @@ class Backend(ABC):
         returns the config as compiled (the neuron backend may take graphs off the NKI kernel)."""
 
     @abstractmethod
-    def load(
-        self, hf_config, config: NeuronConfig, specs: list[GraphSpec], export_dir: Path
-    ) -> dict[str, Callable]:
-        """Graph callables by name, all bound to the same weights and KV cache."""
+    def load(self, hf_config, config: NeuronConfig, specs: list[GraphSpec], export_dir: Path) -> LoadedGraphs:
+        """Graph callables by name, all bound to the same weights and KV cache, and the slot writer."""
 
     def kernels(self, config: NeuronConfig) -> Kernels:
         """How the model computes on this backend: the reference (what XLA lowers), unless the

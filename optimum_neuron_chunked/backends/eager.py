@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 from ..config import NeuronConfig
 from ..graphs import GraphSpec, graph_module
-from .base import Backend, OnGraph
+from .base import Backend, LoadedGraphs, OnGraph, parameter_slot_writer
 
 
 class EagerBackend(Backend):
@@ -19,8 +18,7 @@ class EagerBackend(Backend):
     def compile(self, model, config, specs, out_dir: Path, on_graph: OnGraph) -> NeuronConfig:
         return config
 
-    def load(
-        self, hf_config, config: NeuronConfig, specs: list[GraphSpec], export_dir: Path
-    ) -> dict[str, Callable]:
+    def load(self, hf_config, config: NeuronConfig, specs: list[GraphSpec], export_dir: Path) -> LoadedGraphs:
         model = self.torch_model(hf_config, config, export_dir)
-        return {spec.name: torch.inference_mode()(graph_module(model, spec, config)) for spec in specs}
+        graphs = {spec.name: torch.inference_mode()(graph_module(model, spec, config)) for spec in specs}
+        return LoadedGraphs(graphs, parameter_slot_writer(model))

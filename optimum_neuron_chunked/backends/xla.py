@@ -28,7 +28,7 @@ import torch
 from ..config import NeuronConfig
 from ..graphs import GraphSpec, example_inputs
 from ..modeling.decoder import DecoderModel
-from .base import Backend, BackendUnavailableError, OnGraph
+from .base import Backend, BackendUnavailableError, LoadedGraphs, OnGraph
 
 # HLO that neuronx-cc cannot take as a static graph, or that would leave the device per call.
 FORBIDDEN_HLO = ("custom-call", "while(", "infeed(", "outfeed(", "send(", "recv(", "host", "callback")
@@ -67,12 +67,11 @@ class XlaBackend(Backend):
     ) -> NeuronConfig:
         return config  # the weights are the export: each graph is traced on the device at its first call
 
-    def load(
-        self, hf_config, config: NeuronConfig, specs: list[GraphSpec], export_dir: Path
-    ) -> dict[str, Callable]:
+    def load(self, hf_config, config: NeuronConfig, specs: list[GraphSpec], export_dir: Path) -> LoadedGraphs:
         require_torch_xla()
         model = self.torch_model(hf_config, config, export_dir, functional_cache=True)
-        return XlaRuntime(model, config, specs).graphs()
+        runtime = XlaRuntime(model, config, specs)
+        return LoadedGraphs(runtime.graphs(), runtime.write_slot if model.lora_slots() else None)
 
 
 class XlaRuntime:
@@ -120,6 +119,17 @@ class XlaRuntime:
             self.hlo[name].raise_if_unfit(fallback_counts(), before)
         host = [t.cpu() for t in flat]
         return tuple(host) if isinstance(outputs, tuple) else host[0]
+
+    def write_slot(self, slot: int, rank_tensors) -> None:
+        """base.SlotWriter on the device's parameters, then one execution: the slot rows become
+        device data again, so no graph's HLO carries the write."""
+        import torch_xla
+
+        slots = self.bundle.model.lora_slots()
+        with torch.no_grad():
+            for name, tensor in rank_tensors(0).items():
+                slots[name][slot].copy_(tensor.to(self.device))
+        torch_xla.sync()
 
     def caches(self) -> dict[str, torch.Tensor]:
         """Host copies of every layer's K/V cache."""

@@ -7,6 +7,7 @@ from .decoder import DecoderModel
 from .family import SUPPORTED_ARCHITECTURES, FamilySpec, UnsupportedArchitectureError, family_spec
 from .kernels import Kernels
 from .kv_layout import KVLayout
+from .lora import LoraSpec
 from .quantization import QuantSpec
 
 
@@ -38,7 +39,13 @@ def model_from_spec(
     need)."""
     with torch.device(device):
         return DecoderModel(
-            spec, KVLayout.of(config, spec), layers, functional_cache, kernels, QuantSpec.of(config)
+            spec,
+            KVLayout.of(config, spec),
+            layers,
+            functional_cache,
+            kernels,
+            QuantSpec.of(config),
+            LoraSpec.of(config),
         )
 
 

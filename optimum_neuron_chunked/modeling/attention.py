@@ -11,6 +11,7 @@ from .family import FamilySpec
 from .kernels import AttentionSpec, GraphPart, Kernels
 from .kv_cache import KVCache
 from .layers import apply_rotary, rms_norm
+from .lora import LoraSpec, lora_slots, project
 from .parallel import ShardLayout
 
 
@@ -27,6 +28,7 @@ class Attention(nn.Module):
         kernels: Kernels,
         use_rope: bool = True,
         local_rope: bool = False,
+        lora: LoraSpec | None = None,
     ):
         super().__init__()
         self.kernels = kernels
@@ -45,6 +47,17 @@ class Attention(nn.Module):
         self.k_proj = layers.column(hidden, layout.kv_heads * d, bias=spec.qkv_bias)
         self.v_proj = layers.column(hidden, layout.kv_heads * d, bias=spec.qkv_bias)
         self.o_proj = layers.row(layout.num_heads * d, hidden, bias=spec.o_bias)
+        q_out, kv_out = layout.num_heads * d, layout.kv_heads * d
+        self.lora = lora_slots(
+            lora,
+            layers,
+            {
+                "q_proj": (hidden, q_out),
+                "k_proj": (hidden, kv_out),
+                "v_proj": (hidden, kv_out),
+                "o_proj": (q_out, hidden),
+            },
+        )
         if spec.qk_norm:
             self.q_norm = rms_norm(d, spec.rms_norm_eps, spec.gemma_norms)
             self.k_norm = rms_norm(d, spec.rms_norm_eps, spec.gemma_norms)
@@ -58,13 +71,16 @@ class Attention(nn.Module):
         x: torch.Tensor,  # [1, R, H]: every part's tokens, part after part
         parts: tuple[GraphPart, ...],
         cache: KVCache,
+        lora_mask: torch.Tensor | None = None,  # [R, S*r]: each token's adapter slot (lora.py)
     ) -> tuple[torch.Tensor, KVCache]:
         """-> (output [1, R, H], the cache written, in place or anew).
 
         The projections run once over all R tokens. Every part writes its K/V before any part
         reads: parts write distinct blocks, so the order does not change what is read, and a
         write after a read of the same buffer would make AOTInductor copy the whole cache."""
-        q, k, v = self.q_proj(x)[0], self.k_proj(x)[0], self.v_proj(x)[0]
+        q, k, v = (
+            project(getattr(self, n), self.lora, n, x, lora_mask)[0] for n in ("q_proj", "k_proj", "v_proj")
+        )
         queries, offset = [], 0
         for part in parts:
             rows = slice(offset, offset + part.tokens)
@@ -77,7 +93,7 @@ class Attention(nn.Module):
             out = self.kernels.attend(self.spec, part, part_q, cache, self.sinks)  # [N, Hq, T, D]
             outs.append(out.transpose(1, 2).reshape(n * t, -1))
         out = outs[0] if len(outs) == 1 else torch.cat(outs)
-        return self.o_proj(out[None]), cache
+        return project(self.o_proj, self.lora, "o_proj", out[None], lora_mask), cache
 
     def _write(self, part: GraphPart, q, k, v, cache: KVCache) -> tuple[torch.Tensor, KVCache]:
         """One part's q/k/v rows [n * t, heads * D] -> (queries [N, Hq, T, D], the cache with

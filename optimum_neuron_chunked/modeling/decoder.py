@@ -14,6 +14,7 @@ from .kernels import GraphPart, Kernels
 from .kv_cache import KVCache
 from .kv_layout import KVLayout
 from .layers import MLP, Rotary, rms_norm
+from .lora import LoraSpec, split_adapter_column, token_mask
 from .moe import SparseMoE, moe_state_from_hf
 from .parallel import ShardLayout, TorchLayers, rank_shard, tp_checkpoint
 from .quantization import EXPERT_WEIGHTS, QuantSpec, quantize, quantize_modules, scale_name
@@ -24,7 +25,7 @@ class PartInputs(NamedTuple):
 
     input_ids: torch.Tensor  # [N, T]
     position_ids: torch.Tensor  # [N, T]
-    tables: torch.Tensor  # [N, ceil(window / P)] block tables (kv_cache.py)
+    tables: torch.Tensor  # [N, ceil(window / P)] block tables (kv_cache.py), + 1 column with LoRA (lora.py)
     decode_rows: bool  # TG, VF, MX's decode part: the graph kind's choice
 
 
@@ -36,6 +37,7 @@ class DecoderLayer(nn.Module):
         layout: ShardLayout,
         layers,
         kernels: Kernels,
+        lora: LoraSpec | None = None,
     ):
         super().__init__()
         window = spec.sliding_windows[layer_idx]
@@ -47,11 +49,15 @@ class DecoderLayer(nn.Module):
             kernels=kernels,
             use_rope=spec.uses_rope(layer_idx),
             local_rope=spec.local_rope and window is not None,
+            lora=lora,
         )
-        if spec.moe is not None and spec.moe.sparse_layers[layer_idx]:
+        self.sparse = spec.moe is not None and spec.moe.sparse_layers[layer_idx]
+        if self.sparse:  # experts take no adapters (lora.TARGETS)
             self.mlp = SparseMoE(spec.hidden_size, spec.moe, layers, kernels.expert_selection)
         else:
-            self.mlp = MLP(spec.hidden_size, spec.intermediate_size, spec.mlp_bias, layers, spec.hidden_act)
+            self.mlp = MLP(
+                spec.hidden_size, spec.intermediate_size, spec.mlp_bias, layers, spec.hidden_act, lora
+            )
         norm = functools.partial(rms_norm, spec.hidden_size, spec.rms_norm_eps, spec.gemma_norms)
         self.input_layernorm = norm()
         self.post_attention_layernorm = norm()
@@ -64,15 +70,20 @@ class DecoderLayer(nn.Module):
         self.residual_multiplier = spec.residual_multiplier
 
     def forward(
-        self, x: torch.Tensor, parts: tuple[GraphPart, ...], cache: KVCache
+        self, x: torch.Tensor, parts: tuple[GraphPart, ...], cache: KVCache, lora_mask=None
     ) -> tuple[torch.Tensor, KVCache]:
-        """x [1, R, H]: every part's tokens (Attention.forward)."""
-        h, cache = self.self_attn(self.input_layernorm(x), parts, cache)
+        """x [1, R, H]: every part's tokens (Attention.forward); `lora_mask` [R, S*r] (lora.py)."""
+        h, cache = self.self_attn(self.input_layernorm(x), parts, cache, lora_mask)
         if self.sandwich_norms:
             x = x + self.post_attention_layernorm(h)
-            return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x))), cache
+            return x + self.post_feedforward_layernorm(
+                self._mlp(self.pre_feedforward_layernorm(x), lora_mask)
+            ), cache
         x = x + h * self.residual_multiplier
-        return x + self.mlp(self.post_attention_layernorm(x)) * self.residual_multiplier, cache
+        return x + self._mlp(self.post_attention_layernorm(x), lora_mask) * self.residual_multiplier, cache
+
+    def _mlp(self, x: torch.Tensor, lora_mask) -> torch.Tensor:
+        return self.mlp(x) if self.sparse else self.mlp(x, lora_mask)
 
 
 class DecoderBody(nn.Module):
@@ -82,11 +93,12 @@ class DecoderBody(nn.Module):
         layout: ShardLayout,
         layers,
         kernels: Kernels,
+        lora: LoraSpec | None = None,
     ):
         super().__init__()
         self.embed_tokens = layers.embedding(spec.vocab_size, spec.hidden_size)
         self.layers = nn.ModuleList(
-            DecoderLayer(spec, i, layout, layers, kernels) for i in range(spec.num_layers)
+            DecoderLayer(spec, i, layout, layers, kernels, lora) for i in range(spec.num_layers)
         )
         self.norm = rms_norm(spec.hidden_size, spec.rms_norm_eps, spec.gemma_norms)
         self.rotary_emb = Rotary(spec.head_dim)
@@ -128,15 +140,17 @@ class DecoderModel(nn.Module):
         functional_cache: bool = False,
         kernels: Kernels | None = None,
         quantization: QuantSpec | None = None,
+        lora: LoraSpec | None = None,
     ):
         super().__init__()
         self.kernels = kernels or Kernels()
+        self.lora_spec = lora
         layers = layers or TorchLayers(self.kernels.linear)
         self.spec = spec
         self.layout = ShardLayout.of(spec, layers.tp_degree)
         self.functional_cache = functional_cache
         self.kv = kv
-        self.model = DecoderBody(spec, self.layout, layers, self.kernels)
+        self.model = DecoderBody(spec, self.layout, layers, self.kernels, lora)
         self.lm_head = layers.column(
             spec.hidden_size, self.layout.padded_vocab, bias=False, gather_output=True
         )
@@ -162,9 +176,10 @@ class DecoderModel(nn.Module):
         self.quantized_modules = quantize_modules(self, quantization, layers) if quantization else []
 
     def weight_names(self) -> list[str]:
-        """Names of the stored weights: every tensor once, under the first name it has."""
-        aliases = self._alias_names()
-        return [name for name in self.state_dict(keep_vars=True) if name not in aliases]
+        """Names of the stored weights: every tensor once, under the first name it has (adapter
+        slots are not stored: zero until an adapter is written, lora.py)."""
+        skip = self._alias_names() | set(self.lora_slots())
+        return [name for name in self.state_dict(keep_vars=True) if name not in skip]
 
     def _alias_names(self) -> set[str]:
         """Further names of a tensor that already has one: a tied lm_head (the embedding's
@@ -198,7 +213,7 @@ class DecoderModel(nn.Module):
 
     def load_weights(self, state: dict[str, torch.Tensor]) -> None:
         missing, unexpected = self.load_state_dict(state, strict=False)
-        missing = set(missing) - self._alias_names()
+        missing = set(missing) - self._alias_names() - set(self.lora_slots())
         if missing or unexpected:
             raise ValueError(
                 f"weights do not match the model: missing {sorted(missing)}, unexpected {unexpected}"
@@ -237,6 +252,9 @@ class DecoderModel(nn.Module):
         because index_put/index_copy want int64 indices and XLA refuses to mix S32 with the
         S64 of torch.arange (the head index of the functional cache write).
         """
+        row_slots = []
+        if self.lora_spec is not None:  # the adapter column off the block tables (lora.py)
+            parts, row_slots = zip(*[self._split_adapters(p) for p in parts], strict=True)
         parts = [
             PartInputs(p.input_ids.long(), p.position_ids.long(), p.tables.long(), p.decode_rows)
             for p in parts
@@ -244,6 +262,11 @@ class DecoderModel(nn.Module):
         x = self.model.embed_tokens(torch.cat([p.input_ids.reshape(-1) for p in parts])[None])  # [1, R, H]
         # The multiplier rounded to the model dtype first, as Gemma3TextScaledWordEmbedding does.
         x = x * torch.tensor(self.spec.embedding_multiplier, dtype=x.dtype).item()
+        lora_mask = None
+        if self.lora_spec is not None:
+            lora_mask = token_mask(
+                list(row_slots), [p.input_ids.shape[1] for p in parts], self.lora_spec, x.dtype
+            )
         graph_parts = tuple(
             GraphPart(
                 p.position_ids,
@@ -255,7 +278,7 @@ class DecoderModel(nn.Module):
             for p in parts
         )
         for i, layer in enumerate(self.model.layers):
-            x, cache = layer(x, graph_parts, self.layer_cache(i))
+            x, cache = layer(x, graph_parts, self.layer_cache(i), lora_mask)
             if self.functional_cache:
                 setattr(self, f"k_cache_{i}", cache.keys)
                 setattr(self, f"v_cache_{i}", cache.values)
@@ -264,6 +287,15 @@ class DecoderModel(nn.Module):
         return tuple(
             h.view(*p.position_ids.shape, -1) for h, p in zip(hidden.split(sizes), graph_parts, strict=True)
         )
+
+    @staticmethod
+    def _split_adapters(part: PartInputs) -> tuple[PartInputs, torch.Tensor]:
+        tables, slots = split_adapter_column(part.tables)
+        return part._replace(tables=tables), slots.long()
+
+    def lora_slots(self) -> dict[str, torch.Tensor]:
+        """Every adapter slot tensor by name (lora.LoraSlots: `...lora.<projection>.a` / `.b`)."""
+        return {name: p for name, p in self.named_parameters() if ".lora." in name}
 
     def layer_cache(self, i: int) -> KVCache:
         """Layer i's cache buffers with their addressing (the buffers keep their export names)."""

@@ -8,6 +8,8 @@ import functools
 import torch
 from torch import nn
 
+from .lora import lora_slots, project
+
 # A large finite negative: exp() of it is exactly 0 in fp32, while finfo.min turns into NaN
 # on Neuron XLA once max-subtraction overflows.
 MASK_VALUE = -1e9
@@ -70,12 +72,17 @@ ACTIVATIONS = {
 
 
 class MLP(nn.Module):
-    def __init__(self, hidden: int, intermediate: int, bias: bool, layers, act: str = "silu"):
+    def __init__(self, hidden: int, intermediate: int, bias: bool, layers, act: str = "silu", lora=None):
         super().__init__()
         self.gate_proj = layers.column(hidden, intermediate, bias=bias)
         self.up_proj = layers.column(hidden, intermediate, bias=bias)
         self.down_proj = layers.row(intermediate, hidden, bias=bias)
         self.act = ACTIVATIONS[act]
+        shapes = {"gate_proj": (hidden, intermediate), "up_proj": (hidden, intermediate)}
+        self.lora = lora_slots(lora, layers, shapes | {"down_proj": (intermediate, hidden)})
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+    def forward(self, x: torch.Tensor, lora_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """x [1, R, H]; `lora_mask` [R, S*r]: each token's adapter slot (lora.py)."""
+        gate = project(self.gate_proj, self.lora, "gate_proj", x, lora_mask)
+        h = self.act(gate) * project(self.up_proj, self.lora, "up_proj", x, lora_mask)
+        return project(self.down_proj, self.lora, "down_proj", h, lora_mask)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -19,7 +18,15 @@ from ...config import NeuronConfig
 from ...graphs import GraphSpec, example_inputs, graph_module
 from ...modeling.decoder import DecoderModel
 from ...modeling.kv_layout import KVPool
-from ..base import GRAPHS_DIR, WEIGHTS_NAME, Backend, BackendUnavailableError, OnGraph
+from ..base import (
+    GRAPHS_DIR,
+    WEIGHTS_NAME,
+    Backend,
+    BackendUnavailableError,
+    LoadedGraphs,
+    OnGraph,
+    parameter_slot_writer,
+)
 from .decode_attention import load_op
 from .denormals import flushing
 from .host import host_cpu_capability
@@ -113,15 +120,14 @@ class CpuBackend(Backend):
                 )
         return config
 
-    def load(
-        self, hf_config, config: NeuronConfig, specs: list[GraphSpec], export_dir: Path
-    ) -> dict[str, Callable]:
+    def load(self, hf_config, config: NeuronConfig, specs: list[GraphSpec], export_dir: Path) -> LoadedGraphs:
         check_runs_here(config)
         keep_freed_heap()
         kernels = self.kernels(config)
         if kernels.calls_decode_op:
             load_op()  # its graphs call the op through AOTInductor's proxy executor
-        constants = self.torch_model(hf_config, config, export_dir).constants()
+        model = self.torch_model(hf_config, config, export_dir)
+        constants = model.constants()  # bound without a copy: slot writes reach every graph
         graphs = {}
         for spec, path in zip(specs, self.graph_files(specs), strict=True):
             compiled = torch._inductor.aoti_load_package(str(export_dir / path))
@@ -130,4 +136,4 @@ class CpuBackend(Backend):
             bound = {name: constants[name.removeprefix("model.")] for name in names}
             compiled.load_constants(bound, check_full_update=True, user_managed=True)
             graphs[spec.name] = flushing(compiled)
-        return graphs
+        return LoadedGraphs(graphs, parameter_slot_writer(model))

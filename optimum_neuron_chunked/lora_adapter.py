@@ -1,0 +1,238 @@
+"""PEFT LoRA adapters (adapter_config.json + adapter_model.safetensors, as peft's save_pretrained
+writes them) read into the slot tensors of an export (modeling/lora.py), or refused by name.
+
+peft's rules followed (peft 0.21, tuners/lora/layer.py `update_layer`, utils/other.py
+`get_pattern_key`): a module's rank and alpha come from `rank_pattern` / `alpha_pattern` where a
+key matches the end of its name, else `r` / `lora_alpha`; its scaling is alpha / r, or
+alpha / sqrt(r) with `use_rslora`. Targets are the modules whose tensors are present, so regex
+`target_modules` and `layers_to_transform` are honoured as peft applied them. vLLM reads the same
+format itself (lora/peft_helper.py) and refuses bias and DoRA as we do.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from .lora_targets import PACKED, TARGETS
+from .modeling.family import FamilySpec
+from .modeling.lora import LoraSpec
+from .modeling.parallel import ShardLayout
+
+CONFIG_FILE = "adapter_config.json"
+WEIGHT_FILES = ("adapter_model.safetensors", "adapter_model.bin")
+
+
+class LoraConfigError(ValueError):
+    """An adapter that cannot be served by this export; the message says why."""
+
+
+_KEY = re.compile(r"^base_model\.model\.(?P<module>.+)\.(?P<which>lora_A|lora_B)\.weight$")
+
+
+@dataclass(frozen=True)
+class LoraAdapter:
+    """An adapter as a slot holds it: per projection (our module name) the full (unsharded)
+    a [R, in] and b [R, out] (lora_B transposed, scaling folded in), zero-padded to rank R."""
+
+    path: str
+    rank: int
+    weights: dict[str, tuple[torch.Tensor, torch.Tensor]]
+
+
+def read_adapter(path: str | Path, spec: FamilySpec, lora: LoraSpec, dtype: torch.dtype) -> LoraAdapter:
+    """The adapter in folder `path`, checked against the export's base and slots; LoraConfigError
+    names what cannot be served."""
+    folder = Path(path)
+    config = _read_config(folder)
+    tensors = _read_tensors(folder)
+    pairs: dict[str, dict[str, torch.Tensor]] = {}
+    for key, tensor in tensors.items():
+        match = _KEY.match(key)
+        if match is None:
+            raise LoraConfigError(f"{folder}: tensor {key} is not a LoRA A / B weight of a linear projection")
+        pairs.setdefault(match["module"], {})[match["which"]] = tensor
+    weights, most = {}, 0
+    for module, pair in pairs.items():
+        if set(pair) != {"lora_A", "lora_B"}:
+            raise LoraConfigError(f"{folder}: {module} has {sorted(pair)} but not both lora_A and lora_B")
+        rank, alpha = _rank_alpha(config, module)
+        scale = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
+        for name, a, b in _split_packed(module, pair["lora_A"], pair["lora_B"], spec):
+            _check_module(folder, name, a, b, spec, lora)
+            weights[name] = _padded(a, b * scale, lora.rank, dtype)
+            most = max(most, a.shape[0])
+    if not weights:
+        raise LoraConfigError(f"{folder}: the adapter holds no LoRA weights")
+    return LoraAdapter(str(folder), most, weights)
+
+
+def _read_config(folder: Path) -> dict:
+    try:
+        config = json.loads((folder / CONFIG_FILE).read_text())
+    except (OSError, ValueError) as e:
+        raise LoraConfigError(f"{folder}: cannot read {CONFIG_FILE} ({type(e).__name__}: {e})") from None
+    if config.get("peft_type", "LORA") != "LORA":
+        raise LoraConfigError(f"{folder}: a {config['peft_type']} adapter; only LoRA adapters are served")
+    refusals = [
+        (config.get("use_dora"), "DoRA (use_dora) is not supported: serve a plain LoRA adapter"),
+        (
+            config.get("bias", "none") != "none",
+            f"bias={config.get('bias')!r}: only bias='none' adapters are served",
+        ),
+        (
+            config.get("modules_to_save"),
+            f"modules_to_save {config.get('modules_to_save')}: whole modules are not served",
+        ),
+    ]
+    for refused, why in refusals:
+        if refused:
+            raise LoraConfigError(f"{folder}: {why}")
+    return config
+
+
+def _read_tensors(folder: Path) -> dict[str, torch.Tensor]:
+    for name in WEIGHT_FILES:
+        file = folder / name
+        if not file.is_file():
+            continue
+        try:
+            if name.endswith(".safetensors"):
+                return load_file(file)
+            return torch.load(file, map_location="cpu", weights_only=True)
+        except Exception as e:  # a damaged file: say which
+            raise LoraConfigError(f"{file}: unreadable ({type(e).__name__}: {e})") from None
+    raise LoraConfigError(f"{folder}: no {' or '.join(WEIGHT_FILES)}")
+
+
+def _pattern_value(patterns: dict, module: str, default):
+    """peft's get_pattern_key: the first key that matches the end of the module's name."""
+    for key, value in (patterns or {}).items():
+        if re.match(rf"(.*\.)?({key})$", module):
+            return value
+    return default
+
+
+def _rank_alpha(config: dict, module: str) -> tuple[int, float]:
+    rank = _pattern_value(config.get("rank_pattern"), module, config.get("r", 8))
+    return rank, _pattern_value(config.get("alpha_pattern"), module, config.get("lora_alpha", 8))
+
+
+def _split_packed(module: str, a: torch.Tensor, b: torch.Tensor, spec: FamilySpec):
+    """(projection, a, b) of a module: phi3's fused qkv_proj / gate_up_proj split over the
+    projections this decoder holds (decoder.split_fused_projections), one A shared."""
+    prefix, _, name = module.rpartition(".")
+    if name not in PACKED:
+        return [(module, a, b)]
+    if name == "qkv_proj":
+        q, kv = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+        sizes = [q, kv, kv]
+    else:
+        sizes = [b.shape[0] // 2] * 2
+    if sum(sizes) != b.shape[0]:
+        raise LoraConfigError(f"{module}: lora_B has {b.shape[0]} rows, the base's {name} {sum(sizes)}")
+    return [(f"{prefix}.{part}", a, rows) for part, rows in zip(PACKED[name], b.split(sizes), strict=True)]
+
+
+def full_shapes(spec: FamilySpec) -> dict[str, tuple[int, int]]:
+    """(in, out) of each projection adapters may target, unsharded."""
+    hidden, q, kv = spec.hidden_size, spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+    inter = spec.intermediate_size
+    return {
+        "q_proj": (hidden, q),
+        "k_proj": (hidden, kv),
+        "v_proj": (hidden, kv),
+        "o_proj": (q, hidden),
+        "gate_proj": (hidden, inter),
+        "up_proj": (hidden, inter),
+        "down_proj": (inter, hidden),
+    }
+
+
+def _check_module(folder: Path, module: str, a, b, spec: FamilySpec, lora: LoraSpec) -> None:
+    parts = module.split(".")
+    projection = parts[-1]
+    where = f"{folder}: {module}"
+    if projection in ("embed_tokens", "lm_head") or "experts" in parts:
+        kind = "expert (MoE) projections" if "experts" in parts else f"{projection}"
+        raise LoraConfigError(
+            f"{where}: LoRA on {kind} is not served (attention and dense MLP projections are)"
+        )
+    layer = int(parts[2]) if parts[:2] == ["model", "layers"] and parts[2].isdigit() else None
+    if projection not in TARGETS or layer is None or layer >= spec.num_layers:
+        raise LoraConfigError(
+            f"{where}: not a projection of this base model ({spec.model_type}, {spec.num_layers} layers)"
+        )
+    if projection not in lora.targets:
+        raise LoraConfigError(
+            f"{where}: the export has no slots on {projection} (its --lora-target-modules: "
+            f"{', '.join(lora.targets)}); export again with {projection} among them"
+        )
+    if (
+        spec.moe is not None
+        and projection in ("gate_proj", "up_proj", "down_proj")
+        and spec.moe.sparse_layers[layer]
+    ):
+        raise LoraConfigError(
+            f"{where}: layer {layer}'s MLP is a mixture of experts; expert projections take no adapters"
+        )
+    if a.shape[0] > lora.rank:
+        raise LoraConfigError(f"{where}: rank {a.shape[0]} exceeds the export's --max-lora-rank {lora.rank}")
+    inner, outer = full_shapes(spec)[projection]
+    if a.shape != (a.shape[0], inner) or b.shape != (outer, a.shape[0]):
+        raise LoraConfigError(
+            f"{where}: lora_A {tuple(a.shape)} / lora_B {tuple(b.shape)} do not fit the base's {projection} "
+            f"({inner} -> {outer}): the adapter was trained on another base model"
+        )
+
+
+def _padded(a: torch.Tensor, b: torch.Tensor, rank: int, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """a [r, in], b [out, r] -> a [R, in], b.T [R, out], zero rows r..R, in `dtype`."""
+    r = a.shape[0]
+    a_slot = torch.zeros(rank, a.shape[1], dtype=torch.float32)
+    b_slot = torch.zeros(rank, b.shape[0], dtype=torch.float32)
+    a_slot[:r], b_slot[:r] = a.float(), b.float().t()
+    return a_slot.to(dtype), b_slot.to(dtype)
+
+
+def slot_tensors(
+    adapter: LoraAdapter, spec: FamilySpec, lora: LoraSpec, tp_degree: int = 1, rank: int = 0
+) -> dict:
+    """The adapter as rank `rank`'s slot parameters (lora.LoraSlots names -> [R, in] / [R, out]
+    one slot's share): column-parallel b split on its output, row-parallel a on its input (KV heads
+    replicated as the weights are: parallel.tp_checkpoint). Targets the adapter lacks are zero."""
+    layout = ShardLayout.of(spec, tp_degree)
+    shapes = full_shapes(spec)
+    out = {}
+    for i in range(spec.num_layers):
+        for projection in lora.targets:
+            block = "self_attn" if projection in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
+            if block == "mlp" and spec.moe is not None and spec.moe.sparse_layers[i]:
+                continue
+            module = f"model.layers.{i}.{block}.{projection}"
+            inner, outer = shapes[projection]
+            a, b = adapter.weights.get(module, (None, None))
+            if a is None:
+                a, b = torch.zeros(lora.rank, inner), torch.zeros(lora.rank, outer)
+            a, b = _rank_share(projection, a, b, layout, rank)
+            prefix = f"model.layers.{i}.{block}.lora.{projection}"
+            out[f"{prefix}.a"], out[f"{prefix}.b"] = a, b
+    return out
+
+
+def _rank_share(projection: str, a, b, layout: ShardLayout, rank: int):
+    tp = layout.tp_degree
+    if tp == 1:
+        return a, b
+    if projection in ("o_proj", "down_proj"):
+        return a.chunk(tp, dim=1)[rank].contiguous(), b
+    if projection in ("k_proj", "v_proj") and layout.kv_heads != layout.num_kv_heads:
+        heads = b.view(b.shape[0], layout.num_kv_heads, -1).index_select(1, layout.kv_source())
+        b = heads.reshape(b.shape[0], -1)
+    return a, b.chunk(tp, dim=1)[rank].contiguous()

@@ -1,0 +1,118 @@
+"""Multi-LoRA on static graphs: the one LoRA rule every backend shares.
+
+An export with `--max-loras S --max-lora-rank r` holds, beside each targeted projection, S
+adapter slots as two parameters. They are weights as every backend binds them - never constants
+inside a compiled graph - but not stored in the export: zero at load (DecoderModel.load_weights),
+written in place when an adapter enters a slot (NxD Inference swaps its slots the same way, into
+`nxd_model.weights[rank][name][slot]`: modules/lora_serving/lora_model.py `rank_swap`):
+  a  [S, r, in]   lora_A of the slot's adapter, its rank zero-padded to r
+  b  [S, r, out]  lora_B transposed, times the adapter's scaling (alpha / r, or alpha / sqrt(r))
+Each row of a graph call names its slot (NO_ADAPTER: the base) in one extra column of its block
+table (`with_adapter_column`): rows of different adapters share one call. A token's delta is
+
+  ((x @ a.view(S*r, in).T) * mask) @ b.view(S*r, out),   mask [R, S*r] one-hot by slot
+
+which reads every slot's a / b once per call (S*r extra columns of each projection: static
+shapes, no gather of weights per token) and is exactly zero for base rows.
+
+Under tensor parallelism the slots shard with the projection they modify, as NxD Inference's
+lora_serving does (modules/lora_serving/lora_layer.py): column-parallel (q/k/v, gate/up) split b
+on its output; row-parallel (o_proj, down_proj) split a on its input, and the [R, S*r] partial
+products are summed across ranks before b (the layer factory's `reduce`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ..lora_targets import ROW_PARALLEL
+
+NO_ADAPTER = -1  # a row's slot when it runs the base model
+
+
+@dataclass(frozen=True)
+class LoraSpec:
+    """The slots an export compiles: `slots` adapters at once, of rank <= `rank`, on `targets`."""
+
+    slots: int
+    rank: int
+    targets: tuple[str, ...]
+
+    @classmethod
+    def of(cls, config) -> LoraSpec | None:
+        if not config.max_loras:
+            return None
+        return cls(config.max_loras, config.max_lora_rank, tuple(config.lora_target_modules))
+
+    @property
+    def columns(self) -> int:
+        return self.slots * self.rank
+
+
+def with_adapter_column(tables: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """Block tables [N, cols] and each row's slot [N] -> the row inputs of a LoRA export [N, cols + 1]."""
+    return torch.cat([tables, slots.to(tables.dtype)[:, None]], dim=1)
+
+
+def split_adapter_column(tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The inverse of `with_adapter_column`: (block tables [N, cols], slots [N])."""
+    return tables[:, :-1], tables[:, -1]
+
+
+def token_mask(
+    row_slots: list[torch.Tensor], tokens_per_row: list[int], spec: LoraSpec, dtype
+) -> torch.Tensor:
+    """Each part's row slots [N_i] with T_i tokens a row -> [R, S*r]: 1 in the columns of a
+    token's slot, 0 elsewhere (all 0 for base rows)."""
+    slots = torch.cat(
+        [s[:, None].expand(-1, t).reshape(-1) for s, t in zip(row_slots, tokens_per_row, strict=True)]
+    )
+    one_hot = slots[:, None] == torch.arange(spec.slots, device=slots.device)[None]  # [R, S]
+    return one_hot.to(dtype).repeat_interleave(spec.rank, dim=1)
+
+
+class LoraSlots(nn.Module):
+    """One projection's adapter slots, this rank's share (module docstring)."""
+
+    def __init__(self, spec: LoraSpec, in_features: int, out_features: int, reduce=None):
+        super().__init__()
+        self.reduce = reduce  # row-parallel: sums the ranks' partial [R, S*r] products
+        shape = (spec.slots, spec.rank)
+        self.a = nn.Parameter(torch.zeros(*shape, in_features), requires_grad=False)
+        self.b = nn.Parameter(torch.zeros(*shape, out_features), requires_grad=False)
+
+    def delta(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """x [1, R, in] -> [1, R, out]: each token's adapter applied, zero for base tokens."""
+        slots, rank, inner = self.a.shape
+        h = x @ self.a.reshape(slots * rank, inner).t()  # [1, R, S*r]
+        if self.reduce is not None:
+            h = self.reduce(h)
+        return (h * mask) @ self.b.reshape(slots * rank, -1)
+
+
+def lora_slots(spec: LoraSpec | None, layers, shapes: dict[str, tuple[int, int]]) -> nn.ModuleDict:
+    """Slots of the targeted projections among `shapes` (name -> full (in, out)), this rank's
+    share: column-parallel outputs and row-parallel inputs split over `layers.tp_degree`."""
+    slots = nn.ModuleDict()
+    if spec is None:
+        return slots
+    tp = layers.tp_degree
+    for name, (inner, outer) in shapes.items():
+        if name not in spec.targets:
+            continue
+        if name in ROW_PARALLEL:
+            slots[name] = LoraSlots(spec, inner // tp, outer, layers.reduce if tp > 1 else None)
+        else:
+            slots[name] = LoraSlots(spec, inner, outer // tp)
+    return slots
+
+
+def project(linear: nn.Module, slots: nn.ModuleDict, name: str, x: torch.Tensor, mask) -> torch.Tensor:
+    """linear(x), plus the adapter delta of each token where `name` has slots."""
+    y = linear(x)
+    if mask is None or name not in slots:
+        return y
+    return y + slots[name].delta(x, mask)
