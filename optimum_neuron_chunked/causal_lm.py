@@ -7,10 +7,17 @@ from pathlib import Path
 import torch
 from transformers import GenerationConfig
 
+from .adapter_slots import SlotTable
 from .block_pool import BlockPool
 from .config import InvalidExportError
 from .graph_runner import GraphRunner
 from .hub import resolve_export
+from .lora_adapter import LoraAdapter, read_adapter
+from .modeling import torch_dtype
+from .modeling.family import family_spec
+from .modeling.lora import NO_ADAPTER, LoraSpec
+
+BASE = "__base__"  # peft's name for the base model in adapter_names (tuners/lora/model.py)
 
 __all__ = ["InvalidExportError", "NeuronModelForCausalLM"]
 
@@ -27,6 +34,47 @@ class NeuronModelForCausalLM:
         self.neuron_config = runner.config
         self.generation_config = generation_config
         self.kv_pool = BlockPool(runner.pool)
+        self.adapters: dict[str, LoraAdapter] = {}  # load_adapter's, by name
+        self._slots = SlotTable(runner.config.max_loras)
+
+    def load_adapter(self, path: str | Path, adapter_name: str) -> None:
+        """A PEFT LoRA adapter (peft's save_pretrained folder) under `adapter_name`, for
+        `generate(..., adapter_names=[...])`; refused by name where the export's slots cannot hold
+        it (lora_adapter.LoraConfigError)."""
+        lora = LoraSpec.of(self.neuron_config)
+        if lora is None:
+            raise ValueError("this export has no LoRA adapter slots: export it again with --max-loras N")
+        if adapter_name == BASE:
+            raise ValueError(f"{BASE!r} names the base model: choose another adapter_name")
+        adapter = read_adapter(path, family_spec(self.config), lora, torch_dtype(self.neuron_config))
+        self.delete_adapter(adapter_name)  # a reload under the same name: its slot is stale
+        self.adapters[adapter_name] = adapter
+
+    def delete_adapter(self, adapter_name: str) -> None:
+        self.adapters.pop(adapter_name, None)
+        self._slots.drop(adapter_name)
+
+    def adapter_slots(self, adapter_names: list[str] | None, rows: int) -> list[int]:
+        """Each row's LoRA slot for `adapter_names` (BASE or None: the base), the adapters written
+        into slots they do not hold yet (least recently used first out)."""
+        if adapter_names is None:
+            return [NO_ADAPTER] * rows
+        if len(adapter_names) != rows:
+            raise ValueError(
+                f"adapter_names has {len(adapter_names)} entries for {rows} prompts: give one per row"
+            )
+        unknown = sorted({n for n in adapter_names if n != BASE and n not in self.adapters})
+        if unknown:
+            raise ValueError(f"adapters {unknown} are not loaded: load_adapter(path, adapter_name=...) first")
+        wanted = [n for n in adapter_names if n != BASE]
+        if len(set(wanted)) > self._slots.slots:
+            raise ValueError(
+                f"{len(set(wanted))} adapters in one generate call, the export has {self._slots.slots} "
+                "slots (--max-loras): split the batch"
+            )
+        for slot, name in self._slots.place(wanted):
+            self.runner.write_adapter(slot, self.adapters[name])
+        return [NO_ADAPTER if n == BASE else self._slots.slot_of(n) for n in adapter_names]
 
     @classmethod
     def from_pretrained(

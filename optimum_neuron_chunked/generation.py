@@ -9,6 +9,7 @@ import torch
 from .config import prefill_slices
 from .generation_plan import GenerationPlan, plan
 from .graph_runner import GraphRunner
+from .modeling.lora import NO_ADAPTER
 from .modeling.sampler import sample, sampling_params
 from .prompt_lookup import accept_greedy, propose
 
@@ -32,7 +33,10 @@ def generate(
     arguments (generation_plan.py: the device samples greedy / temperature / top-k / top-p,
     the host applies transformers' processors for the rest, anything else is refused by name).
     `prompt_lookup_num_tokens` K (greedy, exports with --speculation-length >= K): each step
-    verifies up to K tokens drafted by prompt lookup (prompt_lookup.py) in one VF call."""
+    verifies up to K tokens drafted by prompt lookup (prompt_lookup.py) in one VF call.
+    `adapter_names`: each row's LoRA adapter (model.load_adapter), "__base__" for the base,
+    as peft's mixed batches take them."""
+    adapter_names = kwargs.pop("adapter_names", None)
     p = plan(model.generation_config, generation_config, input_ids.shape[1], logits_processor,
              stopping_criteria, tokenizer, **kwargs)  # fmt: skip
     gen = p.config
@@ -60,7 +64,7 @@ def generate(
     lookup = _check_lookup(model.neuron_config, gen.prompt_lookup_num_tokens, gen.do_sample or p.on_host)
     if streamer is not None:
         streamer.put(input_ids.cpu())
-    rows = Rows(input_ids, p, generator, streamer)
+    rows = Rows(input_ids, p, generator, streamer, model.adapter_slots(adapter_names, n))
     new_tokens = _generate_tokens(model, prompts, max_new_tokens, row_params, set(eos_ids), rows, lookup)
     if streamer is not None:
         streamer.end()
@@ -74,10 +78,11 @@ def generate(
 class Rows:
     """Each row's tokens as transformers' processors see them (the padded prompt row, then the
     new tokens), the host's choice of a token where the plan samples on the host, the stopping
-    criteria and the streamer."""
+    criteria, the streamer and each row's LoRA slot."""
 
-    def __init__(self, input_ids: torch.Tensor, p: GenerationPlan, generator, streamer):
+    def __init__(self, input_ids: torch.Tensor, p: GenerationPlan, generator, streamer, slots: list[int]):
         self.input_ids, self.plan, self.generator, self.streamer = input_ids, p, generator, streamer
+        self.slots = slots
 
     def ids(self, i: int, tokens: list[int]) -> torch.Tensor:
         return torch.cat([self.input_ids[i], torch.tensor(tokens, dtype=self.input_ids.dtype)])[None]
@@ -128,7 +133,7 @@ def _generate_tokens(
         for prompt in prompts:
             blocks.append(pool.acquire(len(prompt) + max_new_tokens))
         for i, prompt in enumerate(prompts):
-            logits = prefill_prompt(runner, prompt, blocks[i])
+            logits = prefill_prompt(runner, prompt, blocks[i], rows.slots[i])
             token = rows.choose(i, tokens[i], logits) if host else int(
                 sample(logits[None], params[i : i + 1], _rand(1, rows.generator), config.max_topk)[0]
             )  # fmt: skip
@@ -140,7 +145,7 @@ def _generate_tokens(
             if lookup:
                 before = [len(tokens[i]) for i in live]
                 _verify_step(runner, [prompts[i].tolist() for i in live], [tokens[i] for i in live], kvs, lookup,
-                             max_new_tokens)  # fmt: skip
+                             max_new_tokens, [rows.slots[i] for i in live])  # fmt: skip
                 for i, n in zip(live, before, strict=True):
                     _cut_at_eos(tokens[i], eos_ids)
                     rows.stream(tokens[i][n:])
@@ -149,7 +154,9 @@ def _generate_tokens(
             ids = torch.tensor([tokens[i][-1] for i in live])
             positions = torch.tensor([len(prompts[i]) + len(tokens[i]) - 1 for i in live])
             sampling = (params[live], _rand(len(live), rows.generator))
-            sampled, logits = runner.decode(ids, positions, kvs, sampling, need_logits=host)
+            sampled, logits = runner.decode(
+                ids, positions, kvs, sampling, host, [rows.slots[i] for i in live]
+            )
             if host:
                 sampled = torch.tensor(
                     [rows.choose(i, tokens[i], row) for i, row in zip(live, logits, strict=True)]
@@ -166,7 +173,7 @@ def _generate_tokens(
     return tokens
 
 
-def _verify_step(runner: GraphRunner, prompts, tokens, kvs, k: int, max_new_tokens: int) -> None:
+def _verify_step(runner: GraphRunner, prompts, tokens, kvs, k: int, max_new_tokens: int, slots) -> None:
     """One VF call: each row's last token and its prompt-lookup drafts (no more than it may
     still emit); the accepted tokens are appended to `tokens` in place."""
     drafts = [
@@ -175,7 +182,7 @@ def _verify_step(runner: GraphRunner, prompts, tokens, kvs, k: int, max_new_toke
     ]
     rows = [torch.tensor([t[-1], *d]) for t, d in zip(tokens, drafts, strict=True)]
     positions = torch.tensor([len(p) + len(t) - 1 for p, t in zip(prompts, tokens, strict=True)])
-    argmax, _ = runner.verify(rows, positions, kvs, need_logits=False)
+    argmax, _ = runner.verify(rows, positions, kvs, False, slots)
     for t, d, row in zip(tokens, drafts, argmax.tolist(), strict=True):
         t.extend(accept_greedy(d, row))
 
@@ -188,16 +195,18 @@ def _cut_at_eos(tokens: list[int], eos_ids: set[int]) -> None:
             return
 
 
-def prefill_prompt(runner: GraphRunner, input_ids: torch.Tensor, blocks: tuple[int, ...]) -> torch.Tensor:
-    """A whole prompt into KV blocks `blocks`, chunk by chunk or
-    through CE, whichever the export has -> logits [V] after its last token."""
+def prefill_prompt(
+    runner: GraphRunner, input_ids: torch.Tensor, blocks: tuple[int, ...], adapter: int = NO_ADAPTER
+) -> torch.Tensor:
+    """A whole prompt into KV blocks `blocks`, chunk by chunk or through CE, whichever the export
+    has, under LoRA slot `adapter` -> logits [V] after its last token."""
     config, n = runner.config, input_ids.shape[0]
     if not 0 < n <= config.sequence_length:
         raise ValueError(
             f"prompt of {n} tokens: must hold 1 to sequence_length={config.sequence_length} tokens"
         )
     for piece in prefill_slices(n, config.prefill_chunk_size):
-        logits = runner.prefill(input_ids[piece], piece.start, blocks)
+        logits = runner.prefill(input_ids[piece], piece.start, blocks, adapter=adapter)
     return logits
 
 

@@ -22,6 +22,7 @@ from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.sample.logits_processor import build_logitsprocs
 from vllm.v1.worker.gpu_input_batch import CachedRequestState, InputBatch
 
+from ..modeling.lora import NO_ADAPTER
 from .compat import input_batch_args
 from .connector import PrefixCopies, is_prefix_cache_connector
 from .kv_blocks import dropped, next_block_ids, request_blocks
@@ -163,8 +164,13 @@ class BatchState:
         state.output_token_ids.clear()
         return state
 
-    def scheduled_work(self, so: SchedulerOutput) -> list[ScheduledWork]:
-        """The step as plain data for the planner, in the scheduler's order."""
+    def adapter_requests(self, so: SchedulerOutput) -> dict[str, object]:
+        """Each scheduled request's LoRARequest, or None (the base)."""
+        return {req_id: self.requests[req_id].lora_request for req_id in so.num_scheduled_tokens}
+
+    def scheduled_work(self, so: SchedulerOutput, slots: dict[str, int] | None = None) -> list[ScheduledWork]:
+        """The step as plain data for the planner, in the scheduler's order; `slots`: each
+        request's LoRA slot (vllm/adapters.py), none for the base."""
         admitted = {new.req_id for new in so.scheduled_new_reqs} | so.scheduled_cached_reqs.resumed_req_ids
         work = []
         for req_id, n in so.num_scheduled_tokens.items():
@@ -183,6 +189,7 @@ class BatchState:
                     num_known_tokens=len(known),
                     after_earlier_chunks=self.shares_vllm_blocks and req_id in admitted,
                     drafts=tuple(usable_drafts(scheduled_drafts)),
+                    adapter=(slots or {}).get(req_id, NO_ADAPTER),
                 )
             )
         return work

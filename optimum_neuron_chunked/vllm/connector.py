@@ -29,6 +29,7 @@ from vllm.logger import init_logger
 from vllm.v1.request import RequestStatus
 
 from .block_assignment import BlockAssignment
+from .compat import adapter_cache_key
 from .prefix_index import BlockCopy, PrefixHit, PrefixIndex, common_prefix_length, worth_waiting
 
 logger = init_logger(f"vllm.{__name__}")
@@ -58,12 +59,15 @@ def is_platform_connector(kv_transfer_config) -> bool:
     return kv_transfer_config is not None and kv_transfer_config.kv_connector_module_path in modules
 
 
-def prefilling(requests) -> list:
-    """The prompts of those vLLM `Request`s that are running and not yet past their prompt."""
+def prefilling(requests, adapter) -> list:
+    """The prompts of those vLLM `Request`s that are running under LoRA `adapter`
+    (compat.adapter_cache_key) and not yet past their prompt."""
     return [
         r.prompt_token_ids
         for r in requests
-        if r.status == RequestStatus.RUNNING and r.num_computed_tokens < r.num_prompt_tokens
+        if r.status == RequestStatus.RUNNING
+        and r.num_computed_tokens < r.num_prompt_tokens
+        and adapter_cache_key(r.lora_request) == adapter
     ]
 
 
@@ -113,11 +117,12 @@ class PrefixCopyConnector(SchedulerSideConnector):
         if request.skip_reading_prefix_cache:
             return 0, False
         self._sync_live_blocks()
-        hit = self.index.longest_hit(request.prompt_token_ids)
+        adapter = adapter_cache_key(request.lora_request)
+        hit = self.index.longest_hit(request.prompt_token_ids, adapter)
         if worth_waiting(
             request.prompt_token_ids,
             hit.length if hit else 0,
-            prefilling(self._live.values()),
+            prefilling(self._live.values(), adapter),
             self.min_wait_gain,
         ):
             return None, False
@@ -131,17 +136,20 @@ class PrefixCopyConnector(SchedulerSideConnector):
 
     def _sync_live_blocks(self) -> None:
         for pool_block, computed in self._live_computed.items():
-            if len(self.index.held(pool_block)) != computed:
-                self.index.set(pool_block, self._live[pool_block].all_token_ids[:computed])
+            request = self._live[pool_block]
+            adapter = adapter_cache_key(request.lora_request)
+            if len(self.index.held(pool_block, adapter)) != computed:
+                self.index.set(pool_block, request.all_token_ids[:computed], adapter)
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
         (block_ids,) = blocks.get_block_ids()
         promised = self._promised.pop(request.request_id, None)
         hit = PrefixHit(promised.source, num_external_tokens) if promised and num_external_tokens else None
         pool_block = self._pool_block_for(request, block_ids[0])
-        copy = self.index.admit(pool_block, request.prompt_token_ids, hit)
+        adapter = adapter_cache_key(request.lora_request)
+        copy = self.index.admit(pool_block, request.prompt_token_ids, hit, adapter)
         self._live[pool_block] = request
-        self._live_computed[pool_block] = len(self.index.held(pool_block))
+        self._live_computed[pool_block] = len(self.index.held(pool_block, adapter))
         if copy is not None:
             self._copies.append(copy)
             logger.debug(
@@ -167,12 +175,13 @@ class PrefixCopyConnector(SchedulerSideConnector):
             self._live_computed.pop(pool_block, None)
             self.assignment.release(pool_block)
         prompt = np.asarray(request.prompt_token_ids, dtype=np.int64)
-        pool_block = self.assignment.assign(block, lambda s: self._reusable(prompt, s))
+        adapter = adapter_cache_key(request.lora_request)
+        pool_block = self.assignment.assign(block, lambda s: self._reusable(prompt, s, adapter))
         self._assigned.append((block, pool_block))
         return pool_block
 
-    def _reusable(self, prompt: np.ndarray, pool_block: int) -> int:
-        n = min(common_prefix_length(prompt, self.index.held(pool_block)), len(prompt) - 1)
+    def _reusable(self, prompt: np.ndarray, pool_block: int, adapter) -> int:
+        n = min(common_prefix_length(prompt, self.index.held(pool_block, adapter)), len(prompt) - 1)
         return n if n >= self.index.min_hit else 0
 
     def build_connector_meta(self, scheduler_output) -> PrefixCopies:
@@ -192,7 +201,8 @@ class PrefixCopyConnector(SchedulerSideConnector):
         self._promised.pop(request.request_id, None)
         for pool_block in self._pool_blocks_of(request):
             # the pool block keeps what was computed until it is given to another request
-            self.index.set(pool_block, request.all_token_ids[: request.num_computed_tokens])
+            adapter = adapter_cache_key(request.lora_request)
+            self.index.set(pool_block, request.all_token_ids[: request.num_computed_tokens], adapter)
             del self._live[pool_block], self._live_computed[pool_block]
             self.assignment.release(pool_block)
         return False, None

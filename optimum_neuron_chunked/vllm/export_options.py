@@ -11,6 +11,8 @@ flags against it.
   --quantization fp8         quantization fp8: weight-only, per output channel (not vLLM's W8A8);
                              one vLLM read from an FP8 checkpoint's config is the checkpoint's
   --speculative-config       ngram with K tokens: speculation_length K
+  --enable-lora              max_loras, max_lora_rank, lora_target_modules from --max-loras,
+                             --max-lora-rank, --lora-target-modules (lora_flags.py)
   --additional-config        every other export option under its NeuronConfig name
                              (prefill_chunk_size, context_buckets, backend, mixed_step, ...)
 """
@@ -21,6 +23,7 @@ from difflib import get_close_matches
 
 from ..config import EXPORT_OPTIONS, NeuronConfig
 from .limits import SPECULATIVE_METHODS, EngineRequest, ServingConfigError
+from .lora_flags import lora_export_options
 
 # export option -> the vLLM flag that sets it
 FROM_FLAGS = {
@@ -88,6 +91,7 @@ def export_options(vllm_config, request: EngineRequest) -> tuple[dict, list[str]
             f'drafts with vLLM\'s n-gram proposer only (method "ngram").'
         )
     options["speculation_length"] = request.speculative_tokens if request.speculative_method else 0
+    options |= lora_export_options(vllm_config.lora_config)
     quantization = quantization_option(model_config, options.get("quantization"))
     if quantization is not None:
         options["quantization"] = quantization

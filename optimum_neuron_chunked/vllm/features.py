@@ -1,7 +1,7 @@
 """vLLM features the runner cannot honour, refused at start-up with the flag that asks for them.
 
-A feature the worker would silently ignore (LoRA: base-model tokens) or fail on at the first
-request is refused before anything is loaded. Speculative decoding is checked against the
+A feature the worker would silently ignore or fail on at the first request is refused before
+anything is loaded (LoRA: checked against the export's adapter slots, lora_flags.py). Speculative decoding is checked against the
 export's verify graphs (limits.check_speculation); tensor parallelism and quantization against
 the export (export_options.check_export_keys).
 Attribute names are VllmConfig's and flags are `vllm serve`'s, as of vLLM 0.32
@@ -15,11 +15,6 @@ from .limits import ServingConfigError
 
 # VllmConfig attribute -> (the flag that sets it, why it cannot be served)
 UNSUPPORTED_CONFIGS = {
-    "lora_config": (
-        "--enable-lora",
-        "the compiled graphs hold the base weights only: merge the adapter into the checkpoint "
-        "(peft's merge_and_unload) and export that",
-    ),
     "kv_transfer_config": (
         "--kv-transfer-config",
         "a KV connector would hand requests KV that the export's cache never received",

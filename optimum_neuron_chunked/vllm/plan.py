@@ -10,6 +10,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from ..config import prefill_slices
+from ..modeling.lora import NO_ADAPTER
 from .prefix_index import BlockCopy
 
 # Where a request's K/V lives: its pool blocks in position order (graph_runner.py).
@@ -40,6 +41,7 @@ class ScheduledWork:
     # that runs ahead of the step's chunks.
     after_earlier_chunks: bool = False
     drafts: tuple[int, ...] = ()  # speculative tokens to verify after a decode's token
+    adapter: int = NO_ADAPTER  # the LoRA slot the request's rows run under (vllm/adapters.py)
 
     @property
     def end(self) -> int:
@@ -66,6 +68,7 @@ class DecodeRow:
     token_id: int
     position: int
     drafts: tuple[int, ...] = ()  # verified after token_id, at position + 1, ... (a VF call)
+    adapter: int = NO_ADAPTER
 
 
 @dataclass(frozen=True)
@@ -77,6 +80,7 @@ class PrefillChunk:
     start: int
     token_ids: tuple[int, ...]
     samples: bool  # the last chunk of the request's prefill: its logits are sampled
+    adapter: int = NO_ADAPTER
 
 
 @dataclass(frozen=True)
@@ -104,7 +108,7 @@ def plan_step(
         if not w.token_ids:
             raise PlanError(f"request {w.req_id} was scheduled with no tokens")
         if w.is_decode:
-            decodes.append(DecodeRow(w.req_id, w.blocks, w.token_ids[0], w.start, w.drafts))
+            decodes.append(DecodeRow(w.req_id, w.blocks, w.token_ids[0], w.start, w.drafts, w.adapter))
         else:
             chunks.extend(_split_prefill(w, chunk_size))
     if len(decodes) > batch_size:
@@ -159,10 +163,12 @@ def _split_prefill(w: ScheduledWork, chunk_size: int) -> list[PrefillChunk]:
                 f"positions {w.start}..{w.end} of {w.num_known_tokens}; serve a chunked export for "
                 "chunked prefill."
             )
-        return [PrefillChunk(w.req_id, w.blocks, 0, w.token_ids, True)]
+        return [PrefillChunk(w.req_id, w.blocks, 0, w.token_ids, True, w.adapter)]
     pieces = prefill_slices(len(w.token_ids), chunk_size)
     return [
-        PrefillChunk(w.req_id, w.blocks, w.start + p.start, w.token_ids[p], p is pieces[-1] and w.samples)
+        PrefillChunk(
+            w.req_id, w.blocks, w.start + p.start, w.token_ids[p], p is pieces[-1] and w.samples, w.adapter
+        )
         for p in pieces
     ]
 

@@ -23,6 +23,7 @@ from .compat import cap_scheduled_tokens
 from .export_options import check_export_keys, describe_plan, export_options
 from .features import refuse_unsupported
 from .limits import EngineRequest, ServingConfigError, serving_limits
+from .lora_flags import fit_lora
 
 logger = init_logger(f"vllm.{__name__}")  # under vLLM's configured logger
 
@@ -101,6 +102,7 @@ class NeuronChunkedPlatform(Platform):
         refuse_unsupported(vllm_config)  # before any work, an export included
         export = check_export(_export_folder(vllm_config))
         check_export_keys(export, vllm_config)
+        adapters = fit_lora(vllm_config, export)
         _one_worker_drives_every_core(vllm_config.parallel_config)
         # validate_request has no config: what the export serves is kept for this process.
         cls.serves_prompt_logprobs = export.prompt_logprobs
@@ -120,11 +122,12 @@ class NeuronChunkedPlatform(Platform):
         # engine processes must be spawned (vLLM's CPU platform does the same).
         os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
         logger.info(
-            "serving %s (%s) with %s; prefix caching %s",
+            "serving %s (%s) with %s; prefix caching %s; LoRA %s",
             model_config.model,
             _describe(export),
             limits,
             caching,
+            adapters,
         )
 
     @classmethod

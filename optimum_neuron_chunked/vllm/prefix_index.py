@@ -12,6 +12,7 @@ and reallocating a pool block replaces what the index says it holds.
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from dataclasses import dataclass
 
 import numpy as np
@@ -56,7 +57,9 @@ def worth_waiting(prompt, hit_length: int, computing: list, min_gain: int, block
 
 
 class PrefixIndex:
-    """pool block -> token ids whose K/V the pool block holds at positions 0, 1, ...
+    """pool block -> token ids whose K/V the pool block holds at positions 0, 1, ..., and the
+    LoRA adapter they were computed under (compat.adapter_cache_key; None: the base): K/V of one
+    adapter is never a hit for another.
 
     `min_hit`: shorter common prefixes are not worth a copy call (a chat template's first
     tokens); a hit always leaves the prompt's last token to compute, so that it samples."""
@@ -64,32 +67,37 @@ class PrefixIndex:
     def __init__(self, min_hit: int):
         self.min_hit = min_hit
         self._held: dict[int, np.ndarray] = {}
+        self._adapter: dict[int, Hashable] = {}
 
-    def held(self, pool_block: int) -> np.ndarray:
+    def held(self, pool_block: int, adapter: Hashable = None) -> np.ndarray:
+        """What the pool block holds for a prompt under `adapter` (nothing under another)."""
+        if self._adapter.get(pool_block) != adapter:
+            return np.empty(0, dtype=np.int64)
         return self._held.get(pool_block, np.empty(0, dtype=np.int64))
 
-    def set(self, pool_block: int, token_ids) -> None:
-        """The pool block now holds the K/V of `token_ids` (those before it are gone)."""
+    def set(self, pool_block: int, token_ids, adapter: Hashable = None) -> None:
+        """The pool block now holds the K/V of `token_ids` under `adapter` (those before it are gone)."""
         self._held[pool_block] = np.asarray(token_ids, dtype=np.int64)
+        self._adapter[pool_block] = adapter
 
-    def longest_hit(self, prompt) -> PrefixHit | None:
+    def longest_hit(self, prompt, adapter: Hashable = None) -> PrefixHit | None:
         prompt = np.asarray(prompt, dtype=np.int64)
         best = None
-        for pool_block, held in self._held.items():
-            n = min(common_prefix_length(prompt, held), len(prompt) - 1)
+        for pool_block in self._held:
+            n = min(common_prefix_length(prompt, self.held(pool_block, adapter)), len(prompt) - 1)
             if n >= self.min_hit and (best is None or n > best.length):
                 best = PrefixHit(pool_block, n)
         return best
 
-    def admit(self, target: int, prompt, hit: PrefixHit | None) -> BlockCopy | None:
+    def admit(self, target: int, prompt, hit: PrefixHit | None, adapter: Hashable = None) -> BlockCopy | None:
         """A request enters `target` with `hit` (what get_num_new_matched_tokens promised):
         the copy that puts the hit in place (None when none is needed), and the index now
         says `target` holds the hit's tokens. A copy is always read before anything of this
         step writes its source (the runner copies first), so the source's entry stays."""
         prompt = np.asarray(prompt, dtype=np.int64)
         length = hit.length if hit else 0
-        already = common_prefix_length(prompt[:length], self.held(target))
-        self.set(target, prompt[:length])
+        already = common_prefix_length(prompt[:length], self.held(target, adapter))
+        self.set(target, prompt[:length], adapter)
         if length == 0 or already >= length:
             return None  # no hit, or the pool block already holds it (pool block affinity)
         return BlockCopy(hit.source, target, length)

@@ -18,6 +18,7 @@ from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
+from .compat import adapter_cache_key
 from .connector import MIN_HIT_TOKENS, SchedulerSideConnector, prefilling
 from .prefix_index import worth_waiting
 
@@ -34,7 +35,7 @@ class PrefixWaitConnector(SchedulerSideConnector):
         the local hit, which counts the blocks allocated to chunks scheduled this step."""
         if request.skip_reading_prefix_cache:  # reads no prefix: nothing to wait for
             return 0, False
-        computing = prefilling(self._admitted.values())
+        computing = prefilling(self._admitted.values(), adapter_cache_key(request.lora_request))
         if worth_waiting(
             request.prompt_token_ids, num_computed_tokens, computing, self.min_wait_gain, self.block_size
         ):

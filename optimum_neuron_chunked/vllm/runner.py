@@ -17,6 +17,7 @@ from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, LogprobsTensors, ModelRun
 from ..graph_runner import GraphRunner
 from ..modeling.kv_layout import PrefixCache
 from ..prompt_lookup import accept_greedy
+from .adapters import AdapterManager
 from .batch import BatchState
 from .compat import host_sampler
 from .connector import PrefixCopies
@@ -66,6 +67,8 @@ class StepRunner:
         spec = vllm_config.speculative_config
         self.drafter = Drafter(vllm_config, spec.num_speculative_tokens) if spec is not None else None
         self._drafts: dict[str, list[int]] = {}  # proposed after the last step, for the scheduler
+        lora = vllm_config.lora_config
+        self.adapters = AdapterManager(graph_runner, lora) if lora is not None else None
 
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput | None:
         self.batch.update(so)
@@ -73,8 +76,12 @@ class StepRunner:
             self.last_plan = None
             return EMPTY_MODEL_RUNNER_OUTPUT
         copies = so.kv_connector_metadata.copies if isinstance(so.kv_connector_metadata, PrefixCopies) else ()
+        slots = self.adapters.slots_for(self.batch.adapter_requests(so)) if self.adapters else None
         plan = plan_step(
-            self.batch.scheduled_work(so), self.config.prefill_chunk_size, self.config.batch_size, copies
+            self.batch.scheduled_work(so, slots),
+            self.config.prefill_chunk_size,
+            self.config.batch_size,
+            copies,
         )
         if self.config.mixed_step:
             apart = frozenset(self.batch.prompt_logprobs)
@@ -157,13 +164,14 @@ class StepRunner:
         sampling = device_sampling_inputs(params, self.rng) if caps.on_device_sampling else None
         rows = [torch.tensor([getattr(d, f) for d in decodes]) for f in ("token_id", "position")]
         rows.append([d.blocks for d in decodes])
+        adapters = [d.adapter for d in decodes]
         if result.plan.fused is None:
-            tokens, logits = self.graph_runner.decode(*rows, sampling, need_logits=not on_device)
+            tokens, logits = self.graph_runner.decode(*rows, sampling, not on_device, adapters)
         else:
             chunk = result.plan.chunks[result.plan.fused]
             chunk_args = (torch.tensor(chunk.token_ids), chunk.start, chunk.blocks)
             tokens, logits, chunk_logits = self.graph_runner.decode_with_chunk(
-                *rows, sampling, *chunk_args, not on_device
+                *rows, sampling, *chunk_args, not on_device, adapters, chunk.adapter
             )
             if chunk.samples:
                 result.host_logits[chunk.req_id] = chunk_logits
@@ -183,7 +191,8 @@ class StepRunner:
         rows = [torch.tensor([d.token_id, *d.drafts]) for d in decodes]
         positions = torch.tensor([d.position for d in decodes])
         blocks = [d.blocks for d in decodes]
-        argmax, logits = self.graph_runner.verify(rows, positions, blocks, need_logits=not all(greedy))
+        adapters = [d.adapter for d in decodes]
+        argmax, logits = self.graph_runner.verify(rows, positions, blocks, not all(greedy), adapters)
         for i, (d, p) in enumerate(zip(decodes, params, strict=True)):
             if greedy[i]:
                 result.verified[d.req_id] = accept_greedy(list(d.drafts), argmax[i].tolist())
@@ -198,9 +207,9 @@ class StepRunner:
             tokens = torch.tensor(chunk.token_ids)
             wanted = self.batch.prompt_logprobs.get(chunk.req_id)
             if wanted is None:
-                logits = self.graph_runner.prefill(tokens, chunk.start, chunk.blocks)
+                logits = self.graph_runner.prefill(tokens, chunk.start, chunk.blocks, adapter=chunk.adapter)
             else:
-                rows = self.graph_runner.prefill(tokens, chunk.start, chunk.blocks, every_position=True)
+                rows = self.graph_runner.prefill(tokens, chunk.start, chunk.blocks, True, chunk.adapter)
                 logits = rows[-1]
                 prompt = self.batch.requests[chunk.req_id].prompt_token_ids
                 done, tensors = add_chunk(wanted, prompt, chunk.start, rows, self.sampler, self.logprobs_mode)

@@ -110,6 +110,24 @@ class NeuronChunkedWorker(WorkerBase):
         plan = self.runner.last_plan
         return describe(plan) if plan is not None else "-"
 
+    # vLLM's LoRA calls (v1/worker/worker_base.py): a refusal raises, a False would read as success
+    def add_lora(self, lora_request) -> bool:
+        return self._adapters().add(lora_request)
+
+    def remove_lora(self, lora_id: int) -> bool:
+        return self._adapters().remove(lora_id)
+
+    def pin_lora(self, lora_id: int) -> bool:
+        return self._adapters().pin(lora_id)
+
+    def list_loras(self) -> set[int]:
+        return self._adapters().ids()
+
+    def _adapters(self):
+        if self.runner.adapters is None:
+            raise ValueError("LoRA adapters are served with --enable-lora (an export with --max-loras slots)")
+        return self.runner.adapters
+
     def get_cache_block_size_bytes(self) -> int:
         return self.get_kv_cache_spec()[KV_LAYER].page_size_bytes
 

@@ -8,35 +8,45 @@ CP graphs, of MX graphs and of CE graphs. Decode rows (TG, VF, MX's decode part)
 reference: nkilib's decode kernel `attention_tkg` is a sub-kernel that wants q / k already on
 chip unless RoPE is fused (attention_tkg.py, 2.29_release l.321-330).
 
-Three sets of rules, each written once below:
-- the target's, from NxD Inference, AWS's own caller of the kernel (modules/attention/
-  attention_base.py, read Nov 2026): `target_misfit`;
+Rules, each written once below:
+- the target's: `target_misfit` (NeuronCore-v2 runs no kernel of the SDKs we admit; trn2 any
+  width, as NxD Inference's prefix prefill runs it);
 - the installed kernel's limits, its `kernel_assert`s on module constants: `KernelLimits`;
-- ours: bf16 (the kernel's tiles), a layer whose cache is a ring keeps the reference
-  (nki_kernels.NkiKernels decides that per layer, from the layout).
+- what the kernel is handed for a chunk: `kernel_prior` (NkiKernels, the probe and the choice);
+- ours: bf16 (the kernel's tiles), a layer whose cache is a ring keeps the reference:
+  `kernel_layers` (NkiKernels decides that per layer, from the layout).
 """
 
 from __future__ import annotations
 
 import hashlib
 import importlib
+import importlib.metadata
 from dataclasses import asdict, dataclass
 from pathlib import Path
+
+import torch
+from packaging.version import InvalidVersion, Version
 
 from ...config import NeuronConfig, NeuronConfigError
 from ...graphs import GraphKind, GraphSpec
 from ...modeling.family import FamilySpec
+from ...modeling.kv_layout import KVLayout
 from ...modeling.parallel import ShardLayout
+from .sdk import XLA_SDK_SETS
 from .target import TARGETS
 
 KERNEL_MODULE = "nkilib.core.attention.attention_cte"
 CHUNK_KINDS = (GraphKind.CP, GraphKind.MX, GraphKind.CE)
-# NxD Inference's `get_flash_attention_strategy` (attention_base.py l.985-1034) on LNC1 (trn1,
-# inf2): the unsharded kernel from 4096 query tokens by default (l.1027), from 512 when the
-# kernel is explicitly enabled (l.1031; docstring: "The unsharded kernel requires a context
-# length of at least 512"). We take the explicit-enable threshold, below the 4096 default: a
-# chunk of 512 to 4095 tokens gets the kernel NxD Inference accepts for it.
-LNC1_MIN_WIDTH = 512
+# Neuron SDK 2.29.0's NxD Inference release notes, Breaking Changes: "NxD Inference no longer
+# supports NKI kernels on Trn1/Inf2 hardware, as NKI 0.3.0 kernels are not supported on
+# Trn1/Inf2"; the NKI FAQ from 2.29: "NKI supports Trainium2 and Trainium3". Every SDK the
+# `neuron` extra admits (sdk.XLA_SDK_SETS: 2.29 on) carries NKI >= 0.3.0.
+NEURONCORE_V2 = (
+    "NKI >= 0.3.0 (Neuron SDK 2.29+) does not run on NeuronCore-v2 (trn1 / inf2): NxD Inference 2.29 "
+    "release notes, Breaking Changes"
+)
+NKI_FOR_V2 = Version("0.3.0")  # the `nki` distribution: 0.2.0 on SDK 2.28, 0.3.0 on 2.29
 
 
 @dataclass(frozen=True)
@@ -89,23 +99,62 @@ def nkilib_missing() -> str | None:
     return None
 
 
-def target_misfit(instance_type: str, width: int, sinks: bool) -> str | None:
-    """NxD Inference's rules for the kernel on the target. LNC2 (trn2): its prefix prefill
-    (`perform_prefix_prefill`, l.772) asks for no attention mask, so the sharded kernel serves
-    any width. LNC1 (trn1; inf2 shares its NeuronCore-v2 and compile target, by analogy - not
-    verified on an inf2): chunks of LNC1_MIN_WIDTH or more, and no sinks (`perform_prefill`
-    asserts "sink argument is not supported by trn1", l.714; the prefix path never passes one)."""
-    target = TARGETS[instance_type]
-    if target.logical_nc_config > 1:
+def installed_nki_version() -> Version | None:
+    """The `nki` here: its distribution's version, else the module's __version__; None if neither."""
+    try:
+        found = importlib.metadata.version("nki")
+    except importlib.metadata.PackageNotFoundError:
+        try:
+            found = importlib.import_module("nki").__version__
+        except Exception:  # no nki, a stand-in without a version: nothing to say
+            return None
+    try:
+        return Version(str(found))
+    except InvalidVersion:
         return None
-    if width < LNC1_MIN_WIDTH:
-        return (
-            f"on {instance_type} the kernel serves chunks of {LNC1_MIN_WIDTH}+ tokens, as NxD Inference "
-            f"runs it (pass --prefill-chunk-size {LNC1_MIN_WIDTH} or more)"
+
+
+def target_misfit(instance_type: str) -> str | None:
+    """Why no graph of an export for `instance_type` runs the kernel, or None. NeuronCore-v2
+    (trn1, inf2): NEURONCORE_V2. trn2: NxD Inference's prefix prefill (modules/attention/
+    attention_base.py `perform_prefix_prefill`, l.772) asks for no attention mask, so the
+    sharded kernel serves any width."""
+    return NEURONCORE_V2 if TARGETS[instance_type].neuron_core < 3 else None
+
+
+def refuse_target(instance_type: str) -> NeuronConfigError:
+    """--attention-kernel nki for a NeuronCore-v2 target, said with the nki found here."""
+    sdks = f"{XLA_SDK_SETS[0].sdk} to {XLA_SDK_SETS[-1].sdk}"
+    said = (
+        f"--attention-kernel nki: no NKI kernel runs on {instance_type} with the Neuron SDKs this package "
+        f"admits ({sdks}): {NEURONCORE_V2}."
+    )
+    found = installed_nki_version()
+    if found is not None and found < NKI_FOR_V2:
+        said += (
+            f" nki {found} is installed here, an SDK 2.28 release (its kernels ran on trn1 / inf2): SDK 2.28 "
+            "is not admitted by the neuron extra."
         )
-    if sinks:
-        return f"attention sinks are not supported by the kernel on {instance_type} (NxD Inference)"
-    return None
+    return NeuronConfigError(f"{said} Pass --attention-kernel auto or reference.")
+
+
+def kernel_prior(window: int, tokens: int, start: int | torch.Tensor = 0) -> tuple[int, int | torch.Tensor]:
+    """(prior positions, visible base) of a chunk of `tokens` queries starting at `start` (an int,
+    or a traced [1] tensor) in a context bucket of `window` positions, as the kernel is handed
+    it: the prior is the context's first W - T positions, of which the first
+    base = min(start, W - T) are visible; the T active keys are the positions base... W positions
+    reach the kernel whatever the start (prior + active <= its max_positions iff W is); W == T
+    (CE): no prior."""
+    prior = window - tokens
+    base = torch.clamp(start, max=prior) if isinstance(start, torch.Tensor) else min(start, prior)
+    return prior, base
+
+
+def kernel_layers(config: NeuronConfig, spec: FamilySpec) -> list[int]:
+    """The layers that can run the kernel: those whose cache is position-ordered (a ring's
+    positions wrap: it keeps the reference, and its window is never the kernel's)."""
+    rings = set(KVLayout.of(config, spec).ring_layers)
+    return [i for i in range(len(spec.sliding_windows)) if i not in rings]
 
 
 def graph_misfit(
@@ -118,19 +167,16 @@ def graph_misfit(
         return "decode rows keep the reference attention"
     if config.dtype != "bfloat16":
         return f"the export is {config.dtype} and the kernel computes in bf16 (pass --dtype bfloat16)"
-    misfit = target_misfit(config.instance_type, graph.width, spec.attention_sinks)
-    if misfit:
-        return misfit
     layout = ShardLayout.of(spec, config.tp_degree)
     heads, kv_heads = layout.heads_per_rank, layout.kv_heads_per_rank
     if not 0 < spec.head_dim <= limits.max_head_dim:
         return f"head_dim {spec.head_dim} is above the kernel's {limits.max_head_dim}"
     if heads > limits.max_batch or heads % kv_heads:
         return f"{heads} query heads over {kv_heads} KV heads a core: the kernel takes at most {limits.max_batch}, a multiple"
-    # NkiKernels hands the kernel W - T prior positions and the T active ones (nki_kernels.py)
-    if graph.window > limits.max_positions:
+    prior, _ = kernel_prior(graph.window, graph.width)
+    if prior + graph.width > limits.max_positions:
         return f"a window of {graph.window} positions exceeds the kernel's {limits.max_positions}"
-    windows = [w for w in spec.sliding_windows if w is not None]
+    windows = [w for i in kernel_layers(config, spec) if (w := spec.sliding_windows[i]) is not None]
     if windows and max(windows) > limits.max_positions:
         return f"a sliding window of {max(windows)} exceeds the kernel's {limits.max_positions}"
     return None
@@ -144,6 +190,11 @@ def choose_nki_graphs(
     mode = config.attention_kernel
     if mode == "reference":
         return (), {g.name: "--attention-kernel reference" for g in graphs}, None
+    misfit = target_misfit(config.instance_type)
+    if misfit and mode == "nki":
+        raise refuse_target(config.instance_type)
+    if misfit:  # no kernel is imported or probed for this target
+        return (), {g.name: misfit for g in graphs}, None
     missing = nkilib_missing()
     limits = installed_limits()
     reasons = {g.name: missing or graph_misfit(config, spec, g, limits) for g in graphs}

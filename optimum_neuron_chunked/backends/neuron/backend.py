@@ -26,8 +26,8 @@ from ...modeling import model_from_spec
 from ...modeling.decoder import DecoderModel
 from ...modeling.kernels import Kernels
 from ...modeling.parallel import ShardLayout, rank_shard, tp_checkpoint
-from ..base import DEFAULT_CHUNK_SIZE, GRAPHS_DIR, Backend, KernelCompileError, OnGraph
-from .attention_choice import LNC1_MIN_WIDTH, choose_nki_graphs, installed_limits, target_misfit
+from ..base import GRAPHS_DIR, Backend, KernelCompileError, OnGraph
+from .attention_choice import choose_nki_graphs, installed_limits
 from .kernel_probe import KernelProbe, kernel_specs
 from .nki_kernels import NkiKernels
 from .sdk import installed_compiler_version
@@ -68,21 +68,12 @@ class NeuronBackend(Backend):
                 versions[name] = "absent"
         return versions | {"nkilib": installed_limits().source}
 
-    def default_chunk_size(self, instance_type: str) -> int:
-        """The base default, or the smallest chunk the attention kernel serves on the target
-        (attention_choice.target_misfit)."""
-        if target_misfit(instance_type, DEFAULT_CHUNK_SIZE, sinks=False) is None:
-            return DEFAULT_CHUNK_SIZE
-        return LNC1_MIN_WIDTH
-
     def kernels(self, config: NeuronConfig) -> Kernels:
         """nkilib's attention_cte for the prefill chunks of the graphs the export chose."""
         if not config.nki_attention:
             return Kernels()
         shapes = frozenset(kernel_shapes(config).values())
-        target = TARGETS[config.instance_type]
-        # NxD Inference repeats K/V heads where the platform target is trn1 (attention_base.py).
-        return NkiKernels(shapes, native_gqa=target.compiler_target != "trn1", grid=target.logical_nc_config)
+        return NkiKernels(shapes, grid=TARGETS[config.instance_type].logical_nc_config)
 
     def attention_kernels(self, config: NeuronConfig, spec, specs: list[GraphSpec]):
         chosen, reasons, limits = choose_nki_graphs(config, spec, specs)

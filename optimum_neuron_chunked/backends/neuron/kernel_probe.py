@@ -4,8 +4,9 @@ graph of the export. A refusal is known after a graph of one op, and only the gr
 shape fall back to the reference attention; the rest of the export compiles once.
 
 The probe calls the kernel exactly as the graphs do (NkiKernels.call) on inputs of the graph's
-per-rank shapes: T queries, T active and W - T prior positions, each layer's sliding window
-and sinks where its cache is position-ordered (ring layers keep the reference)."""
+per-rank shapes: T queries, T active and the prior of attention_choice.kernel_prior, the
+sliding window and sinks of each layer attention_choice.kernel_layers names (ring layers keep
+the reference: the choice checks the same layers' windows)."""
 
 from __future__ import annotations
 
@@ -15,25 +16,24 @@ from torch import nn
 from ...config import NeuronConfig
 from ...modeling.family import FamilySpec
 from ...modeling.kernels import AttentionSpec
-from ...modeling.kv_layout import KVLayout
 from ...modeling.parallel import ShardLayout
+from .attention_choice import kernel_layers, kernel_prior
 from .nki_kernels import NkiKernels
 
 
 def kernel_specs(config: NeuronConfig, spec: FamilySpec) -> list[AttentionSpec]:
     """The distinct attention specs (per rank) of the layers that can run the kernel."""
-    shard, layout = ShardLayout.of(spec, config.tp_degree), KVLayout.of(config, spec)
+    shard = ShardLayout.of(spec, config.tp_degree)
     specs = {
         AttentionSpec(
             shard.heads_per_rank,
             shard.kv_heads_per_rank,
             spec.head_dim,
             spec.scale,
-            window,
+            spec.sliding_windows[i],
             spec.attention_sinks,
         )  # fmt: skip
-        for i, window in enumerate(spec.sliding_windows)
-        if layout.layer(i).position_ordered
+        for i in kernel_layers(config, spec)
     }
     return sorted(specs, key=repr)
 
@@ -49,7 +49,8 @@ class KernelProbe(nn.Module):
 
     def example_inputs(self) -> dict[str, torch.Tensor]:
         """Keyword inputs (ModelBuilder.trace's `kwargs`): no prior for a CE shape (W == T)."""
-        s, t, prior = self.spec, self.tokens, self.window - self.tokens
+        s, t = self.spec, self.tokens
+        prior, _ = kernel_prior(self.window, t)
 
         def zeros(heads: int, positions: int) -> torch.Tensor:
             return torch.zeros(heads, positions, s.head_dim, dtype=self.dtype)

@@ -4,17 +4,17 @@ graphs attention_choice.py chose), everything else through the reference (modeli
 The call follows NxD Inference's prefix prefill (modules/attention/attention_base.py,
 `perform_prefix_prefill`, l.772): heads fold into the kernel's batch dimension, q is scaled
 first and the kernel's scale is 1.0 (it requires 1.0 with a prior), the kernel is wrapped by
-`nki.jit` and called with a grid of the logical core's NeuronCores where there are several; on
-trn1 / inf2 K/V heads are repeated to the query heads and q goes in as [H, D, T] (tp_q=False),
-on trn2 the kernel reads query head h from KV head h // groups itself. Keyword arguments only:
-the signature grew between nki-library's 2.28 and 2.29_release branches.
+`nki.jit` and called with a grid of the logical core's NeuronCores, the kernel reading query
+head h from KV head h // groups itself (tp_q=True). trn2 only: NeuronCore-v2 runs no NKI
+kernel of SDK 2.29+ (attention_choice.target_misfit). Keyword arguments only: the signature
+grew between nki-library's 2.28 and 2.29_release branches.
 
 What the kernel reads, for a chunk of T tokens (padded: repeating the last real token and
 position) at positions start.. of a row whose context bucket is W (start + real tokens <= W):
 - the row's context, read through its block tables (KVCache.read_tables), position p at index p;
 - the prior: its first W - T positions, of which the first `base` are visible, where
-  base = min(start, W - T); the active keys: the T positions base.., causal by index. So the
-  kernel sees W positions in all (prior + active <= its max_positions for any W up to it);
+  base = min(start, W - T) (attention_choice.kernel_prior); the active keys: the T positions
+  base.., causal by index. So the kernel sees W positions in all;
 - queries laid out by position: query index i is position base + i. A real query at position
   p sits at index p - base < T and sees prior [0, base) and active keys base..p: positions
   0..p, as the reference. Indices holding no real query compute what is thrown away; each
@@ -35,7 +35,7 @@ import torch
 
 from ...modeling.kernels import AttentionSpec, GraphPart, Kernels
 from ...modeling.kv_cache import KVCache
-from .attention_choice import KERNEL_MODULE
+from .attention_choice import KERNEL_MODULE, kernel_prior
 
 
 @functools.cache
@@ -47,12 +47,10 @@ def attention_cte():
 
 class NkiKernels(Kernels):
     """`chunk_shapes`: (tokens, context bucket) of the chunk parts that run the kernel (one per
-    chosen graph); `native_gqa`: the kernel maps query heads to KV heads (trn2), else K/V heads
-    are repeated (trn1, inf2); `grid`: NeuronCores of a logical core."""
+    chosen graph); `grid`: NeuronCores of a logical core."""
 
-    def __init__(self, chunk_shapes: frozenset[tuple[int, int]], native_gqa: bool, grid: int = 1):
+    def __init__(self, chunk_shapes: frozenset[tuple[int, int]], grid: int = 1):
         self.chunk_shapes = chunk_shapes
-        self.native_gqa = native_gqa
         self.grid = grid
 
     def attend(
@@ -75,13 +73,13 @@ class NkiKernels(Kernels):
         context_k, context_v = keys[0], values[0]  # [Hkv, W, D], position p at index p
         window, tokens = context_k.shape[1], q.shape[2]
         positions = part.position_ids[0]
-        base = torch.clamp(positions[:1], max=window - tokens)  # [1]
+        prior, base = kernel_prior(window, tokens, positions[:1])  # base: [1]
         by_position = base + torch.arange(tokens, device=positions.device)
         index = torch.clamp(by_position - positions[:1], min=0)  # query of each position index
         query = (q[0] * spec.scale).to(context_k.dtype).index_select(1, index)  # [Hq, T, D]
-        prior = (context_k[:, : window - tokens], context_v[:, : window - tokens], base)
+        before = (context_k[:, :prior], context_v[:, :prior], base) if prior else None
         active = (context_k.index_select(1, by_position), context_v.index_select(1, by_position))
-        out = self.call(spec, query, *active, prior if window > tokens else None, sinks)
+        out = self.call(spec, query, *active, before, sinks)
         return out.index_select(1, positions - base)[None].to(q.dtype)
 
     def call(self, spec: AttentionSpec, query, active_k, active_v, prior, sinks) -> torch.Tensor:
@@ -91,16 +89,10 @@ class NkiKernels(Kernels):
         prior_k = prior_v = prior_len = None
         if prior is not None:
             prior_k, prior_v, prior_len = prior[0], prior[1], prior[2].to(torch.int32)
-        if not self.native_gqa:
-            groups = spec.num_heads // spec.num_kv_heads
-            active_k, active_v, prior_k, prior_v = (
-                None if x is None else x.repeat_interleave(groups, dim=0)
-                for x in (active_k, active_v, prior_k, prior_v)
-            )
         kernel = attention_cte()
         call = kernel[self.grid] if self.grid > 1 else kernel
         return call(
-            query if self.native_gqa else query.transpose(1, 2),
+            query,
             active_k,
             active_v,
             scale=1.0,
@@ -110,7 +102,7 @@ class NkiKernels(Kernels):
             prior_used_len=prior_len,
             sink=None if sinks is None else sinks.float()[:, None],
             sliding_window=spec.sliding_window or 0,  # 0: none (the torch reference compares it)
-            tp_q=self.native_gqa,
+            tp_q=True,
             tp_k=True,
             tp_out=False,
         )  # [Hq, T, D]

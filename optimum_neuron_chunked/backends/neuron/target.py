@@ -24,14 +24,15 @@ class NeuronTarget:
     compiler_target: str  # neuronx-cc --target
     logical_nc_config: int  # physical NeuronCores per logical core (--lnc)
     cores_per_device: int  # logical NeuronCores per /dev/neuronN
+    neuron_core: int  # NeuronCore generation: 2 runs no NKI kernel of SDK 2.29+ (attention_choice.py)
 
 
 # inf2 and trn1 share NeuronCore-v2 (compiled for trn1, as optimum-neuron does); trn2 runs
 # NeuronCore-v3 grouped two by two into logical cores.
 TARGETS = {
-    "trn1": NeuronTarget("trn1", "trn1", 1, 2),
-    "inf2": NeuronTarget("inf2", "trn1", 1, 2),
-    "trn2": NeuronTarget("trn2", "trn2", 2, 4),
+    "trn1": NeuronTarget("trn1", "trn1", 1, 2, 2),
+    "inf2": NeuronTarget("inf2", "trn1", 1, 2, 2),
+    "trn2": NeuronTarget("trn2", "trn2", 2, 4, 3),
 }
 
 
