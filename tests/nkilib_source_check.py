@@ -9,8 +9,8 @@ with NkiKernels and with the reference attention. Not a pytest module: run it by
     python tests/nkilib_source_check.py /tmp/nkilib-2.29
 
 Families whose attention the kernel covers: plain causal (llama, qwen3), sliding windows with
-rings and without (gemma3_text, whole-sequence and paged), sinks (gpt_oss); trn1's repeated KV
-heads and trn2's native GQA. In fp32 (the kernel forced on; the reference computes in fp32) the
+rings and without (gemma3_text, whole-sequence and paged), sinks (gpt_oss), on trn2; trn1 and
+inf2 (NeuronCore-v2: no NKI kernel of SDK 2.29+) must choose the reference for every graph. In fp32 (the kernel forced on; the reference computes in fp32) the
 graphs must equal the reference attention's within EXACT; in bf16, whose logits differ from
 fp32 by bf16's rounding whichever the attention, the kernel's error against fp32 must stay
 within SLACK of the reference's. Prints which graphs ran the kernel; exits non-zero on a
@@ -55,9 +55,8 @@ FAMILIES = {
 }
 SHAPES = dict(batch_size=2, sequence_length=1024, context_buckets=(512, 1024), mixed_step=True, dtype="bfloat16",
               backend="neuron")  # fmt: skip
-# (instance type, paged, chunk): trn1 runs the kernel from 512-token chunks (its 256-token
-# width keeps the reference), trn2 at any width
-RUNS = (("trn1", False, 512), ("trn2", True, 256))
+# (instance type, paged, chunk): trn2 runs the kernel at any width; trn1 / inf2 at none
+RUNS = (("trn1", False, 512), ("inf2", False, 512), ("trn2", True, 256), ("trn2", False, 512))
 PAGED = dict(kv_cache_blocks=16, kv_block_size=128)
 # bf16 graphs with the kernel are as accurate as with the reference attention: their largest
 # logit error against the fp32 reference, relative to the logits' magnitude, within this factor.
@@ -131,27 +130,48 @@ def long_context_choice() -> str:
     return f"kernel in {', '.join(chosen) or 'no graph'}; cp_w131072: {reasons.get('cp_w131072', 'kernel')} ({limits})"
 
 
-def runners(family: str, instance_type: str, paged: bool, chunk: int):
-    """(config, GraphRunners of one kernel-sized model: fp32 reference, fp32 with the kernel,
-    bf16 reference, bf16 with the kernel). The same weights (bf16 values) in each."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+def family_config(family: str, instance_type: str, paged: bool, chunk: int):
+    """(HF config, NeuronConfig as the export chooses its kernel graphs)."""
+    from transformers import AutoConfig
 
     from optimum_neuron_chunked.backends.neuron.attention_choice import choose_nki_graphs
-    from optimum_neuron_chunked.backends.neuron.backend import NeuronBackend
     from optimum_neuron_chunked.config import NeuronConfig
-    from optimum_neuron_chunked.graph_runner import GraphRunner
-    from optimum_neuron_chunked.graphs import graph_module, graph_specs
-    from optimum_neuron_chunked.modeling import build_model, family_spec
-    from optimum_neuron_chunked.modeling.kernels import Kernels
+    from optimum_neuron_chunked.graphs import graph_specs
+    from optimum_neuron_chunked.modeling import family_spec
 
     fields = {**KERNEL_SIZED, **FAMILIES[family]}
     hf_config = AutoConfig.for_model(fields.pop("model_type"), **fields)
-    torch.manual_seed(0)
-    hf = AutoModelForCausalLM.from_config(hf_config, dtype=torch.bfloat16)
     widths = dict(prefill_chunk_size=chunk, prefill_widths=(chunk // 2, chunk))
     config = NeuronConfig(**SHAPES, **widths, instance_type=instance_type, **(PAGED if paged else {}))
-    chosen, _, _ = choose_nki_graphs(config, family_spec(hf_config), graph_specs(config))
-    config = replace(config, nki_attention=chosen)
+    chosen, reasons, _ = choose_nki_graphs(config, family_spec(hf_config), graph_specs(config))
+    return hf_config, replace(config, nki_attention=chosen), reasons
+
+
+def reference_only(family: str, instance_type: str, paged: bool, chunk: int) -> str | None:
+    """NeuronCore-v2: why every graph keeps the reference (the same reason each), None if one did not."""
+    from optimum_neuron_chunked.backends.neuron.attention_choice import NEURONCORE_V2
+    from optimum_neuron_chunked.backends.neuron.backend import NeuronBackend
+    from optimum_neuron_chunked.modeling.kernels import Kernels
+
+    _, config, reasons = family_config(family, instance_type, paged, chunk)
+    plain = type(NeuronBackend().kernels(config)) is Kernels
+    return NEURONCORE_V2 if plain and set(reasons.values()) == {NEURONCORE_V2} else None
+
+
+def runners(family: str, instance_type: str, paged: bool, chunk: int):
+    """(config, GraphRunners of one kernel-sized model: fp32 reference, fp32 with the kernel,
+    bf16 reference, bf16 with the kernel). The same weights (bf16 values) in each."""
+    from transformers import AutoModelForCausalLM
+
+    from optimum_neuron_chunked.backends.neuron.backend import NeuronBackend
+    from optimum_neuron_chunked.graph_runner import GraphRunner
+    from optimum_neuron_chunked.graphs import graph_module, graph_specs
+    from optimum_neuron_chunked.modeling import build_model
+    from optimum_neuron_chunked.modeling.kernels import Kernels
+
+    hf_config, config, _ = family_config(family, instance_type, paged, chunk)
+    torch.manual_seed(0)
+    hf = AutoModelForCausalLM.from_config(hf_config, dtype=torch.bfloat16)
     fp32 = replace(config, dtype="float32")
     out = []
     backend = NeuronBackend()
@@ -211,10 +231,19 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("nkilib_source", type=Path, help="a checkout of github.com/aws-neuron/nki-library")
     args = parser.parse_args(argv)
+    from optimum_neuron_chunked.backends.neuron.target import TARGETS
+
     kernel = install_stand_ins(args.nkilib_source)
     failures = 0
     for family in FAMILIES:
         for instance_type, paged, chunk in RUNS:
+            layout = "paged" if paged else "whole-sequence"
+            if TARGETS[instance_type].neuron_core < 3:
+                why = reference_only(family, instance_type, paged, chunk)
+                failures += why is None
+                print(f"{'ok  ' if why else 'FAIL'} {family:12} {layout:15} {instance_type} C {chunk}: the "
+                      f"reference in every graph ({why or 'a graph chose the kernel, or for another reason'})")  # fmt: skip
+                continue
             config, runs = runners(family, instance_type, paged, chunk)
             truth, reference = steps(config, runs[0]), steps(config, runs[2])
             kernel.graphs.clear()
@@ -224,8 +253,7 @@ def main(argv: list[str] | None = None) -> int:
             ran = set(kernel.graphs)
             ok = exact <= EXACT and kernel_error <= SLACK * ref_error and ran == set(config.nki_attention)
             failures += not ok
-            layout = "paged" if paged else "whole-sequence"
-            print(f"{'ok  ' if ok else 'FAIL'} {family:12} {layout:15} {instance_type}: fp32 kernel / reference "
+            print(f"{'ok  ' if ok else 'FAIL'} {family:12} {layout:15} {instance_type} C {chunk}: fp32 kernel / reference "
                   f"{exact:.1e}; bf16 against fp32 {kernel_error:.4f} with the kernel, {ref_error:.4f} with the "
                   f"reference; kernel ran in {', '.join(sorted(ran)) or 'no graph'}")  # fmt: skip
     print(f"Llama-3.1-8B, trn2, bucket 131072: {long_context_choice()}")

@@ -23,10 +23,11 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from optimum_neuron_chunked.backends.neuron.attention_choice import (
     KERNEL_MODULE,
+    NEURONCORE_V2,
     STRICTEST,
     choose_nki_graphs,
 )
-from optimum_neuron_chunked.backends.neuron.kernel_probe import KernelProbe
+from optimum_neuron_chunked.backends.neuron.kernel_probe import KernelProbe, kernel_specs
 from optimum_neuron_chunked.backends.neuron.nki_kernels import NkiKernels
 from optimum_neuron_chunked.config import NeuronConfig, NeuronConfigError
 from optimum_neuron_chunked.graph_runner import GraphRunner
@@ -47,14 +48,14 @@ def nkilib():
 
 def neuron_config(**fields) -> NeuronConfig:
     shape = dict(batch_size=2, sequence_length=SEQ, prefill_chunk_size=CHUNK, context_buckets=(32, SEQ))
-    return NeuronConfig(**(dict(backend="neuron", instance_type="trn1") | shape | fields))
+    return NeuronConfig(**(dict(backend="neuron", instance_type="trn2") | shape | fields))
 
 
 def test_attention_kernel_choice_per_graph(nkilib, monkeypatch):
-    """NxD Inference's rules per target (trn1: chunks of 512+, no sinks; trn2: any width), the
-    installed kernel's limits (its module constants, else 2.28's), refusals by graph."""
+    """trn2 at any width, sinks too (NxD Inference's prefix prefill); the installed kernel's
+    limits (its module constants, else 2.28's), refusals by graph."""
     spec = family_spec(AutoConfig.from_pretrained(checkpoint_path("llama")))
-    config = neuron_config(dtype="bfloat16", mixed_step=True, prefill_widths=(8, CHUNK), instance_type="trn2")
+    config = neuron_config(dtype="bfloat16", mixed_step=True, prefill_widths=(8, CHUNK))
     chosen, reasons, limits = choose_nki_graphs(config, spec, graph_specs(config))
     kinds = {s.name: s.kind for s in graph_specs(config)}
     assert {kinds[n] for n in chosen} == {GraphKind.CP, GraphKind.MX} and len(chosen) == 6
@@ -62,26 +63,17 @@ def test_attention_kernel_choice_per_graph(nkilib, monkeypatch):
         "decode rows keep the reference attention"
     }
     assert limits == STRICTEST  # the stand-in states no limits
-    trn1 = replace(config, instance_type="trn1")
-    chosen, reasons, _ = choose_nki_graphs(trn1, spec, graph_specs(trn1))
-    assert chosen == () and "on trn1 the kernel serves chunks of 512+ tokens" in reasons["cp_w64"]
-    wide = neuron_config(
-        dtype="bfloat16", sequence_length=1024, prefill_chunk_size=512, context_buckets=(1024,)
-    )
-    assert choose_nki_graphs(wide, spec, graph_specs(wide))[0] == ("cp_w1024",)
     sinks = family_spec(AutoConfig.from_pretrained(checkpoint_path("gpt_oss")))
-    assert "sinks are not supported" in choose_nki_graphs(wide, sinks, graph_specs(wide))[1]["cp_w1024"]
-    assert choose_nki_graphs(replace(wide, instance_type="trn2"), sinks, graph_specs(wide))[0] == (
-        "cp_w1024",
+    assert choose_nki_graphs(config, sinks, graph_specs(config))[0] == chosen
+    long = neuron_config(
+        dtype="bfloat16", sequence_length=131072, prefill_chunk_size=512, context_buckets=(131072,)
     )
-    long = neuron_config(dtype="bfloat16", sequence_length=131072, prefill_chunk_size=512, context_buckets=(131072,),
-                         instance_type="trn2")  # fmt: skip
     assert "exceeds the kernel's 36864" in choose_nki_graphs(long, spec, graph_specs(long))[1]["cp_w131072"]
     nkilib.module._MAX_BS, nkilib.module._MAX_SEQLEN, nkilib.module._MAX_HEAD_DIM = 512, 131072, 128  # 2.29
     chosen, _, limits = choose_nki_graphs(long, spec, graph_specs(long))
     assert chosen == ("cp_w131072",) and (limits.max_batch, limits.max_positions) == (512, 131072)
     assert choose_nki_graphs(neuron_config(dtype="bfloat16", attention_kernel="reference"), spec, [])[0] == ()
-    fp32 = neuron_config(attention_kernel="nki", instance_type="trn2")
+    fp32 = neuron_config(attention_kernel="nki")
     with pytest.raises(NeuronConfigError, match=r"nki: cp_w32: the export is float32 .* --dtype bfloat16"):
         choose_nki_graphs(fp32, spec, graph_specs(fp32))
     assert choose_nki_graphs(neuron_config(), spec, graph_specs(neuron_config()))[0] == ()  # auto: fp32
@@ -92,12 +84,27 @@ def test_attention_kernel_choice_per_graph(nkilib, monkeypatch):
         NeuronConfig(batch_size=2, sequence_length=SEQ, backend="cpu", attention_kernel="nki")
 
 
+def test_a_ring_layers_window_is_not_checked_against_the_kernel(nkilib):
+    """A sliding window past the kernel's positions (2.28's 36864) on layers whose cache is a
+    ring (whole-sequence blocks): the full layers keep the kernel where the bucket fits, and
+    the probe compiles their spec alone. Paged (no rings), the window is the kernel's."""
+    hf_config = AutoConfig.from_pretrained(checkpoint_path("gemma3_text"))
+    hf_config.sliding_window = 40000
+    spec = family_spec(hf_config)
+    config = neuron_config(dtype="bfloat16", sequence_length=65536, prefill_chunk_size=512,
+                           context_buckets=(32768, 65536))  # fmt: skip
+    chosen, reasons, _ = choose_nki_graphs(config, spec, graph_specs(config))
+    assert chosen == ("cp_w32768",) and "a window of 65536" in reasons["cp_w65536"]
+    assert {s.sliding_window for s in kernel_specs(config, spec)} == {None}
+    paged = replace(config, kv_cache_blocks=64, kv_block_size=1024)
+    assert "a sliding window of 40000" in choose_nki_graphs(paged, spec, graph_specs(paged))[1]["cp_w32768"]
+
+
 @pytest.mark.parametrize(
-    "family, paged, native_gqa",
-    [("llama", False, False), ("llama", True, True), ("gemma3_text", False, True),
-     ("gemma3_text", True, False), ("gpt_oss", True, True)],
-)  # fmt: skip
-def test_chunks_through_the_kernel_equal_the_reference(nkilib, family, paged, native_gqa):
+    "family, paged",
+    [("llama", False), ("llama", True), ("gemma3_text", False), ("gemma3_text", True), ("gpt_oss", True)],
+)
+def test_chunks_through_the_kernel_equal_the_reference(nkilib, family, paged):
     """Padded chunks at every offset of both buckets, whole-sequence (gemma3: rings keep the
     reference) and paged (sliding windows, gpt-oss's sinks), one starting past W - C (its
     queries laid out from W - C): the logits and every cache entry equal the reference's
@@ -110,7 +117,7 @@ def test_chunks_through_the_kernel_equal_the_reference(nkilib, family, paged, na
     specs = graph_specs(config)
     shapes = frozenset((CHUNK, s.window) for s in specs if s.kind in (GraphKind.CP, GraphKind.MX))
     models, runners = [], []
-    for kernels in (Kernels(), NkiKernels(shapes, native_gqa=native_gqa, grid=2)):
+    for kernels in (Kernels(), NkiKernels(shapes, grid=2)):
         model = build_model(hf_config, config, kernels=kernels)
         model.load_weights(model.weights_from_hf(hf))
         models.append(model.eval())
@@ -131,7 +138,7 @@ def test_chunks_through_the_kernel_equal_the_reference(nkilib, family, paged, na
     for name in models[0].cache_names():
         torch.testing.assert_close(models[1].get_buffer(name), models[0].get_buffer(name), atol=1e-4, rtol=0)
     assert len(nkilib.calls) > 0 and {c["scale"] for c in nkilib.calls} == {1.0}
-    assert {c["tp_q"] for c in nkilib.calls} == {native_gqa}
+    assert {c["tp_q"] for c in nkilib.calls} == {True}
 
 
 class StubNxd:
@@ -247,3 +254,49 @@ def test_the_graphs_that_run_the_kernel_are_recorded_and_logged_at_load(monkeypa
     with caplog.at_level("WARNING"):
         GraphRunner.load(out)
     assert "prefill chunks attend through nkilib attention_cte in cp_w64" in caplog.text
+
+
+@pytest.mark.parametrize("instance_type", ["trn1", "inf2"])
+def test_neuroncore_v2_exports_keep_the_reference_attention(nkilib, monkeypatch, tmp_path, instance_type):
+    """trn1 / inf2 (NxD stubbed): no kernel graph, no probe, and why in the export's first lines."""
+    from rich.console import Console
+
+    from optimum_neuron_chunked.export import pipeline
+
+    stub = StubNxd(nkilib, refused=set())
+    for name, module in stub.modules().items():
+        monkeypatch.setitem(sys.modules, name, module)
+    monkeypatch.setenv("NEURON_PLATFORM_TARGET_OVERRIDE", "trn1")
+    console = Console(record=True, width=300)
+    out = pipeline.export(str(checkpoint_path("llama")), tmp_path / "out", batch_size=2, sequence_length=SEQ,
+                          prefill_chunk_size=CHUNK, backend="neuron", instance_type=instance_type,
+                          dtype="bfloat16", console=console)  # fmt: skip
+    assert (
+        console.export_text().splitlines()[0]
+        == f"attention: reference in cp_w64, tg_w64, copy ({NEURONCORE_V2})"
+    )
+    assert stub.probes == [] and not any(stub.bundles[0].values())
+    assert NeuronConfig.load(out).nki_attention == () and NeuronConfig.load(out).nki_limits == {}
+
+
+@pytest.mark.parametrize("nki_version", [None, "0.2.0"])
+def test_the_kernel_asked_for_on_trn1_is_refused_before_any_work(
+    nkilib, monkeypatch, tmp_path, capsys, nki_version
+):
+    """--attention-kernel nki --instance_type trn1: exit 2 naming the target and the SDKs, before
+    any file, trace or compile; an nki older than 0.3.0 here (SDK 2.28) is named."""
+    from optimum_neuron_chunked.export.cli import main
+
+    stub = StubNxd(nkilib, refused=set())
+    for name, module in stub.modules().items():
+        monkeypatch.setitem(sys.modules, name, module)
+    if nki_version:
+        monkeypatch.setattr(sys.modules["nki"], "__version__", nki_version, raising=False)
+    args = ["--model", str(checkpoint_path("llama")), "--batch_size", "1", "--sequence_length", str(SEQ),
+            "--backend", "neuron", "--instance_type", "trn1", "--dtype", "bfloat16", "--attention-kernel", "nki"]  # fmt: skip
+    assert main([*args, str(tmp_path / "out")]) == 2
+    said = " ".join(capsys.readouterr().err.split())
+    assert "no NKI kernel runs on trn1 with the Neuron SDKs this package admits (2.29.0 to" in said
+    assert ("nki 0.2.0 is installed here" in said) == bool(nki_version)
+    assert ("SDK 2.28 is not admitted by the neuron extra" in said) == bool(nki_version)
+    assert list(tmp_path.iterdir()) == [] and stub.probes == stub.bundles == []
