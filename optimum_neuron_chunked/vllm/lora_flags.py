@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from ..config import NeuronConfig
 from ..lora_targets import resolve_targets
+from .compat import lora_target_modules
 from .limits import ServingConfigError
 
 
@@ -21,8 +22,8 @@ def vllm_defaults() -> tuple[int, int]:
     """(max_loras, max_lora_rank) as vLLM fills them when not given (config/lora.py)."""
     from vllm.config.lora import LoRAConfig
 
-    fields = LoRAConfig.__dataclass_fields__
-    return fields["max_loras"].default, fields["max_lora_rank"].default
+    defaults = LoRAConfig()
+    return defaults.max_loras, defaults.max_lora_rank
 
 
 def lora_export_options(lora_config) -> dict:
@@ -32,7 +33,7 @@ def lora_export_options(lora_config) -> dict:
     return {
         "max_loras": lora_config.max_loras,
         "max_lora_rank": lora_config.max_lora_rank,
-        "lora_target_modules": tuple(lora_config.target_modules or ()),
+        "lora_target_modules": tuple(lora_target_modules(lora_config)),
     }
 
 
@@ -57,9 +58,10 @@ def fit_lora(vllm_config, export: NeuronConfig) -> str:
         problems.append(f"--max-loras {slots} exceeds the export's {export.max_loras} adapter slots")
     if rank > export.max_lora_rank:
         problems.append(f"--max-lora-rank {rank} exceeds the export's {export.max_lora_rank}")
-    targets = resolve_targets(lora.target_modules or ())
+    given = lora_target_modules(lora)
+    targets = resolve_targets(given)
     missing = [t for t in targets if t not in export.lora_target_modules]
-    if lora.target_modules and missing:
+    if given and missing:
         problems.append(
             f"--lora-target-modules {', '.join(missing)}: the export has slots on "
             f"{', '.join(export.lora_target_modules)} only"

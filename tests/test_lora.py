@@ -1,0 +1,128 @@
+"""Multi-LoRA on the static graphs: adapters written by peft, served from an export's slots,
+against peft on transformers (fp32, greedy tokens exact, logits within 1e-4).
+
+The export: llama 2 rows, chunk 32, 2 adapter slots of rank 8. Three adapters of different
+ranks, targets and scalings over the 2 slots, so serving them swaps slots by writes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from fixtures.export_models import cache_root, checkpoint_path, export_with
+from helpers import prompt
+
+from optimum_neuron_chunked.testing.lora_adapters import peft_greedy, peft_reference, write_adapter
+
+LORA_EXPORT = dict(batch_size=2, sequence_length=128, prefill_chunk_size=32, context_buckets=(64, 128),
+                   max_loras=2, max_lora_rank=8)  # fmt: skip
+NEW_TOKENS = 6
+
+
+def adapters() -> dict:
+    """name -> a peft adapter folder of the tiny llama, each different in kind."""
+    base, root = checkpoint_path("llama"), cache_root() / "adapters"
+    return {
+        "a": write_adapter(base, root / "a", seed=1, rank=8),
+        "b": write_adapter(
+            base, root / "b", seed=2, rank=4, target_modules=["q_proj", "v_proj", "down_proj"]
+        ),
+        "c": write_adapter(
+            base,
+            root / "c",
+            seed=3,
+            rank=8,
+            scale=1.0,
+            use_rslora=True,
+            rank_pattern={"v_proj": 4},
+            alpha_pattern={"o_proj": 32},
+            layers_to_transform=[1],
+        ),  # fmt: skip
+    }
+
+
+@pytest.fixture(scope="module")
+def peft():
+    return peft_reference(checkpoint_path("llama"), adapters())
+
+
+@pytest.fixture(scope="module")
+def model(request):
+    from optimum_neuron_chunked import NeuronModelForCausalLM
+
+    backend = getattr(request, "param", "eager")
+    loaded = NeuronModelForCausalLM.from_pretrained(export_with("llama", backend, **LORA_EXPORT))
+    for name, path in adapters().items():
+        loaded.load_adapter(path, adapter_name=name)
+    return loaded
+
+
+def expected(peft, prompts, names, new_tokens=NEW_TOKENS, eos=2, pad=3) -> list[list[int]]:
+    """peft's greedy tokens, as generate() returns them: a row ends at its eos, then pad."""
+    rows = [peft_greedy(peft, p.tolist(), n, new_tokens) for p, n in zip(prompts, names, strict=True)]
+    rows = [r[: r.index(eos) + 1] if eos in r else r for r in rows]
+    width = max(len(r) for r in rows)
+    return [r + [pad] * (width - len(r)) for r in rows]
+
+
+def test_adapters_change_the_base_tokens(peft):
+    """Else every comparison below would prove nothing."""
+    p = prompt(40, seed=1).tolist()
+    tokens = {n: tuple(peft_greedy(peft, p, n, NEW_TOKENS)) for n in ("a", "b", "c", "__base__")}
+    assert len(set(tokens.values())) == 4, tokens
+
+
+def left_padded(prompts: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(len(p) for p in prompts)
+    ids = torch.stack([torch.cat([torch.zeros(width - len(p), dtype=p.dtype), p]) for p in prompts])
+    mask = torch.stack([(torch.arange(width) >= width - len(p)).long() for p in prompts])
+    return ids, mask
+
+
+def generated(model, prompts, names, new_tokens=NEW_TOKENS) -> list[list[int]]:
+    ids, mask = left_padded(prompts)
+    out = model.generate(ids, mask, max_new_tokens=new_tokens, do_sample=False, adapter_names=names)
+    return out[:, ids.shape[1] :].tolist()
+
+
+@pytest.fixture
+def graph_calls(model):
+    """The names of the graphs the model calls, in order."""
+    calls, graphs = [], dict(model.runner.graphs)
+    for name, graph in graphs.items():
+        model.runner.graphs[name] = lambda *x, _g=graph, _n=name: (calls.append(_n), _g(*x))[1]
+    yield calls
+    model.runner.graphs.update(graphs)
+
+
+def test_rows_of_an_adapter_and_the_base_share_each_decode_call(model, peft, graph_calls):
+    prompts, names = [prompt(70, seed=2), prompt(45, seed=3)], ["a", "__base__"]  # 3 chunks, 2 chunks
+    assert generated(model, prompts, names) == expected(peft, prompts, names)
+    assert [c[:2] for c in graph_calls].count("tg") == NEW_TOKENS - 1  # one call a step for both rows
+
+
+def test_more_adapters_than_slots_swap_slots_between_calls(model, peft):
+    for names in (["b", "c"], ["a", "b"], ["c", "__base__"], ["c", "a"]):  # 3 adapters, 2 slots
+        prompts = [prompt(33, seed=4), prompt(20, seed=5)]
+        assert generated(model, prompts, names) == expected(peft, prompts, names), names
+
+
+def test_logits_match_peft_for_every_adapter(model, peft):
+    from optimum_neuron_chunked.generation import prefill_prompt
+
+    ids = prompt(50, seed=6)
+    for name in ("a", "b", "c", "__base__"):
+        (slot,) = model.adapter_slots([name], 1)
+        blocks = model.kv_pool.acquire(len(ids))
+        try:
+            logits = prefill_prompt(model.runner, ids, blocks, slot)
+        finally:
+            model.kv_pool.release(blocks)
+        with torch.no_grad():
+            want = peft(input_ids=ids[None], adapter_names=[name]).logits[0, -1]
+        torch.testing.assert_close(logits, want, atol=1e-4, rtol=1e-4)
+
+
+def test_an_adapter_not_loaded_is_refused_by_name(model):
+    ids, mask = left_padded([prompt(8), prompt(9)])
+    with pytest.raises(ValueError, match=r"\['z'\] are not loaded"):
+        model.generate(ids, mask, max_new_tokens=1, adapter_names=["a", "z"])
