@@ -55,6 +55,11 @@ def read_adapter(path: str | Path, spec: FamilySpec, lora: LoraSpec, dtype: torc
     pairs: dict[str, dict[str, torch.Tensor]] = {}
     for key, tensor in tensors.items():
         match = _KEY.match(key)
+        for module in ("embed_tokens", "lm_head"):
+            if f".{module}." in key:
+                raise LoraConfigError(
+                    f"{folder}: {key}: LoRA on {module} is not served (attention and dense MLP projections are)"
+                )
         if match is None:
             raise LoraConfigError(f"{folder}: tensor {key} is not a LoRA A / B weight of a linear projection")
         pairs.setdefault(match["module"], {})[match["which"]] = tensor

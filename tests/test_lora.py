@@ -6,6 +6,8 @@ ranks, targets and scalings over the 2 slots, so serving them swaps slots by wri
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from fixtures.export_models import cache_root, checkpoint_path, export_with
@@ -126,3 +128,65 @@ def test_an_adapter_not_loaded_is_refused_by_name(model):
     ids, mask = left_padded([prompt(8), prompt(9)])
     with pytest.raises(ValueError, match=r"\['z'\] are not loaded"):
         model.generate(ids, mask, max_new_tokens=1, adapter_names=["a", "z"])
+
+
+def refused_adapter(tmp_path, case: str):
+    """An adapter folder of the kind `case` names, written by peft (or edited after)."""
+    from safetensors.torch import load_file, save_file
+
+    base, folder = checkpoint_path("llama"), tmp_path / case
+    kinds = {
+        "dora": dict(use_dora=True),
+        "bias": dict(bias="lora_only"),
+        "modules_to_save": dict(modules_to_save=["lm_head"]),
+        "rank": dict(rank=16),
+        "embedding": dict(target_modules=["embed_tokens"]),
+    }
+    options = dict(kinds.get(case, {}))
+    write_adapter(base, folder, seed=9, rank=options.pop("rank", 4), **options)
+    weights = folder / "adapter_model.safetensors"
+    if case == "unreadable":
+        weights.write_bytes(weights.read_bytes()[:100])
+    elif case in ("other_base", "experts"):
+        tensors = load_file(weights)
+        key = next(k for k in tensors if "q_proj.lora_A" in k)
+        if case == "other_base":
+            tensors[key] = torch.zeros(4, 96)
+        else:
+            tensors = {
+                k.replace("self_attn.q_proj", "mlp.experts.0.gate_proj"): v for k, v in tensors.items()
+            }
+        save_file(tensors, weights)
+    return folder
+
+
+@pytest.mark.parametrize(
+    "case, reason",
+    [
+        ("dora", "DoRA"),
+        ("bias", "bias='lora_only'"),
+        ("modules_to_save", "modules_to_save"),
+        ("rank", "rank 16 exceeds the export's --max-lora-rank 8"),
+        ("embedding", "LoRA on embed_tokens is not served"),
+        ("not_compiled", "the export has no slots on down_proj"),
+        ("other_base", "trained on another base model"),
+        ("experts", "expert (MoE) projections"),
+        ("unreadable", "unreadable"),
+    ],
+)
+def test_adapters_the_slots_cannot_hold_are_refused_by_name(tmp_path, case, reason):
+    from transformers import AutoConfig
+
+    from optimum_neuron_chunked.lora_adapter import LoraConfigError, read_adapter
+    from optimum_neuron_chunked.modeling.family import family_spec
+    from optimum_neuron_chunked.modeling.lora import LoraSpec
+
+    spec = family_spec(AutoConfig.from_pretrained(checkpoint_path("llama")))
+    targets = (
+        ("q_proj", "v_proj")
+        if case == "not_compiled"
+        else ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    )
+    folder = refused_adapter(tmp_path, "plain" if case == "not_compiled" else case)
+    with pytest.raises(LoraConfigError, match=re.escape(reason)):
+        read_adapter(folder, spec, LoraSpec(2, 8, targets), torch.float32)

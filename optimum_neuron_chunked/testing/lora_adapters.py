@@ -28,7 +28,7 @@ def write_adapter(base: Path, out: Path, seed: int, rank: int = 8, scale: float 
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, param in peft_model.named_parameters():
-            if "lora_" in name:
+            if "lora_" in name and param.dim() == 2:  # A and B (a DoRA magnitude stays as peft made it)
                 std = scale / param.shape[1] ** 0.5
                 param.copy_(torch.randn(param.shape, generator=generator) * std)
     peft_model.save_pretrained(out)

@@ -59,7 +59,10 @@ def fit_lora(vllm_config, export: NeuronConfig) -> str:
     if rank > export.max_lora_rank:
         problems.append(f"--max-lora-rank {rank} exceeds the export's {export.max_lora_rank}")
     given = lora_target_modules(lora)
-    targets = resolve_targets(given)
+    try:
+        targets = resolve_targets(given)
+    except ValueError as e:
+        raise ServingConfigError(str(e)) from None
     missing = [t for t in targets if t not in export.lora_target_modules]
     if given and missing:
         problems.append(
