@@ -231,6 +231,13 @@ def slot_tensors(
     return out
 
 
+def empty_slots(spec: FamilySpec, lora: LoraSpec, dtype, tp_degree: int = 1, rank: int = 0) -> dict:
+    """Rank `rank`'s slot parameters, every slot zero (lora.LoraSlots names -> [S, R, in] / [S, R, out]):
+    what a backend that loads weights by name binds before any adapter is written."""
+    one = slot_tensors(LoraAdapter("", 0, {}), spec, lora, tp_degree, rank)
+    return {name: torch.zeros(lora.slots, *t.shape, dtype=dtype) for name, t in one.items()}
+
+
 def _rank_share(projection: str, a, b, layout: ShardLayout, rank: int):
     tp = layout.tp_degree
     if tp == 1:

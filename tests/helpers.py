@@ -75,7 +75,8 @@ def small_neuron_config(tp: int = 1, **fields) -> NeuronConfig:
 def every_graph_kind(tp: int = 1) -> dict[str, NeuronConfig]:
     """Configs whose graph sets hold every kind of graph and every input count: CP (narrow
     and full), CE, TG (narrow and full, with and without sampling), MX (with and without
-    sampling), VF (narrow and full), copy, prompt logits, paged KV. tests/nxd_source_check.py traces them with NxD."""
+    sampling), VF (narrow and full), copy, prompt logits, paged KV, LoRA slots.
+    tests/nxd_source_check.py traces them with NxD."""
     return {
         "chunked": small_neuron_config(
             tp, prefill_widths=(4, 16), decode_widths=(1, 2), mixed_step=True, prompt_logprobs=True
@@ -83,6 +84,8 @@ def every_graph_kind(tp: int = 1) -> dict[str, NeuronConfig]:
         "chunked-host-sampling": small_neuron_config(tp, mixed_step=True, on_device_sampling=False),
         "standard": small_neuron_config(tp, prefill_chunk_size=0, decode_widths=(1, 2), speculation_length=3),
         "paged": small_neuron_config(tp, mixed_step=True, kv_cache_blocks=12, kv_block_size=8),
+        # adapter slots in every graph (their column in the block tables: no input more)
+        "lora": small_neuron_config(tp, mixed_step=True, max_loras=2, max_lora_rank=8),
     }
 
 

@@ -153,7 +153,7 @@ def _generate_hlo(model, example_inputs, **flags):
     raise ClosedCallReached(model, dict(example_inputs), flags, chain, outputs)
 
 
-def check_family(family: str, tp: int, quantization: str = "") -> list[str]:
+def check_family(family: str, tp: int, quantization: str = "", lora: bool = False) -> list[str]:
     from fixtures.export_models import checkpoint_path
     from helpers import small_neuron_config
     from neuronx_distributed import NxDParallelState
@@ -164,12 +164,18 @@ def check_family(family: str, tp: int, quantization: str = "") -> list[str]:
     from optimum_neuron_chunked.backends.neuron.layers import NxdLayers
     from optimum_neuron_chunked.config import NeuronConfig
     from optimum_neuron_chunked.graphs import graph_specs
+    from optimum_neuron_chunked.lora_adapter import empty_slots
     from optimum_neuron_chunked.modeling import build_model
+    from optimum_neuron_chunked.modeling.family import family_spec
+    from optimum_neuron_chunked.modeling.lora import LoraSpec
 
     path = checkpoint_path(family)
     hf_config = AutoConfig.from_pretrained(path)
-    config = small_neuron_config(tp, quantization=quantization)
-    full = build_model(hf_config, NeuronConfig(batch_size=2, sequence_length=64, quantization=quantization))
+    slots = dict(max_loras=2, max_lora_rank=8) if lora else {}
+    config = small_neuron_config(tp, quantization=quantization, **slots)
+    full = build_model(
+        hf_config, NeuronConfig(batch_size=2, sequence_length=64, quantization=quantization, **slots)
+    )
     full.load_weights(full.weights_from_hf(AutoModelForCausalLM.from_pretrained(path)))
     problems = []
     with tempfile.TemporaryDirectory() as out, NxDParallelState(world_size=tp, tensor_model_parallel_size=tp):
@@ -184,11 +190,14 @@ def check_family(family: str, tp: int, quantization: str = "") -> list[str]:
         expected |= {n: tuple(t.shape) for n, t in state.items() if not isinstance(t, torch.nn.Parameter)}
         for rank, file in enumerate(NeuronBackend().weight_files(config)):
             shard = {n: tuple(t.shape) for n, t in load_file(Path(out) / file).items()}
+            if lora:  # NeuronBackend.load adds the adapter slots, zero, to what set_weights takes
+                empty = empty_slots(family_spec(hf_config), LoraSpec.of(config), torch.float32, tp, rank)
+                shard |= {"model." + n: tuple(t.shape) for n, t in empty.items()}
             if shard != expected:
                 problems.append(
                     f"{family} tp{tp} rank {rank}: shard {sorted(shard.items() ^ expected.items())}"
                 )
-        family = f"{family} {quantization}".strip()
+        family = f"{family} {quantization}{' lora' if lora else ''}".strip()
         print(
             f"{family} tp{tp}: {len(expected)} weights per rank, {len(aliases)} master_weight aliases skipped"
         )
@@ -437,6 +446,7 @@ def main() -> int:
         for q in quantized
         for p in check_family(family, tp, q)
     ]
+    problems += [p for tp in (1, 2) for p in check_family("llama", tp, lora=True)]
     print("\n".join(problems) if problems else "OK: bundle names == shard files; tp 1 forward == eager")
     from helpers import every_graph_kind
 

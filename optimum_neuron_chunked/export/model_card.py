@@ -40,6 +40,7 @@ def model_card(model: str, config: NeuronConfig) -> str:
         "mixed steps (decodes + a chunk in one call)": "yes" if config.mixed_step else "no",
         "dtype": config.dtype,
         "quantization": _quantization(config),
+        "LoRA adapter slots": _lora(config),
         "tensor parallel degree": config.tp_degree,
         "on-device sampling": f"top-k <= {config.max_topk}" if config.on_device_sampling else "off",
         "optimum-neuron-chunked": config.package_version,
@@ -81,6 +82,12 @@ Graph packages are native code that runs when loaded: load exports only from sou
 
 def write_model_card(out: Path, model: str, config: NeuronConfig) -> None:
     (out / "README.md").write_text(model_card(model, config))
+
+
+def _lora(config: NeuronConfig) -> str:
+    if not config.max_loras:
+        return "none"
+    return f"{config.max_loras} of rank <= {config.max_lora_rank} on {', '.join(config.lora_target_modules)}"
 
 
 def _quantization(config: NeuronConfig) -> str:

@@ -48,6 +48,7 @@ from optimum_neuron_chunked.modeling import (
     model_from_spec,
     torch_dtype,
 )
+from optimum_neuron_chunked.modeling.lora import LoraSpec
 from optimum_neuron_chunked.modeling.parallel import ShardLayout, check_block_shards
 from optimum_neuron_chunked.quantized_checkpoint import (
     dropped_notes,
@@ -111,6 +112,8 @@ def export(
     if config.quantization_block:
         check_block_shards(spec, config.quantization_block, config.tp_degree)
     config = _choose_attention(impl, config, spec, console)
+    if config.max_loras:
+        console.print(LoraSpec.of(config).summary(spec))  # refuses targets no layer has
     staging = Path(tempfile.mkdtemp(prefix=f".{output.name}.partial-", dir=output.parent))
     try:
         started = time.perf_counter()

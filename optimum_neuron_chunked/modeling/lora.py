@@ -28,7 +28,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..lora_targets import ROW_PARALLEL
+from ..config import NeuronConfigError
+from ..lora_targets import ATTENTION_TARGETS, MLP_TARGETS, ROW_PARALLEL
 
 NO_ADAPTER = -1  # a row's slot when it runs the base model
 
@@ -47,9 +48,18 @@ class LoraSpec:
             return None
         return cls(config.max_loras, config.max_lora_rank, tuple(config.lora_target_modules))
 
-    @property
-    def columns(self) -> int:
-        return self.slots * self.rank
+    def summary(self, spec) -> str:
+        """One line for the export's first lines and its model card: the slots a model of family
+        `spec` gets. Refuses targets no layer has (every MLP a mixture of experts)."""
+        layers = spec.num_layers
+        dense = layers - (sum(spec.moe.sparse_layers) if spec.moe is not None else 0)
+        if not dense and all(t in MLP_TARGETS for t in self.targets):
+            raise NeuronConfigError(
+                f"--lora-target-modules {','.join(self.targets)}: every MLP of {spec.model_type} is a mixture "
+                f"of experts, which take no adapters; target attention projections ({','.join(ATTENTION_TARGETS)})."
+            )
+        mlp = "" if dense == layers else f" (MLP projections on the {dense} dense layers of {layers})"
+        return f"LoRA: {self.slots} adapter slots of rank <= {self.rank} on {', '.join(self.targets)}{mlp}"
 
 
 def with_adapter_column(tables: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:

@@ -8,10 +8,10 @@ Export folder:
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import tempfile
-from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
@@ -22,11 +22,14 @@ from torch import nn
 from ...checkpoint_stream import WeightFile
 from ...config import NeuronConfig
 from ...graphs import GraphSpec, example_inputs, graph_module, graph_specs
+from ...lora_adapter import empty_slots
 from ...modeling import model_from_spec
 from ...modeling.decoder import DecoderModel
+from ...modeling.family import family_spec
 from ...modeling.kernels import Kernels
+from ...modeling.lora import LoraSpec
 from ...modeling.parallel import ShardLayout, rank_shard, tp_checkpoint
-from ..base import GRAPHS_DIR, Backend, KernelCompileError, OnGraph
+from ..base import GRAPHS_DIR, Backend, KernelCompileError, LoadedGraphs, OnGraph
 from .attention_choice import choose_nki_graphs, installed_limits
 from .kernel_probe import KernelProbe, kernel_specs
 from .nki_kernels import NkiKernels
@@ -184,23 +187,39 @@ class NeuronBackend(Backend):
             )
         return replace(config, nki_attention=tuple(n for n in config.nki_attention if n not in dropped))
 
-    def load(
-        self, hf_config, config: NeuronConfig, specs: list[GraphSpec], export_dir: Path
-    ) -> dict[str, Callable]:
+    def load(self, hf_config, config: NeuronConfig, specs: list[GraphSpec], export_dir: Path) -> LoadedGraphs:
         require_neuron_sdk()
         require_neuron_device()
         from neuronx_distributed.trace.nxd_model.nxd_model import NxDModel
 
         nxd_model = NxDModel.load(str(export_dir / BUNDLE))
         # set_weights applies the priority graph's weight layout itself; the KV cache is
-        # zero-initialised device state shared by every graph.
-        nxd_model.set_weights([load_file(export_dir / path) for path in self.weight_files(config)])
+        # zero-initialised device state shared by every graph. Adapter slots are weights the
+        # export does not store: zero until an adapter is written (modeling/lora.py).
+        shards = [load_file(export_dir / path) for path in self.weight_files(config)]
+        lora, family, dtype = LoraSpec.of(config), family_spec(hf_config), getattr(torch, config.dtype)
+        for rank, shard in enumerate(shards if lora else []):
+            shard |= {
+                PREFIX + k: v for k, v in empty_slots(family, lora, dtype, config.tp_degree, rank).items()
+            }
+        nxd_model.set_weights(shards)
         nxd_model.to_neuron()
         # decode graphs sampling on device and verify graphs: fetch the tokens, leave the
         # logits on the device unless wanted
         sampled = ("tg", "mx") if config.on_device_sampling else ()
         lazy = {spec.name for spec in specs if spec.kind in (*sampled, "vf")}
-        return {spec.name: NeuronGraph(nxd_model, spec.name, spec.name in lazy) for spec in specs}
+        graphs = {spec.name: NeuronGraph(nxd_model, spec.name, spec.name in lazy) for spec in specs}
+        return LoadedGraphs(graphs, functools.partial(write_device_slot, nxd_model, dtype) if lora else None)
+
+
+def write_device_slot(nxd_model, dtype, slot: int, rank_tensors) -> None:
+    """base.SlotWriter on the device: each local rank's slot row of each adapter weight, assigned
+    in place into NxDModel.weights[rank][name] - the device tensors set_weights loaded - as NxD
+    Inference swaps its adapters (modules/lora_serving/lora_model.py `rank_swap`, NxDI 2.29).
+    Not run here: it needs a Neuron device."""
+    for rank in range(nxd_model.local_ranks_size):
+        for name, tensor in rank_tensors(rank).items():
+            nxd_model.weights[rank][PREFIX + name][slot] = tensor.to(dtype)
 
 
 def kernel_shapes(config: NeuronConfig) -> dict[str, tuple[int, int]]:
