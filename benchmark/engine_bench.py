@@ -47,6 +47,9 @@ from optimum_neuron_chunked.vllm.limits import full_chunk_budget  # noqa: E402
 CONTENDERS = ("std", "chunked", "chunked-whole", "paged", "native", "native-budget", "native-paged")
 WORKLOADS = ("w1", "w2", "w4", "w4p", "w5")
 SPEC_CONTENDERS = ("spec-off", "spec-on", "native-spec-off", "native-spec-on")  # W5's
+# LoRA (by --contenders only): one export of 4 slots serving the base, then 4 adapters round-robin;
+# 4 adapters over an export of 2 slots (swaps between steps). Rank 16 on every projection.
+LORA_CONTENDERS = {"lora-base": (4, 0), "lora-4x4": (4, 4), "lora-4x2": (2, 4)}  # (slots, adapters)
 K = 4
 NGRAM = {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
 
@@ -89,6 +92,10 @@ def engine_args(name: str, model: str, setup: Setup) -> dict:
     if name == "native-budget":
         limits |= dict(max_num_batched_tokens=full_chunk_budget(setup.chunk, setup.batch),
                        long_prefill_token_threshold=setup.chunk)  # fmt: skip
+    if name in LORA_CONTENDERS:
+        limits |= dict(
+            enable_lora=True, max_loras=LORA_CONTENDERS[name][0], max_lora_rank=16, max_cpu_loras=4
+        )
     if name == "native-paged":  # the pool of `paged` (vLLM's null block counted, as our platform does)
         limits |= dict(block_size=paged["kv_block_size"], num_gpu_blocks_override=paged["kv_cache_blocks"] + 1)  # fmt: skip
     return limits
@@ -166,6 +173,11 @@ WORKLOAD_RUNS = {"w1": (w1, 100), "w2": (w2, 200), "w4": (w4, 400), "w4p": (w4_p
 
 def run_contender_here(name: str, model: str, setup: Setup, loads: Loads, repeats: int, workloads: list) -> dict:  # fmt: skip
     loop = EngineLoop(**engine_args(name, model, setup))
+    if LORA_CONTENDERS.get(name, (0, 0))[1]:
+        from vllm.lora.request import LoRARequest
+
+        ckpt = Path(model).parent / "checkpoint"
+        loop.adapters = [LoRARequest(f"a{i}", i + 1, str(p)) for i, p in enumerate(lora_adapters(ckpt))]
     loop.warm_up_buckets(setup.chunk, setup.seq)
     out = {load: [] for load in workloads}
     for i in range(repeats):
@@ -215,6 +227,8 @@ RATIOS = [  # (label, workload, path, numerator, denominator, target)
     ("W4 TTFT p50", "w4", ("ttft", "p50"), "paged", "native-paged", ""),
     ("W5 output tok/s", "w5", ("output_tok_s",), "spec-on", "spec-off", ""),
     ("W5 output tok/s", "w5", ("output_tok_s",), "native-spec-on", "native-spec-off", ""),
+    ("W2 output tok/s", "w2", ("output_tok_s",), "lora-4x4", "lora-base", ">= 0.85"),
+    ("W2 output tok/s", "w2", ("output_tok_s",), "lora-4x2", "lora-base", ""),
 ]
 # W1/W2 of `paged` over `chunked`: the issue asks for within 5 %
 PAGED_VS_SLOTS = [(label, load, path) for label, load, path, _ in FIGURES if load in ("w1", "w2")]
@@ -227,8 +241,7 @@ def render(results: dict) -> str:
     lines = [f"# Engine-level {'/'.join(load.upper() for load in workloads)} ({results['date']}, {results['machine']})",
              "", f"Setup: {results['setup']}; loads: {results['loads']}; repeats: {results['repeats']}. "
              "Median [min-max] over repeats; LLMEngine stepped in-process, prefix caching off.", ""]  # fmt: skip
-    if "paged" in results:
-        lines += [f"paged: {results['paged']}", ""]
+    lines += [f"{key}: {results[key]}" for key in ("paged", "lora") if key in results] + [""]
     lines += ["| figure | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
     for label, load, path, scale in FIGURES:
         if load not in workloads:
@@ -284,6 +297,32 @@ def repeating_export(ckpt: Path, setup: Setup, work: Path) -> tuple[Path, Path]:
     return out, repeating
 
 
+def lora_adapters(ckpt: Path) -> list[Path]:
+    from optimum_neuron_chunked.testing.lora_adapters import write_adapter
+
+    return [
+        write_adapter(ckpt, ckpt.parent / "adapters" / f"a{i}", seed=i, rank=16, scale=1.0) for i in range(4)
+    ]
+
+
+def slot_write_ms(export: Path, adapter: Path, writes: int = 20) -> list[float]:
+    """GraphRunner.write_adapter of a rank-16 adapter into one slot of `export`: ms per write."""
+    from optimum_neuron_chunked.graph_runner import GraphRunner
+    from optimum_neuron_chunked.lora_adapter import read_adapter
+    from optimum_neuron_chunked.modeling import family_spec, torch_dtype
+    from optimum_neuron_chunked.modeling.lora import LoraSpec
+
+    runner = GraphRunner.load(export)
+    lora = LoraSpec.of(runner.config)
+    read = read_adapter(adapter, family_spec(runner.hf_config), lora, torch_dtype(runner.config))
+    times = []
+    for i in range(writes):
+        started = time.perf_counter()
+        runner.write_adapter(i % lora.slots, read)
+        times.append((time.perf_counter() - started) * 1000)
+    return times
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_common_arguments(p)
@@ -305,12 +344,16 @@ def main(argv: list[str] | None = None) -> int:
     for name in args.w4_contenders.split(",") if args.w4_contenders else ():
         runs[name] = sorted(set(runs.get(name, [])) | {"w4"})
     kinds = [k for k in ("std", "chunked", "paged") if k in runs or f"{k}-whole" in runs]
+    kinds += sorted({f"lora{LORA_CONTENDERS[n][0]}" for n in runs if n in LORA_CONTENDERS})
     ckpt, folders, export_info = exports(setup, args.work, kinds=tuple(kinds))
     if "w5" in workloads:
         folders["spec"], folders["repeating"] = repeating_export(ckpt, setup, args.work)
     contenders = {}
     for name, loads_of in runs.items():
         model = ckpt if name.startswith("native") else folders.get(name, folders.get("chunked"))
+        if name in LORA_CONTENDERS:
+            model = folders[f"lora{LORA_CONTENDERS[name][0]}"]
+            lora_adapters(ckpt)  # written once, before the contender's process reads them
         if name in SPEC_CONTENDERS:
             model = folders["repeating"] if name.startswith("native") else folders["spec"]
         contenders[name] = run_contender(name, model, args.quick, args.repeats, loads_of, args.work)
@@ -322,6 +365,11 @@ def main(argv: list[str] | None = None) -> int:
                    contenders=contenders)  # fmt: skip
     if "paged" in runs:
         results["paged"] = str(paged_shape(setup))
+    if any(k.startswith("lora") for k in folders):
+        ms = slot_write_ms(folders[max(k for k in folders if k.startswith("lora"))], lora_adapters(ckpt)[0])
+        results["lora"] = (
+            f"slot write (rank 16, every projection) {statistics.median(ms):.2f} ms [{min(ms):.2f}-{max(ms):.2f}]"
+        )
     name = f"engine-{date}-vm{'-quick' if args.quick else ''}{'-' + args.tag if args.tag else ''}"
     save(args.results, name, results, render(results).splitlines())
     return 0 if all("error" not in r for r in contenders.values()) else 1

@@ -49,6 +49,7 @@ class EngineLoop:
         self.steps: list[Step] = []
         self.cached_tokens: dict[str, int] = {}  # prompt tokens a request did not compute (prefix hits)
         self._running: set[str] = set()
+        self.adapters: list = []  # LoRARequests: requests take them round-robin (none: the base)
 
     def warm_up(self, prompts: list[list[int]]) -> None:
         """Untimed: the graphs' first calls (lazy init, page faults) on these prompts."""
@@ -78,7 +79,8 @@ class EngineLoop:
         from vllm import SamplingParams
 
         params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=max_tokens)
-        self.engine.add_request(name, {"prompt_token_ids": ids}, params)
+        lora = self.adapters[len(self.traces) % len(self.adapters)] if self.adapters else None
+        self.engine.add_request(name, {"prompt_token_ids": ids}, params, lora_request=lora)
         self.traces[name] = trace = Trace(name, len(ids), time.perf_counter())
         self._running.add(name)
         return trace

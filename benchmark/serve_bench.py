@@ -141,19 +141,22 @@ def paged_shape(setup: Setup) -> dict:
 
 def exports(setup: Setup, work: Path, kinds=("std", "chunked")) -> tuple[Path, dict[str, Path], dict]:
     """The bench checkpoint and its exports (cached under `work`, keyed by shapes and graph code).
-    Kinds: std, chunked, paged (chunked with a pool of KV blocks, `paged_shape`)."""
+    Kinds: std, chunked, paged (chunked with a pool of KV blocks, `paged_shape`), loraN (chunked
+    with N adapter slots of rank 16)."""
     from optimum_neuron_chunked.export.pipeline import export
 
     ckpt = build_checkpoint("bench", work / "checkpoint", config={**COMMON, **setup.model})
     folders, info = {}, {}
     for kind in kinds:
-        chunk = setup.chunk if kind in ("chunked", "paged") else 0
+        chunk = setup.chunk if kind != "std" else 0
         # keyed by the graph code too: a cached export of older model code is not reused
         widths = setup.widths if chunk else ()
         mixed = setup.mixed_step and kind == "chunked"
         options = dict(batch_size=setup.batch, decode_widths=setup.decode_widths)
         if kind == "paged":
             options = paged_shape(setup)
+        if kind.startswith("lora"):
+            options |= dict(max_loras=int(kind[4:]), max_lora_rank=16)
         tags = (("b", setup.buckets), ("w", widths), ("r", options["decode_widths"]))
         shape = "".join(f"-{tag}{'.'.join(map(str, v))}" for tag, v in tags if v) + ("-mx" if mixed else "")
         if kind == "paged":

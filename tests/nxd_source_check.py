@@ -197,7 +197,7 @@ def check_family(family: str, tp: int, quantization: str = "", lora: bool = Fals
                 problems.append(
                     f"{family} tp{tp} rank {rank}: shard {sorted(shard.items() ^ expected.items())}"
                 )
-        family = f"{family} {quantization}{' lora' if lora else ''}".strip()
+        family = " ".join(x for x in (family, quantization, "lora" if lora else "") if x)
         print(
             f"{family} tp{tp}: {len(expected)} weights per rank, {len(aliases)} master_weight aliases skipped"
         )

@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 from fixtures.export_models import cache_root, checkpoint_path
-from tp_gloo import FP8_BLOCK, configs, graph_outputs, rank_main
+from tp_gloo import FP8_BLOCK, adapter_folders, configs, graph_outputs, rank_main
 
 from optimum_neuron_chunked.config import NeuronConfigError
 from optimum_neuron_chunked.modeling import family_spec
@@ -64,6 +64,8 @@ CASES += [(m, "chunked-int8") for m in ("llama", "qwen3", "llama-mha", "mixtral"
 ]
 # an FP8 checkpoint's block-wise scales (8x8: whole blocks per rank), experts' too
 CASES += [("qwen3_moe-fp8", "chunked-fp8-blocks")]
+# LoRA slots shard with their projections: KV heads split (llama), copied (qwen3), MHA (llama-mha)
+CASES += [(m, "chunked-lora") for m in ("llama", "qwen3", "llama-mha")]
 
 
 @pytest.fixture(scope="module")
@@ -71,6 +73,9 @@ def tp_results(tmp_path_factory):
     """(model, config kind) -> (tp 1 outputs, tp 2 outputs)."""
     paths, cfgs = checkpoints(), configs()
     cases = {(m, k): (paths[m], cfgs[k]) for m, k in CASES}
+    for m, k in CASES:  # written once, before the ranks read them
+        if k == "chunked-lora":
+            adapter_folders(paths[m])
     tmp = tmp_path_factory.mktemp("gloo")
     out_file = str(tmp / "tp2.pt")
     mp.start_processes(

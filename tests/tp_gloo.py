@@ -109,7 +109,32 @@ def configs() -> dict[str, NeuronConfig]:
         "chunked": NeuronConfig(**chunked),
         **{f"chunked-{q}": NeuronConfig(**chunked, quantization=q) for q in ("int8", "fp8")},
         "chunked-fp8-blocks": NeuronConfig(**chunked, quantization="fp8", quantization_block=FP8_BLOCK),
+        "chunked-lora": NeuronConfig(**chunked, max_loras=2, max_lora_rank=8),
     }
+
+
+def write_adapters(model, rank: int, tp_degree: int, checkpoint: str) -> None:
+    """Slot s of a LoRA config holds the peft adapter adapter_folders(checkpoint)[s], this rank's
+    share (lora_adapter.slot_tensors: the sharding rule of the neuron backend)."""
+    from optimum_neuron_chunked.backends.base import parameter_slot_writer
+    from optimum_neuron_chunked.lora_adapter import read_adapter, slot_tensors
+
+    write, lora = parameter_slot_writer(model), model.lora_spec
+    for slot, folder in enumerate(adapter_folders(checkpoint)):
+        adapter = read_adapter(folder, model.spec, lora, torch.float32)
+        write(slot, lambda _, a=adapter: slot_tensors(a, model.spec, lora, tp_degree, rank))
+
+
+def adapter_folders(checkpoint: str) -> list[Path]:
+    from fixtures.export_models import cache_root
+
+    from optimum_neuron_chunked.testing.lora_adapters import write_adapter
+
+    root = cache_root() / "adapters" / f"tp-{Path(checkpoint).name}"
+    return [
+        write_adapter(Path(checkpoint), root / str(seed), seed, rank=8 - 4 * seed, scale=1.0)
+        for seed in (0, 1)
+    ]
 
 
 def graph_outputs(
@@ -123,6 +148,8 @@ def graph_outputs(
         model.load_weights(model.rank_weights(load_file(Path(checkpoint) / "model.safetensors"), rank))
     else:
         model.load_weights(model.weights_from_hf(AutoModelForCausalLM.from_pretrained(checkpoint), rank))
+    if config.max_loras:  # slot s serves the rows of KV block s
+        write_adapters(model, rank, layers.tp_degree if layers is not None else 1, checkpoint)
     calls: dict[str, list] = {}
 
     def recorded(name, graph):
@@ -137,6 +164,7 @@ def graph_outputs(
 
     graphs = {s.name: recorded(s.name, graph_module(model.eval(), s, config)) for s in graph_specs(config)}
     runner = GraphRunner(config, graphs)
+    lora = config.max_loras > 0
     generator = torch.Generator().manual_seed(0)
     tokens = {}
     with torch.no_grad():
@@ -144,7 +172,9 @@ def graph_outputs(
             prompt = torch.randint(4, 300, (n,), generator=generator)
             if config.chunked:
                 for start in range(0, n, CHUNK):
-                    logits = runner.prefill(prompt[start : start + CHUNK], start, (slot,))
+                    logits = runner.prefill(
+                        prompt[start : start + CHUNK], start, (slot,), adapter=slot if lora else -1
+                    )
             else:
                 logits = runner.prefill(prompt, 0, (slot,))
             tokens[slot] = int(logits.argmax())
@@ -156,7 +186,9 @@ def graph_outputs(
             pos = torch.tensor([lengths[s] for s in slots])
             rand = torch.rand(len(slots), generator=generator)
             tables = torch.tensor([[s] for s in slots])  # one whole-sequence block a slot
-            out, _ = runner.decode(ids, pos, tables, (params[: len(slots)], rand))
+            out, _ = runner.decode(
+                ids, pos, tables, (params[: len(slots)], rand), adapters=slots if lora else None
+            )
             for s, t in zip(slots, out.tolist(), strict=True):
                 tokens[s], lengths[s] = t, lengths[s] + 1
     return calls
