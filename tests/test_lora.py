@@ -190,3 +190,42 @@ def test_adapters_the_slots_cannot_hold_are_refused_by_name(tmp_path, case, reas
     folder = refused_adapter(tmp_path, "plain" if case == "not_compiled" else case)
     with pytest.raises(LoraConfigError, match=re.escape(reason)):
         read_adapter(folder, spec, LoraSpec(2, 8, targets), torch.float32)
+
+
+def test_phi3_fused_qkv_and_gate_up_adapters_split_over_the_projections():
+    from optimum_neuron_chunked import NeuronModelForCausalLM
+
+    base = checkpoint_path("phi3")
+    folder = write_adapter(base, cache_root() / "adapters" / "phi3", seed=4, rank=8,
+                           target_modules=["qkv_proj", "o_proj", "gate_up_proj", "down_proj"])  # fmt: skip
+    model = NeuronModelForCausalLM.from_pretrained(export_with("phi3", "eager", **LORA_EXPORT))
+    model.load_adapter(folder, adapter_name="fused")
+    peft = peft_reference(base, {"fused": folder})
+    prompts, names = [prompt(40, seed=7), prompt(40, seed=7)], ["fused", "__base__"]
+    want = expected(peft, prompts, names)
+    assert want[0] != want[1] and generated(model, prompts, names) == want
+
+
+def test_an_int8_base_keeps_its_weights_and_adapters_apply_on_them():
+    """The reference: peft over transformers' model with the export's int8 weights dequantized."""
+    from transformers import AutoModelForCausalLM
+
+    from optimum_neuron_chunked import NeuronModelForCausalLM
+    from optimum_neuron_chunked.modeling.quantization import quantize
+
+    path = adapters()["a"]
+    model = NeuronModelForCausalLM.from_pretrained(
+        export_with("llama", "eager", quantization="int8", **LORA_EXPORT)
+    )
+    model.load_adapter(path, adapter_name="a")
+    hf = AutoModelForCausalLM.from_pretrained(checkpoint_path("llama"), dtype=torch.float32)
+    with torch.no_grad():
+        for name, param in hf.named_parameters():
+            if name.endswith("_proj.weight") and ".layers." in name:
+                stored, scale = quantize(param, "int8")
+                param.copy_(stored.float() * scale)
+    from peft import PeftModel
+
+    peft = PeftModel.from_pretrained(hf, path, adapter_name="a").eval()
+    prompts, names = [prompt(50, seed=8), prompt(30, seed=9)], ["a", "__base__"]
+    assert generated(model, prompts, names) == expected(peft, prompts, names)

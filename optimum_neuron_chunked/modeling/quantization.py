@@ -58,8 +58,10 @@ class QuantSpec:
         return any(module_matches(module, pattern) for pattern in self.skip)
 
     def quantizes(self, module: str) -> bool:
-        """`module` (a decoder module name, e.g. model.layers.3.self_attn.q_proj) is stored quantized."""
-        return module.rsplit(".", 1)[-1] in QUANTIZED_MODULES and not self.skips(module)
+        """`module` (a decoder module name, e.g. model.layers.3.self_attn.q_proj) is stored quantized;
+        a projection's LoRA slots (`...self_attn.lora.q_proj`, modeling/lora.py) keep --dtype."""
+        named = module.rsplit(".", 1)[-1] in QUANTIZED_MODULES and ".lora." not in module
+        return named and not self.skips(module)
 
     def scale_shape(self, weight_shape: tuple[int, ...]) -> tuple[int, ...]:
         *lead, out, inner = weight_shape
