@@ -315,12 +315,11 @@ def slot_write_ms(export: Path, adapter: Path, writes: int = 20) -> list[float]:
     runner = GraphRunner.load(export)
     lora = LoraSpec.of(runner.config)
     read = read_adapter(adapter, family_spec(runner.hf_config), lora, torch_dtype(runner.config))
-    times = []
+    times = [time.perf_counter()]
     for i in range(writes):
-        started = time.perf_counter()
         runner.write_adapter(i % lora.slots, read)
-        times.append((time.perf_counter() - started) * 1000)
-    return times
+        times.append(time.perf_counter())
+    return [(b - a) * 1000 for a, b in zip(times, times[1:])]
 
 
 def main(argv: list[str] | None = None) -> int:

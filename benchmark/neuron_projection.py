@@ -9,6 +9,8 @@ B decode rows + one C-token chunk per mixed step.
 - Verify step (`--speculation-length K`): B rows of K + 1 tokens; with `tau` tokens a row per
   call (engine_bench.py W5), decode tok/s on / off is tau x TG ms / VF ms.
 - 8-bit weights (`--quantization int8|fp8`): 1 byte a projection weight + a float32 scale a channel.
+- LoRA slots (`--max-loras S --max-lora-rank r`, every projection): a decode step reads every
+  slot's A and B too, A replicated on column-parallel projections, B on row-parallel ones.
 
 A graph's time: max(bytes / (bandwidth * bw_eff), flops / (peak * mfu)) + the all-reduces; a
 Trainium chip is 2 NeuronCore-v2, 190 BF16 TFLOPS, 820 GiB/s HBM (AWS Neuron docs). The
@@ -176,6 +178,24 @@ def quantized_lines(args: argparse.Namespace, hw: Hardware, contexts: list[int])
     return lines, rows
 
 
+def lora_lines(args: argparse.Namespace, hw: Hardware, contexts: list[int], slots: int = 4, rank: int = 16) -> list[str]:  # fmt: skip
+    m, tp, cols = Model(), args.tp, slots * rank
+    q, kv, h, i = m.heads * m.head_dim, m.kv_heads * m.head_dim, m.hidden, m.intermediate
+    column = [(h, q), (h, kv), (h, kv), (h, i), (h, i)]  # A [cols, in] whole, B [cols, out] split
+    per_layer = sum(cols * (a + b / tp) for a, b in column) + sum(
+        cols * (a / tp + b) for a, b in [(q, h), (i, h)]
+    )
+    extra = per_layer * m.layers * m.dtype_bytes  # bytes a core reads more each step
+    lines = ["", f"Decode with {slots} LoRA slots of rank {rank} on every projection, B={args.batch}: "
+             f"{extra / GIB * 1024:.0f} MiB more a core a step", "",
+             "| context | TG ms | TG ms with slots | decode tok/s with / without |", "|---|---|---|---|"]  # fmt: skip
+    for c in contexts:
+        tg = graph_ms(m, hw, tp, args.batch, args.batch, [(1, c)] * args.batch, args.mfu, args.bw)
+        more = tg["ms"] + extra / (hw.gib_s * GIB * args.bw) * 1e3
+        lines.append(f"| {c} | {tg['ms']:.2f} | {more:.2f} | {tg['ms'] / more:.3f} |")
+    return lines
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--batch", type=int, default=8)
@@ -202,7 +222,9 @@ def main(argv: list[str] | None = None) -> int:
             for c in contexts]  # fmt: skip
     w4 = project_w4(m, hw, args.tp, args.batch, args.paged_rows, args.chunk, args.mfu, args.bw)
     q_lines, q_rows = quantized_lines(args, hw, contexts)
-    lines = mixed_lines(args, hw, rows, w4) + verify_lines(args, rows) + q_lines
+    lines = (
+        mixed_lines(args, hw, rows, w4) + verify_lines(args, rows) + q_lines + lora_lines(args, hw, contexts)
+    )
     data = {"args": vars(args), "model": asdict(m), "rows": rows, "w4": w4, "quantized": q_rows}
     save(results_folder(args.results, smoke=False), f"neuron-projection-{datetime.date.today()}", data, lines)
     return 0
