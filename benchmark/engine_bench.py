@@ -319,7 +319,7 @@ def slot_write_ms(export: Path, adapter: Path, writes: int = 20) -> list[float]:
     for i in range(writes):
         runner.write_adapter(i % lora.slots, read)
         times.append(time.perf_counter())
-    return [(b - a) * 1000 for a, b in zip(times, times[1:])]
+    return [(b - a) * 1000 for a, b in zip(times[:-1], times[1:], strict=True)]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -9,8 +9,7 @@ B decode rows + one C-token chunk per mixed step.
 - Verify step (`--speculation-length K`): B rows of K + 1 tokens; with `tau` tokens a row per
   call (engine_bench.py W5), decode tok/s on / off is tau x TG ms / VF ms.
 - 8-bit weights (`--quantization int8|fp8`): 1 byte a projection weight + a float32 scale a channel.
-- LoRA slots (`--max-loras S --max-lora-rank r`, every projection): a decode step reads every
-  slot's A and B too, A replicated on column-parallel projections, B on row-parallel ones.
+- LoRA slots (`--max-loras 4 --max-lora-rank 16`): a decode step reads every slot's A and B too.
 
 A graph's time: max(bytes / (bandwidth * bw_eff), flops / (peak * mfu)) + the all-reduces; a
 Trainium chip is 2 NeuronCore-v2, 190 BF16 TFLOPS, 820 GiB/s HBM (AWS Neuron docs). The
