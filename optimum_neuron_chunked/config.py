@@ -19,6 +19,7 @@ DTYPES = ("float32", "bfloat16", "float16")
 INSTANCE_TYPES = ("trn1", "inf2", "trn2")  # backends/neuron/target.py TARGETS (a test checks)
 ATTENTION_KERNELS = ("auto", "nki", "reference")
 QUANTIZATIONS = ("int8", "fp8")  # weight-only, symmetric (modeling/quantization.py)
+KV_CACHE_DTYPES = ("auto", "fp8")  # fp8: float8_e4m3fn within Neuron's +-240 (modeling/kv_cache.py)
 # Smallest context bucket chosen by default: below this a smaller graph saves little.
 MIN_DEFAULT_BUCKET = 512
 # Keys of neuron_config.json renamed since: exports written before keep the old ones.
@@ -198,6 +199,14 @@ class NeuronConfig:
         "at a dot (down_proj, layers.0.mlp) or a glob over the whole name ('model.layers.1?.*'); end "
         "the patterns with -- when OUT follows.",
     )
+    kv_cache_dtype: str = option(
+        "--kv-cache-dtype",
+        "--kv_cache_dtype",
+        default="auto",
+        choices=KV_CACHE_DTYPES,
+        help="The KV pool's storage: auto (--dtype) or fp8 (float8 e4m3, half the bytes of bf16: twice the "
+        "tokens in the same memory), scaled per layer by the checkpoint's K / V scales where it has them, else 1.",
+    )
     max_loras: int = option(
         "--max-loras",
         "--max_loras",
@@ -223,6 +232,8 @@ class NeuronConfig:
     # Recorded by the export.
     quantization_block: tuple[int, ...] = ()  # FP8 checkpoints' block-wise scales: (rows, columns)
     nki_attention: tuple[str, ...] = ()  # graphs whose prefill chunks run nkilib's attention_cte
+    # fp8 KV: per layer (K scale, V scale), the checkpoint's fitted into +-240; () = 1.0 (direct cast)
+    kv_cache_scales: tuple[tuple[float, float], ...] = ()
     # the kernel limits that chose them (backends/neuron/attention_choice.KernelLimits)
     nki_limits: dict = field(default_factory=dict, compare=False, hash=False)
     cpu_isa: str = ""  # cpu backend: the vector ISA of the host that compiled (AVX2, AVX512, ...)
@@ -241,6 +252,7 @@ class NeuronConfig:
         )
         for name in ("quantization_skip", "quantization_block"):  # the CLI gives lists
             object.__setattr__(self, name, tuple(getattr(self, name)))
+        object.__setattr__(self, "kv_cache_scales", tuple(tuple(map(float, s)) for s in self.kv_cache_scales))
         if self.max_loras:  # as typed -> the projections, in the decoder's order (modeling/lora.py)
             try:
                 object.__setattr__(self, "lora_target_modules", resolve_targets(self.lora_target_modules))
@@ -321,6 +333,15 @@ class NeuronConfig:
             )
         self._validate_paged()
         self._validate_lora()
+        self._validate_kv_cache_dtype()
+
+    def _validate_kv_cache_dtype(self) -> None:
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise NeuronConfigError(
+                f"--kv-cache-dtype {self.kv_cache_dtype}: choose one of {', '.join(KV_CACHE_DTYPES)}."
+            )
+        if self.kv_cache_scales and self.kv_cache_dtype != "fp8":
+            raise NeuronConfigError("KV-cache scales go with --kv-cache-dtype fp8.")
 
     def _validate_lora(self) -> None:
         slots, rank = self.max_loras, self.max_lora_rank
@@ -461,6 +482,7 @@ class NeuronConfig:
         d["quantization_skip"] = list(self.quantization_skip)
         d["quantization_block"] = list(self.quantization_block)
         d["lora_target_modules"] = list(self.lora_target_modules)
+        d["kv_cache_scales"] = [list(s) for s in self.kv_cache_scales]
         return d
 
     @classmethod
@@ -480,6 +502,7 @@ class NeuronConfig:
         d["quantization_skip"] = tuple(d.get("quantization_skip", ()))
         d["quantization_block"] = tuple(d.get("quantization_block", ()))
         d["lora_target_modules"] = tuple(d.get("lora_target_modules", ()))
+        d["kv_cache_scales"] = tuple(tuple(s) for s in d.get("kv_cache_scales", ()))
         return cls(**d)
 
     def save(self, directory: str | Path, files: dict[str, dict] | None = None) -> None:

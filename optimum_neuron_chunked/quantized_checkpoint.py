@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from .config import NeuronConfigError
-from .modeling.quantization import QUANTIZED_MODULES, dequantize
+from .modeling.quantization import QUANTIZED_MODULES, dequantize, kv_scale_for_neuron
 from .safetensors_io import TensorInfo
 
 logger = logging.getLogger(__name__)
@@ -135,16 +135,41 @@ def _fp8_group(name: str, group: dict, default_format: str | None) -> tuple[int,
     return (int(block[0]), int(block[1])) if strategy == "block" else None
 
 
-def dropped_notes(source: SourceQuantization | None, dtype: str) -> list[str]:
+def dropped_notes(source: SourceQuantization | None, dtype: str, kv_cache_dtype: str = "auto") -> list[str]:
     """What the export leaves out of an FP8 checkpoint, one line each (only what it holds)."""
     if source is None:
         return []
     notes = []
     if source.activation_scales:
         notes.append("activation scales dropped: the export quantizes weights only (activations in --dtype)")
-    if source.kv_cache_scales:
-        notes.append(f"KV-cache scales dropped: the export's KV cache is {dtype} (--dtype)")
+    if source.kv_cache_scales and kv_cache_dtype != "fp8":
+        notes.append(
+            f"KV-cache scales dropped: the export's KV cache is {dtype} (--dtype); --kv-cache-dtype fp8 uses them"
+        )
     return notes
+
+
+def checkpoint_kv_scales(hf_config, files, layers: int) -> tuple[tuple[float, float], ...]:
+    """An fp8 KV pool's per-layer (K, V) scales: the checkpoint's (compressed-tensors'
+    kv_cache_scheme, tensor strategy: `model.layers.i.self_attn.k_scale` / `v_scale`, llm-compressor's
+    names) fitted into +-240 (quantization.kv_scale_for_neuron); () where it has none (1.0, a direct
+    cast, as NxD Inference's kv_cache_quant). Per-head scales are refused by name."""
+    quant = getattr(hf_config, "quantization_config", None)
+    quant = (quant if isinstance(quant, dict) else quant.to_dict()) if quant is not None else {}
+    scheme = quant.get("kv_cache_scheme")
+    if not scheme:
+        return ()
+    if scheme.get("strategy", "tensor") != "tensor":
+        raise UnsupportedQuantizationError(
+            f"the checkpoint's KV-cache scales are per {scheme.get('strategy')} (kv_cache_scheme): an fp8 KV "
+            "pool takes one K and one V scale a layer (strategy tensor); export with --kv-cache-dtype auto."
+        )
+    names = [f"model.layers.{i}.self_attn.{w}_scale" for i in range(layers) for w in "kv"]
+    missing = [n for n in names if n not in files]
+    if missing:
+        raise UnsupportedQuantizationError(f"the checkpoint has a kv_cache_scheme but no {missing[0]}.")
+    values = [kv_scale_for_neuron(files.read(n).float().reshape(-1)[0]) for n in names]
+    return tuple(zip(values[::2], values[1::2], strict=True))
 
 
 def export_quantization(requested: str | None, source: SourceQuantization | None) -> str:

@@ -75,7 +75,7 @@ def small_neuron_config(tp: int = 1, **fields) -> NeuronConfig:
 def every_graph_kind(tp: int = 1) -> dict[str, NeuronConfig]:
     """Configs whose graph sets hold every kind of graph and every input count: CP (narrow
     and full), CE, TG (narrow and full, with and without sampling), MX (with and without
-    sampling), VF (narrow and full), copy, prompt logits, paged KV, LoRA slots.
+    sampling), VF (narrow and full), copy, prompt logits, paged KV, LoRA slots, an fp8 KV pool.
     tests/nxd_source_check.py traces them with NxD."""
     return {
         "chunked": small_neuron_config(
@@ -86,6 +86,7 @@ def every_graph_kind(tp: int = 1) -> dict[str, NeuronConfig]:
         "paged": small_neuron_config(tp, mixed_step=True, kv_cache_blocks=12, kv_block_size=8),
         # adapter slots in every graph (their column in the block tables: no input more)
         "lora": small_neuron_config(tp, mixed_step=True, max_loras=2, max_lora_rank=8),
+        "fp8-kv": small_neuron_config(tp, mixed_step=True, kv_cache_dtype="fp8"),
     }
 
 

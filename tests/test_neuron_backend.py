@@ -164,7 +164,7 @@ def test_every_config_covers_every_graph_kind():
     assert counts == {2, 3, 5, 6, 8}
 
 
-@pytest.mark.parametrize("name", ["chunked", "chunked-host-sampling", "standard", "lora"])
+@pytest.mark.parametrize("name", ["chunked", "chunked-host-sampling", "standard", "lora", "fp8-kv"])
 def test_bundle_runs_the_selected_graph(name):
     """Each graph through the bundle, as ModelBuilder.trace calls it (keywords named after
     forward's parameters) and as the xla backend calls it (positional), equals the graph

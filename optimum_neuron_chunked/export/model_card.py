@@ -40,6 +40,7 @@ def model_card(model: str, config: NeuronConfig) -> str:
         "mixed steps (decodes + a chunk in one call)": "yes" if config.mixed_step else "no",
         "dtype": config.dtype,
         "quantization": _quantization(config),
+        "KV cache": _kv_cache(config),
         "LoRA adapter slots": _lora(config),
         "tensor parallel degree": config.tp_degree,
         "on-device sampling": f"top-k <= {config.max_topk}" if config.on_device_sampling else "off",
@@ -82,6 +83,13 @@ Graph packages are native code that runs when loaded: load exports only from sou
 
 def write_model_card(out: Path, model: str, config: NeuronConfig) -> None:
     (out / "README.md").write_text(model_card(model, config))
+
+
+def _kv_cache(config: NeuronConfig) -> str:
+    if config.kv_cache_dtype != "fp8":
+        return config.dtype
+    scales = "the checkpoint's K / V scales, fitted into +-240" if config.kv_cache_scales else "scale 1"
+    return f"fp8 e4m3, {scales}"
 
 
 def _lora(config: NeuronConfig) -> str:

@@ -48,9 +48,11 @@ from optimum_neuron_chunked.modeling import (
     model_from_spec,
     torch_dtype,
 )
+from optimum_neuron_chunked.modeling.kv_layout import KVLayout
 from optimum_neuron_chunked.modeling.lora import LoraSpec
 from optimum_neuron_chunked.modeling.parallel import ShardLayout, check_block_shards
 from optimum_neuron_chunked.quantized_checkpoint import (
+    checkpoint_kv_scales,
     dropped_notes,
     export_quantization,
     kept_modules,
@@ -100,18 +102,21 @@ def export(
     spec = family_spec(hf_config)
     source = source_quantization(hf_config)  # refuses a checkpoint it cannot serve, before any work
     config = NeuronConfig(
-        **options | _quantization_fields(model, source, spec, options, weights),
+        **options
+        | _quantization_fields(model, source, spec, options, weights)
+        | _kv_scales(model, hf_config, options),
         backend=backend,
         **impl.host_fields(instance_type),
         model_type=spec.model_type,
     )
     _check_shapes(hf_config, config)
-    for note in dropped_notes(source, config.dtype):
+    for note in dropped_notes(source, config.dtype, config.kv_cache_dtype):
         console.print(f"[yellow]warning[/]: {note}")
     ShardLayout.of(spec, config.tp_degree)  # refuses a tp degree the heads cannot split by
     if config.quantization_block:
         check_block_shards(spec, config.quantization_block, config.tp_degree)
     config = _choose_attention(impl, config, spec, console)
+    console.print(KVLayout.of(config, spec).summary(config.tp_degree))
     if config.max_loras:
         console.print(LoraSpec.of(config).summary(spec))  # refuses targets no layer has
     staging = Path(tempfile.mkdtemp(prefix=f".{output.name}.partial-", dir=output.parent))
@@ -137,6 +142,15 @@ def export(
         f"in {time.perf_counter() - started:.1f}s"
     )
     return output
+
+
+def _kv_scales(model: str, hf_config, options: dict) -> dict:
+    """--kv-cache-dtype fp8: the checkpoint's K / V scales where it has them (else 1.0)."""
+    folder = checkpoint_folder(model) if options.get("kv_cache_dtype") == "fp8" else None
+    if folder is None:
+        return {}
+    layers = family_spec(hf_config).num_layers
+    return {"kv_cache_scales": checkpoint_kv_scales(hf_config, CheckpointFiles(folder), layers)}
 
 
 def _quantization_fields(model: str, source, spec, options: dict, weights: str) -> dict:

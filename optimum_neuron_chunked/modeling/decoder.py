@@ -158,16 +158,16 @@ class DecoderModel(nn.Module):
         self.tied = spec.tie_word_embeddings and isinstance(layers, TorchLayers)
         if self.tied:
             self.lm_head.weight = self.model.embed_tokens.weight
-        for i in range(kv.num_layers):
+        self.to(kv.dtype)
+        for i in range(kv.num_layers):  # after the cast: an fp8 pool stays fp8
             cache_shape = (
                 kv.num_blocks,
                 self.layout.kv_heads_per_rank,
                 kv.layer(i).block_size,
                 spec.head_dim,
             )
-            self.register_buffer(f"k_cache_{i}", torch.zeros(cache_shape, dtype=kv.dtype), persistent=False)
-            self.register_buffer(f"v_cache_{i}", torch.zeros(cache_shape, dtype=kv.dtype), persistent=False)
-        self.to(kv.dtype)
+            for name in (f"k_cache_{i}", f"v_cache_{i}"):
+                self.register_buffer(name, torch.zeros(cache_shape, dtype=kv.pool_dtype), persistent=False)
         for rotary in self.model.modules():
             if isinstance(rotary, Rotary):
                 rotary.float()  # rotary angles stay fp32, as in transformers
@@ -300,7 +300,7 @@ class DecoderModel(nn.Module):
     def layer_cache(self, i: int) -> KVCache:
         """Layer i's cache buffers with their addressing (the buffers keep their export names)."""
         k, v = getattr(self, f"k_cache_{i}"), getattr(self, f"v_cache_{i}")
-        return KVCache(k, v, self.kv.layer(i), self.functional_cache)
+        return KVCache(k, v, self.kv.layer(i), self.functional_cache, self.kv.storage(i))
 
     def copy_positions(self, position_ids: torch.Tensor, blocks: torch.Tensor) -> None:
         """Copy the K/V of `position_ids` [1, T] from block blocks[0] to block blocks[1], every

@@ -24,20 +24,19 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from .kv_layout import LayerKV
+from .kv_layout import KVStorage, LayerKV
 
 
 def scatter_cache(
     cache: torch.Tensor,  # [blocks, Hkv, P, D]
     rows: torch.Tensor,  # [N, 1] or [N, T]: the cache row of each token
     index: torch.Tensor,  # [N, T]: the position in that row
-    values: torch.Tensor,  # [N, T, Hkv, D]
+    values: torch.Tensor,  # [N, T, Hkv, D], as the cache stores them (KVStorage.store)
     functional: bool,
 ) -> torch.Tensor:
     """cache[rows, :, index] = values. In place for torch backends (the compiled graphs share
     the cache tensor); as a new tensor for XLA tracing, which turns a buffer reassigned to it
     into aliased device state and does not support in-place updates."""
-    values = values.to(cache.dtype)
     if not functional:
         # Advanced indices on dims 0 and 2 put [N, T] first: values are [N, T, Hkv, D].
         cache[rows, :, index] = values
@@ -51,8 +50,13 @@ def gather_blocks(cache: torch.Tensor, block_tables: torch.Tensor, positions) ->
     """A cache [blocks, Hkv, P, D] read through block tables [N, M] -> each row's M blocks, each
     cut to its first `positions`, [N, Hkv, M * positions, D] (a copy)."""
     n, m = block_tables.shape
-    blocks = cache[:, :, :positions][block_tables]  # [N, M, Hkv, positions, D]
-    return blocks.transpose(1, 2).reshape(n, cache.shape[1], m * positions, cache.shape[3])
+    # index_select, not advanced indexing: torch 2.9's CPU kernels index no float8 tensor
+    blocks = cache[:, :, :positions].index_select(0, block_tables.reshape(-1))  # [N * M, Hkv, positions, D]
+    return (
+        blocks.view(n, m, *blocks.shape[1:])
+        .transpose(1, 2)
+        .reshape(n, cache.shape[1], m * positions, cache.shape[3])
+    )
 
 
 @dataclass(frozen=True)
@@ -61,10 +65,11 @@ class KVCache:
     write, one copy and three named reads. `write` returns the cache with a part's K/V in it (the same tensors, or
     new ones under `functional` XLA tracing)."""
 
-    keys: torch.Tensor  # [blocks, Hkv, P, D]
+    keys: torch.Tensor  # [blocks, Hkv, P, D], KVStorage.pool_dtype
     values: torch.Tensor  # same shape
     layer: LayerKV
     functional: bool
+    storage: KVStorage  # writes store, reads load in the compute dtype (fp8 pools: scaled)
 
     def write(
         self,
@@ -75,14 +80,15 @@ class KVCache:
     ) -> KVCache:
         """The cache with k, v written at each row's positions (LayerKV.address)."""
         rows, index = self.layer.address(tables, position_ids)
-        keys = scatter_cache(self.keys, rows, index, k, self.functional)
-        values = scatter_cache(self.values, rows, index, v, self.functional)
+        keys = scatter_cache(self.keys, rows, index, self.storage.store(k, 0), self.functional)
+        values = scatter_cache(self.values, rows, index, self.storage.store(v, 1), self.functional)
         return replace(self, keys=keys, values=values)
 
     def copy(self, position_ids: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> KVCache:
         """The cache with the K/V of `position_ids` [1, T] of block src [1] copied into block
         dst [1] (whole-sequence blocks: a cached prefix enters a new request's block). Padding
-        repeats the last position (graph_runner.pad_repeat_last): the same entry copied twice."""
+        repeats the last position (graph_runner.pad_repeat_last): the same entry copied twice.
+        Copied as stored (fp8 stays fp8)."""
         index = self.layer.index(position_ids)  # [1, T]
         copied = []
         for cache in (self.keys, self.values):
@@ -104,8 +110,8 @@ class KVCache:
         live = self.layer.extent(live, live)[1]
         positions = torch.sym_min(self.layer.block_size, live)
         keys, values = (
-            gather_blocks(self.keys, tables, positions),
-            gather_blocks(self.values, tables, positions),
+            self.storage.load(gather_blocks(self.keys, tables, positions), 0),
+            self.storage.load(gather_blocks(self.values, tables, positions), 1),
         )
         return keys, values, self.layer.key_positions(position_ids, keys.shape[2])
 
@@ -114,10 +120,14 @@ class KVCache:
         live = self.layer.extent(live, live)[1]
         torch._check(block < self.keys.shape[0])
         keys, values = self.keys[block, :, :live][None], self.values[block, :, :live][None]
+        keys, values = self.storage.load(keys, 0), self.storage.load(values, 1)
         return keys, values, self.layer.key_positions(position_ids, keys.shape[2])
 
     def read_pool(self, live, position_ids: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """Every block of the pool in block order, as views, R = num_blocks."""
+        """Every block of the pool in block order, as views (fp8 pools: dequantized copies), R = num_blocks."""
         live = self.layer.extent(live, live)[1]
-        keys, values = self.keys[:, :, :live], self.values[:, :, :live]
+        keys, values = (
+            self.storage.load(self.keys[:, :, :live], 0),
+            self.storage.load(self.values[:, :, :live], 1),
+        )
         return keys, values, self.layer.key_positions(position_ids, keys.shape[2])

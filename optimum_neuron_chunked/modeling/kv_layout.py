@@ -16,6 +16,10 @@ Every cache is a pool of `num_blocks` blocks of `block_size` positions. Whole-se
 - prefix caching copies positions between blocks (our copy connector): vLLM cannot share a
   block that holds a whole sequence.
 Smaller blocks are vLLM's shared blocks: no rings, gathered reads, vLLM's prefix cache.
+
+Storage (`KVStorage`): the pool holds the compute dtype, or float8 e4m3 (--kv-cache-dtype fp8):
+every write divides by the layer's scale and saturates to Neuron's +-240 (quantization.QMAX, the
+FP8 weights' range), every read multiplies back in the compute dtype.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from enum import Enum
 import torch
 
 from ..config import NeuronConfig
+from .quantization import QMAX, STORAGE
 
 
 class PrefixCache(Enum):
@@ -145,6 +150,32 @@ def ring_positions(last_positions: torch.Tensor, length: int) -> torch.Tensor:
 
 
 @dataclass(frozen=True)
+class KVStorage:
+    """How one layer's K and V are stored: `dtype` (the compute dtype) as they are, or float8 e4m3
+    scaled by `scales` (K, V) and saturated to +-240."""
+
+    dtype: torch.dtype
+    fp8: bool = False
+    scales: tuple[float, float] = (1.0, 1.0)
+
+    @property
+    def pool_dtype(self) -> torch.dtype:
+        return STORAGE["fp8"] if self.fp8 else self.dtype
+
+    def store(self, x: torch.Tensor, which: int) -> torch.Tensor:
+        """K (which 0) or V (1) as the pool holds them."""
+        if not self.fp8:
+            return x.to(self.dtype)
+        return (x.float() / self.scales[which]).clamp(-QMAX["fp8"], QMAX["fp8"]).to(self.pool_dtype)
+
+    def load(self, x: torch.Tensor, which: int) -> torch.Tensor:
+        """What the pool holds as K (0) or V (1) in the compute dtype."""
+        if not self.fp8:
+            return x
+        return (x.float() * self.scales[which]).to(self.dtype)
+
+
+@dataclass(frozen=True)
 class KVLayout:
     """The pool and how each layer addresses it, with the checkpoint's KV heads (tensor
     parallelism may split or replicate them on the device)."""
@@ -153,7 +184,9 @@ class KVLayout:
     cache_lengths: tuple[int, ...]  # per layer: the positions a sequence keeps
     num_kv_heads: int
     head_dim: int
-    dtype: torch.dtype
+    dtype: torch.dtype  # the compute dtype
+    fp8: bool = False  # --kv-cache-dtype fp8: the pool holds float8 e4m3 (KVStorage)
+    scales: tuple[tuple[float, float], ...] = ()  # per layer (K, V); () = 1.0
 
     @classmethod
     def of(cls, config: NeuronConfig, spec) -> KVLayout:
@@ -166,7 +199,17 @@ class KVLayout:
         lengths = tuple(
             length if w is None or writes is None else min(length, w + writes) for w in spec.sliding_windows
         )
-        return cls(pool, lengths, spec.num_kv_heads, spec.head_dim, getattr(torch, config.dtype))
+        fp8 = config.kv_cache_dtype == "fp8"
+        dtype = getattr(torch, config.dtype)
+        return cls(pool, lengths, spec.num_kv_heads, spec.head_dim, dtype, fp8, config.kv_cache_scales)
+
+    def storage(self, i: int) -> KVStorage:
+        """Layer i's K / V storage."""
+        return KVStorage(self.dtype, self.fp8, self.scales[i] if self.scales else (1.0, 1.0))
+
+    @property
+    def pool_dtype(self) -> torch.dtype:
+        return self.storage(0).pool_dtype
 
     @property
     def num_blocks(self) -> int:
@@ -221,8 +264,22 @@ class KVLayout:
     def num_layers(self) -> int:
         return len(self.cache_lengths)
 
+    def summary(self, tp_degree: int = 1) -> str:
+        """The export's line on its pool: blocks, bytes, tokens a GiB holds (all ranks together)."""
+        kind = (
+            "fp8 e4m3" + (", checkpoint scales" if self.scales else ", scale 1")
+            if self.fp8
+            else str(self.dtype)
+        )
+        per_token = self.bytes_per_block / self.block_size
+        return (
+            f"KV pool: {self.num_blocks} blocks of {self.block_size} positions, {kind}: "
+            f"{self.num_blocks * self.bytes_per_block / 2**20:.3g} MiB, {2**30 / per_token:,.0f} tokens per GiB"
+            + (f" (over {tp_degree} ranks)" if tp_degree > 1 else "")
+        )
+
     @property
     def bytes_per_block(self) -> int:
         """K and V of one block, every layer."""
         positions = sum(self.layer(i).block_size for i in range(self.num_layers))
-        return 2 * positions * self.num_kv_heads * self.head_dim * self.dtype.itemsize
+        return 2 * positions * self.num_kv_heads * self.head_dim * self.pool_dtype.itemsize

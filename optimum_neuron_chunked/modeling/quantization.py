@@ -29,6 +29,9 @@ STORAGE = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
 # fp8: Neuron's E4M3 saturates at +-240, not OCP e4m3fn's 448 (larger values become NaN on the
 # device: neuronx_distributed/quantization/README_rescaling_fp8_for_neuron.md)
 QMAX = {"int8": 127.0, "fp8": 240.0}
+# An e4m3fn value calibrated for +-448 fits +-240 once halved, its scale doubled (exact but for
+# the smallest subnormals): FP8 weights (fit_neuron_fp8) and checkpoint KV scales (kv_scale_for_neuron).
+NEURON_FP8_FACTOR = 2.0
 # Module-name suffixes of the projections quantized (attention, MLP, MoE experts); embeddings,
 # lm_head, routers and norms are kept in --dtype.
 QUANTIZED_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "experts")
@@ -109,9 +112,14 @@ def fit_neuron_fp8(weight: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Ten
     groups = _group_amax(weight.float().abs(), scale.shape) > QMAX["fp8"]
     if not groups.any():
         return weight, scale
-    factor = torch.where(groups, 0.5, 1.0)
+    factor = torch.where(groups, 1 / NEURON_FP8_FACTOR, 1.0)
     halved = weight.float() * block_expand(factor, tuple(weight.shape))
     return halved.to(weight.dtype), scale / factor
+
+
+def kv_scale_for_neuron(scale: float) -> float:
+    """A checkpoint's K or V scale (calibrated for e4m3fn's +-448) for a pool saturating at +-240."""
+    return float(scale) * NEURON_FP8_FACTOR
 
 
 def _group_amax(values: torch.Tensor, scale_shape: torch.Size) -> torch.Tensor:

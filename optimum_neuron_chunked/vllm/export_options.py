@@ -11,6 +11,8 @@ flags against it.
   --quantization fp8         quantization fp8: weight-only, per output channel (not vLLM's W8A8);
                              one vLLM read from an FP8 checkpoint's config is the checkpoint's
   --speculative-config       ngram with K tokens: speculation_length K
+  --kv-cache-dtype fp8       kv_cache_dtype fp8 (fp8_e4m3 the same; auto or the export's dtype:
+                             no change; vLLM's other values refused by name)
   --enable-lora              max_loras, max_lora_rank, lora_target_modules from --max-loras,
                              --max-lora-rank, --lora-target-modules (lora_flags.py)
   --additional-config        every other export option under its NeuronConfig name
@@ -32,6 +34,7 @@ FROM_FLAGS = {
     "dtype": "--dtype",
     "tp_degree": "--tensor-parallel-size",
     "speculation_length": "--speculative-config",
+    "kv_cache_dtype": "--kv-cache-dtype",
 }
 SERVING_KEYS = ("max_num_seqs", "max_num_batched_tokens")  # the platform's own (platform.EXACT_FLAGS)
 # keys vLLM writes into additional_config itself (vllm/engine/arg_utils.py, 0.32)
@@ -91,6 +94,9 @@ def export_options(vllm_config, request: EngineRequest) -> tuple[dict, list[str]
             f'drafts with vLLM\'s n-gram proposer only (method "ngram").'
         )
     options["speculation_length"] = request.speculative_tokens if request.speculative_method else 0
+    kv_dtype = kv_cache_dtype_option(vllm_config.cache_config.cache_dtype, request.dtype)
+    if kv_dtype is not None:
+        options["kv_cache_dtype"] = kv_dtype
     options |= lora_export_options(vllm_config.lora_config)
     quantization = quantization_option(model_config, options.get("quantization"))
     if quantization is not None:
@@ -115,6 +121,20 @@ def _with_host_choices(options: dict, notes: list[str]) -> tuple[dict, list[str]
     if "dtype" in options:
         notes.append(f"dtype {resolved['dtype']} (vLLM's --dtype, `auto` resolved by this platform)")
     return resolved, notes
+
+
+def kv_cache_dtype_option(flag: str, dtype: str) -> str | None:
+    """vLLM's --kv-cache-dtype (config/cache.py CacheDType) as the export option: fp8 for fp8 /
+    fp8_e4m3 (vLLM's alias), None (no change) for auto or the model's own dtype; refused by name
+    otherwise. `dtype`: the export's compute dtype."""
+    if flag in ("auto", dtype):
+        return None
+    if flag in ("fp8", "fp8_e4m3"):
+        return "fp8"
+    raise ServingConfigError(
+        f"--kv-cache-dtype {flag} is not supported: the KV pool holds {dtype} (auto) or fp8 (float8 e4m3, "
+        "--kv-cache-dtype fp8)."
+    )
 
 
 def quantization_option(model_config, key: str | None) -> str | None:
@@ -156,6 +176,12 @@ def check_export_keys(export: NeuronConfig, vllm_config) -> None:
         raise ServingConfigError(
             f"--tensor-parallel-size {tp} differs from the export's {export.tp_degree}: drop the flag, "
             f"or re-export with --tensor_parallel_size {tp}."
+        )
+    kv_dtype = kv_cache_dtype_option(vllm_config.cache_config.cache_dtype, export.dtype)
+    if kv_dtype not in (None, export.kv_cache_dtype):
+        raise ServingConfigError(
+            f"--kv-cache-dtype {vllm_config.cache_config.cache_dtype} differs from the export's KV cache "
+            f"({export.kv_cache_dtype}): drop the flag, or serve the source checkpoint to export it with fp8 KV."
         )
     flag = vllm_config.model_config.quantization
     from_checkpoint = getattr(vllm_config.model_config.hf_config, "quantization_config", None) is not None

@@ -62,7 +62,7 @@ class NeuronChunkedWorker(WorkerBase):
             block_size=self.cache_config.block_size,
             num_kv_heads=kv.num_kv_heads * kv.num_layers,
             head_size=kv.head_dim,
-            dtype=kv.dtype,
+            dtype=kv.pool_dtype,  # what a block holds: fp8 exports count one byte a value
         )
         return {KV_LAYER: spec}
 
