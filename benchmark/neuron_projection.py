@@ -9,7 +9,8 @@ B decode rows + one C-token chunk per mixed step.
 - Verify step (`--speculation-length K`): B rows of K + 1 tokens; with `tau` tokens a row per
   call (engine_bench.py W5), decode tok/s on / off is tau x TG ms / VF ms.
 - 8-bit weights (`--quantization int8|fp8`): 1 byte a projection weight + a float32 scale a channel.
-- LoRA slots (`--max-loras 4 --max-lora-rank 16`): a decode step reads every slot's A and B too.
+- fp8 KV (`--kv-cache-dtype fp8`): 1 byte a K/V value. LoRA slots (`--max-loras 4 --max-lora-rank
+  16`): a decode step reads every slot's A and B too.
 
 A graph's time: max(bytes / (bandwidth * bw_eff), flops / (peak * mfu)) + the all-reduces; a
 Trainium chip is 2 NeuronCore-v2, 190 BF16 TFLOPS, 820 GiB/s HBM (AWS Neuron docs). The
@@ -41,6 +42,7 @@ class Model:  # Llama-3.1-8B (config.json of meta-llama/Llama-3.1-8B)
     vocab: int = 128256
     dtype_bytes: int = 2
     projection_bytes: int = 2  # 1: --quantization int8|fp8 (the layers' projections)
+    kv_bytes: int = 2  # 1: --kv-cache-dtype fp8
 
     @property
     def layer_params(self) -> int:
@@ -57,7 +59,7 @@ class Model:  # Llama-3.1-8B (config.json of meta-llama/Llama-3.1-8B)
         return self.layer_params * self.projection_bytes + scales
 
     def kv_bytes_per_token(self) -> int:
-        return self.layers * 2 * self.kv_heads * self.head_dim * self.dtype_bytes
+        return self.layers * 2 * self.kv_heads * self.head_dim * self.kv_bytes
 
 
 @dataclass(frozen=True)
@@ -151,39 +153,30 @@ def verify_lines(args: argparse.Namespace, rows: list[dict]) -> list[str]:
     return lines
 
 
-def quantized_lines(args: argparse.Namespace, hw: Hardware, contexts: list[int]) -> tuple[list[str], list]:
-    """Decode steps with 8-bit projections (--quantization int8|fp8): the weight bytes a TG call
-    reads halve; the HBM they free holds more KV."""
-    bf16, q8 = Model(), replace(Model(), projection_bytes=1)
-    freed = (bf16.layers * (bf16.layer_bytes() - q8.layer_bytes())) / args.tp
-    lines = [
-        "", f"Decode with 8-bit weights (--quantization int8|fp8), B={args.batch}:", "",
-        "| context | bf16 TG ms (GiB/core) | 8-bit TG ms (GiB/core) | decode tok/s 8-bit / bf16 |",
-        "|---|---|---|---|",
-    ]  # fmt: skip
+def variant_lines(args: argparse.Namespace, hw: Hardware, contexts: list[int], variant: Model, title: str) -> list[str]:  # fmt: skip
+    """Decode steps against `variant` (8-bit projections, fp8 KV), and what a GiB of KV holds."""
+    base = Model()
+    lines = ["", f"{title}, B={args.batch}:", "",
+             "| context | bf16 TG ms (GiB/core) | variant TG ms (GiB/core) | decode tok/s variant / bf16 |",
+             "|---|---|---|---|"]  # fmt: skip
     rows = []
     for c in contexts:
-        decodes = [(1, c)] * args.batch
-        a = graph_ms(bf16, hw, args.tp, args.batch, args.batch, decodes, args.mfu, args.bw)
-        b = graph_ms(q8, hw, args.tp, args.batch, args.batch, decodes, args.mfu, args.bw)
-        rows.append(dict(context=c, bf16=a, quantized=b, speedup=a["ms"] / b["ms"]))
+        a, b = (graph_ms(m, hw, args.tp, args.batch, args.batch, [(1, c)] * args.batch, args.mfu, args.bw)
+                for m in (base, variant))  # fmt: skip
+        rows.append(dict(context=c, bf16=a, variant=b, speedup=a["ms"] / b["ms"]))
         lines.append(f"| {c} | {a['ms']:.2f} ({a['weights_gib'] + a['kv_gib']:.2f}) | {b['ms']:.2f} "
                      f"({b['weights_gib'] + b['kv_gib']:.2f}) | **{a['ms'] / b['ms']:.2f}x** |")  # fmt: skip
-    tokens = freed / (bf16.kv_bytes_per_token() / args.tp)
-    lines += [
-        "",
-        f"HBM freed per core: {freed / GIB:.2f} GiB, the KV of {tokens:,.0f} more tokens (bf16 KV).",
-    ]
-    return lines, rows
+    freed = base.layers * (base.layer_bytes() - variant.layer_bytes()) / args.tp
+    return lines + ["", f"HBM freed per core: {freed / GIB:.2f} GiB; a GiB of KV holds {GIB / variant.kv_bytes_per_token():,.0f} tokens "
+                    f"({GIB / base.kv_bytes_per_token():,.0f} in bf16)."], rows  # fmt: skip
 
 
 def lora_lines(args: argparse.Namespace, hw: Hardware, contexts: list[int], slots: int = 4, rank: int = 16) -> list[str]:  # fmt: skip
     m, tp, cols = Model(), args.tp, slots * rank
     q, kv, h, i = m.heads * m.head_dim, m.kv_heads * m.head_dim, m.hidden, m.intermediate
     column = [(h, q), (h, kv), (h, kv), (h, i), (h, i)]  # A [cols, in] whole, B [cols, out] split
-    per_layer = sum(cols * (a + b / tp) for a, b in column) + sum(
-        cols * (a / tp + b) for a, b in [(q, h), (i, h)]
-    )
+    row = [(q, h), (i, h)]  # A [cols, in] split, B [cols, out] whole
+    per_layer = sum(cols * (a + b / tp) for a, b in column) + sum(cols * (a / tp + b) for a, b in row)
     extra = per_layer * m.layers * m.dtype_bytes  # bytes a core reads more each step
     lines = ["", f"Decode with {slots} LoRA slots of rank {rank} on every projection, B={args.batch}: "
              f"{extra / GIB * 1024:.0f} MiB more a core a step", "",
@@ -220,11 +213,18 @@ def main(argv: list[str] | None = None) -> int:
     rows = [project(m, hw, args.tp, args.batch, args.chunk, c, args.mfu, args.bw, args.speculation_length)
             for c in contexts]  # fmt: skip
     w4 = project_w4(m, hw, args.tp, args.batch, args.paged_rows, args.chunk, args.mfu, args.bw)
-    q_lines, q_rows = quantized_lines(args, hw, contexts)
-    lines = (
-        mixed_lines(args, hw, rows, w4) + verify_lines(args, rows) + q_lines + lora_lines(args, hw, contexts)
-    )
-    data = {"args": vars(args), "model": asdict(m), "rows": rows, "w4": w4, "quantized": q_rows}
+    q_lines, q_rows = variant_lines(args, hw, contexts, replace(m, projection_bytes=1), "8-bit projections")
+    kv_lines, kv_rows = variant_lines(args, hw, [4096, 8192, 16384, 32768], replace(m, kv_bytes=1), "fp8 KV")
+    tables = [mixed_lines(args, hw, rows, w4), verify_lines(args, rows), q_lines, kv_lines]
+    lines = [line for table in tables for line in table] + lora_lines(args, hw, contexts)
+    data = {
+        "args": vars(args),
+        "model": asdict(m),
+        "rows": rows,
+        "w4": w4,
+        "quantized": q_rows,
+        "fp8_kv": kv_rows,
+    }
     save(results_folder(args.results, smoke=False), f"neuron-projection-{datetime.date.today()}", data, lines)
     return 0
 
