@@ -147,3 +147,44 @@ def test_fp8_kv_graphs_lower_to_static_hlo_on_xla_and_equal_eager():
     for name, report in runtime.hlo.items():
         assert report.forbidden == [] and report.dynamic_shapes == [], name
         HLO_CENSUS[f"llama fp8-kv {name}"] = report
+
+
+def test_vllm_serves_a_checkpoint_with_fp8_kv_as_the_loader_does(tmp_path, monkeypatch):
+    """`vllm serve CHECKPOINT --kv-cache-dtype fp8`: the export option (in the cache key), served
+    tokens equal generate() on the same export."""
+    import json
+
+    from helpers import generate, greedy
+    from vllm import LLM
+
+    from optimum_neuron_chunked import NeuronModelForCausalLM
+    from optimum_neuron_chunked.cache import entries
+
+    monkeypatch.setenv("ONC_EXPORT_CACHE", str(tmp_path / "cache"))
+    prompts = [prompt(n, seed=60 + n) for n in (5, 40)]
+    llm = LLM(model=str(checkpoint_path("llama")), seed=0, max_model_len=64, max_num_seqs=2, kv_cache_dtype="fp8",
+              additional_config={"prefill_chunk_size": 16, "backend": "eager"})  # fmt: skip
+    try:
+        served = [list(o.token_ids) for o in generate(llm, prompts, greedy(8))]
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+    ((entry, record),) = entries()
+    assert json.loads((entry / "neuron_config.json").read_text())["kv_cache_dtype"] == "fp8"
+    model = NeuronModelForCausalLM.from_pretrained(entry)
+    loaded = [model.generate(p[None], max_new_tokens=8, do_sample=False, eos_token_id=-1)[0, len(p) :].tolist()
+              for p in prompts]  # fmt: skip
+    assert served == loaded
+
+
+@pytest.mark.parametrize(
+    "flag, message",
+    [("fp8", "--kv-cache-dtype fp8 differs from the export's KV cache (auto)"),
+     ("fp8_e5m2", "--kv-cache-dtype fp8_e5m2 is not supported")],
+)  # fmt: skip
+def test_a_kv_cache_dtype_the_export_does_not_hold_is_refused(flag, message):
+    from vllm.engine.arg_utils import EngineArgs
+
+    export = export_with("llama", "eager", **SHAPES, prefill_chunk_size=32)
+    with pytest.raises(Exception, match="") as refused:
+        EngineArgs(model=str(export), kv_cache_dtype=flag).create_engine_config()
+    assert message in " ".join(str(refused.value).split())

@@ -162,11 +162,13 @@ class Backend(ABC):
         return model.eval()
 
 
-def describe_attention(chosen: tuple[str, ...], reasons: dict[str, str]) -> str:
+def describe_attention(chosen: tuple[str, ...], reasons: dict[str, str], fp8_kv: bool = False) -> str:
     """One line for the export's first lines and the load log."""
     by_reason: dict[str, list[str]] = {}
     for name, reason in reasons.items():
         by_reason.setdefault(reason, []).append(name)
-    parts = [f"nkilib attention_cte in {', '.join(chosen)}"] if chosen else []
+    # the kernel takes K/V in the compute dtype: an fp8 pool is dequantized as it is read (KVCache.read_tables)
+    kernel = "nkilib attention_cte" + (" (fp8 KV dequantized before it)" if fp8_kv else "")
+    parts = [f"{kernel} in {', '.join(chosen)}"] if chosen else []
     parts += [f"reference in {', '.join(names)} ({reason})" for reason, names in by_reason.items()]
     return "attention: " + "; ".join(parts)

@@ -213,7 +213,7 @@ def _choose_attention(impl, config: NeuronConfig, spec, console: Console) -> Neu
     said in the export's first lines (Backend.attention_kernels)."""
     chosen, reasons, limits = impl.attention_kernels(config, spec, graph_specs(config))
     if chosen or config.attention_kernel != "auto" or config.backend == "neuron":
-        console.print(describe_attention(chosen, reasons))
+        console.print(describe_attention(chosen, reasons, config.kv_cache_dtype == "fp8"))
     if limits:
         console.print(f"kernel limits: {limits}")
     return replace(config, nki_attention=chosen, nki_limits=limits)
