@@ -47,8 +47,8 @@ from optimum_neuron_chunked.vllm.limits import full_chunk_budget  # noqa: E402
 CONTENDERS = ("std", "chunked", "chunked-whole", "paged", "native", "native-budget", "native-paged")
 WORKLOADS = ("w1", "w2", "w4", "w4p", "w5")
 SPEC_CONTENDERS = ("spec-off", "spec-on", "native-spec-off", "native-spec-on")  # W5's
-# LoRA (by --contenders only): one export of 4 slots serving the base, then 4 adapters round-robin;
-# 4 adapters over an export of 2 slots (swaps between steps). Rank 16 on every projection.
+# By --contenders only: fp8 (chunked, an fp8 KV pool); LoRA: an export of 4 slots serving the base,
+# then 4 rank-16 adapters round-robin; 4 adapters over an export of 2 slots (swaps between steps).
 LORA_CONTENDERS = {"lora-base": (4, 0), "lora-4x4": (4, 4), "lora-4x2": (2, 4)}  # (slots, adapters)
 K = 4
 NGRAM = {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
@@ -174,10 +174,7 @@ WORKLOAD_RUNS = {"w1": (w1, 100), "w2": (w2, 200), "w4": (w4, 400), "w4p": (w4_p
 def run_contender_here(name: str, model: str, setup: Setup, loads: Loads, repeats: int, workloads: list) -> dict:  # fmt: skip
     loop = EngineLoop(**engine_args(name, model, setup))
     if LORA_CONTENDERS.get(name, (0, 0))[1]:
-        from vllm.lora.request import LoRARequest
-
-        ckpt = Path(model).parent / "checkpoint"
-        loop.adapters = [LoRARequest(f"a{i}", i + 1, str(p)) for i, p in enumerate(lora_adapters(ckpt))]
+        loop.adapters = lora_requests(Path(model).parent / "checkpoint")
     loop.warm_up_buckets(setup.chunk, setup.seq)
     out = {load: [] for load in workloads}
     for i in range(repeats):
@@ -229,6 +226,7 @@ RATIOS = [  # (label, workload, path, numerator, denominator, target)
     ("W5 output tok/s", "w5", ("output_tok_s",), "native-spec-on", "native-spec-off", ""),
     ("W2 output tok/s", "w2", ("output_tok_s",), "lora-4x4", "lora-base", ">= 0.85"),
     ("W2 output tok/s", "w2", ("output_tok_s",), "lora-4x2", "lora-base", ""),
+    ("W2 output tok/s", "w2", ("output_tok_s",), "fp8", "chunked", ""),
 ]
 # W1/W2 of `paged` over `chunked`: the issue asks for within 5 %
 PAGED_VS_SLOTS = [(label, load, path) for label, load, path, _ in FIGURES if load in ("w1", "w2")]
@@ -297,27 +295,25 @@ def repeating_export(ckpt: Path, setup: Setup, work: Path) -> tuple[Path, Path]:
     return out, repeating
 
 
-def lora_adapters(ckpt: Path) -> list[Path]:
+def lora_requests(ckpt: Path) -> list:
+    """Four rank-16 peft adapters of the bench checkpoint (written once) as vLLM's LoRARequests."""
+    from vllm.lora.request import LoRARequest
+
     from optimum_neuron_chunked.testing.lora_adapters import write_adapter
 
-    return [
-        write_adapter(ckpt, ckpt.parent / "adapters" / f"a{i}", seed=i, rank=16, scale=1.0) for i in range(4)
-    ]
+    paths = [write_adapter(ckpt, ckpt.parent / "adapters" / f"a{i}", i, 16, 1.0) for i in range(4)]
+    return [LoRARequest(f"a{i}", i + 1, str(path)) for i, path in enumerate(paths)]
 
 
 def slot_write_ms(export: Path, adapter: Path, writes: int = 20) -> list[float]:
     """GraphRunner.write_adapter of a rank-16 adapter into one slot of `export`: ms per write."""
     from optimum_neuron_chunked.graph_runner import GraphRunner
-    from optimum_neuron_chunked.lora_adapter import read_adapter
-    from optimum_neuron_chunked.modeling import family_spec, torch_dtype
-    from optimum_neuron_chunked.modeling.lora import LoraSpec
 
     runner = GraphRunner.load(export)
-    lora = LoraSpec.of(runner.config)
-    read = read_adapter(adapter, family_spec(runner.hf_config), lora, torch_dtype(runner.config))
+    read = runner.read_adapter(adapter)
     times = [time.perf_counter()]
     for i in range(writes):
-        runner.write_adapter(i % lora.slots, read)
+        runner.write_adapter(i % runner.config.max_loras, read)
         times.append(time.perf_counter())
     return [(b - a) * 1000 for a, b in zip(times[:-1], times[1:], strict=True)]
 
@@ -342,7 +338,7 @@ def main(argv: list[str] | None = None) -> int:
     runs |= {name: ["w5"] for name in SPEC_CONTENDERS if "w5" in workloads}
     for name in args.w4_contenders.split(",") if args.w4_contenders else ():
         runs[name] = sorted(set(runs.get(name, [])) | {"w4"})
-    kinds = [k for k in ("std", "chunked", "paged") if k in runs or f"{k}-whole" in runs]
+    kinds = [k for k in ("std", "chunked", "paged", "fp8") if k in runs or f"{k}-whole" in runs]
     kinds += sorted({f"lora{LORA_CONTENDERS[n][0]}" for n in runs if n in LORA_CONTENDERS})
     ckpt, folders, export_info = exports(setup, args.work, kinds=tuple(kinds))
     if "w5" in workloads:
@@ -352,7 +348,7 @@ def main(argv: list[str] | None = None) -> int:
         model = ckpt if name.startswith("native") else folders.get(name, folders.get("chunked"))
         if name in LORA_CONTENDERS:
             model = folders[f"lora{LORA_CONTENDERS[name][0]}"]
-            lora_adapters(ckpt)  # written once, before the contender's process reads them
+            lora_requests(ckpt)  # written once, before the contender's process reads them
         if name in SPEC_CONTENDERS:
             model = folders["repeating"] if name.startswith("native") else folders["spec"]
         contenders[name] = run_contender(name, model, args.quick, args.repeats, loads_of, args.work)
@@ -365,7 +361,9 @@ def main(argv: list[str] | None = None) -> int:
     if "paged" in runs:
         results["paged"] = str(paged_shape(setup))
     if any(k.startswith("lora") for k in folders):
-        ms = slot_write_ms(folders[max(k for k in folders if k.startswith("lora"))], lora_adapters(ckpt)[0])
+        ms = slot_write_ms(
+            folders[max(k for k in folders if k.startswith("lora"))], lora_requests(ckpt)[0].lora_path
+        )
         results["lora"] = (
             f"slot write (rank 16, every projection) {statistics.median(ms):.2f} ms [{min(ms):.2f}-{max(ms):.2f}]"
         )

@@ -142,7 +142,7 @@ def paged_shape(setup: Setup) -> dict:
 def exports(setup: Setup, work: Path, kinds=("std", "chunked")) -> tuple[Path, dict[str, Path], dict]:
     """The bench checkpoint and its exports (cached under `work`, keyed by shapes and graph code).
     Kinds: std, chunked, paged (chunked with a pool of KV blocks, `paged_shape`), loraN (chunked
-    with N adapter slots of rank 16)."""
+    with N adapter slots of rank 16), fp8 (chunked with an fp8 KV pool)."""
     from optimum_neuron_chunked.export.pipeline import export
 
     ckpt = build_checkpoint("bench", work / "checkpoint", config={**COMMON, **setup.model})
@@ -157,6 +157,7 @@ def exports(setup: Setup, work: Path, kinds=("std", "chunked")) -> tuple[Path, d
             options = paged_shape(setup)
         if kind.startswith("lora"):
             options |= dict(max_loras=int(kind[4:]), max_lora_rank=16)
+        options |= dict(kv_cache_dtype="fp8") if kind == "fp8" else {}
         tags = (("b", setup.buckets), ("w", widths), ("r", options["decode_widths"]))
         shape = "".join(f"-{tag}{'.'.join(map(str, v))}" for tag, v in tags if v) + ("-mx" if mixed else "")
         if kind == "paged":

@@ -12,10 +12,8 @@ from .block_pool import BlockPool
 from .config import InvalidExportError
 from .graph_runner import GraphRunner
 from .hub import resolve_export
-from .lora_adapter import LoraAdapter, read_adapter
-from .modeling import torch_dtype
-from .modeling.family import family_spec
-from .modeling.lora import NO_ADAPTER, LoraSpec
+from .lora_adapter import LoraAdapter
+from .modeling.lora import NO_ADAPTER
 
 BASE = "__base__"  # peft's name for the base model in adapter_names (tuners/lora/model.py)
 
@@ -41,12 +39,9 @@ class NeuronModelForCausalLM:
         """A PEFT LoRA adapter (peft's save_pretrained folder) under `adapter_name`, for
         `generate(..., adapter_names=[...])`; refused by name where the export's slots cannot hold
         it (lora_adapter.LoraConfigError)."""
-        lora = LoraSpec.of(self.neuron_config)
-        if lora is None:
-            raise ValueError("this export has no LoRA adapter slots: export it again with --max-loras N")
         if adapter_name == BASE:
             raise ValueError(f"{BASE!r} names the base model: choose another adapter_name")
-        adapter = read_adapter(path, family_spec(self.config), lora, torch_dtype(self.neuron_config))
+        adapter = self.runner.read_adapter(path)
         self.delete_adapter(adapter_name)  # a reload under the same name: its slot is stale
         self.adapters[adapter_name] = adapter
 

@@ -34,7 +34,7 @@ from .graphs import (
     tg_spec,
     vf_spec,
 )
-from .lora_adapter import LoraAdapter, slot_tensors
+from .lora_adapter import LoraAdapter, read_adapter, slot_tensors
 from .modeling.family import family_spec
 from .modeling.kv_layout import KVPool
 from .modeling.lora import NO_ADAPTER, LoraSpec, with_adapter_column
@@ -120,6 +120,14 @@ class GraphRunner:
             hf_config, config, graph_specs(config), Path(model_dir)
         )
         return cls(config, graphs, hf_config, write_slot)
+
+    def read_adapter(self, path) -> LoraAdapter:
+        """The PEFT adapter in folder `path` as this export's slots hold it (lora_adapter.read_adapter:
+        LoraConfigError names what they cannot hold)."""
+        lora = LoraSpec.of(self.config)
+        if lora is None:
+            raise ValueError("this export has no LoRA adapter slots: export it again with --max-loras N")
+        return read_adapter(path, family_spec(self.hf_config), lora, getattr(torch, self.config.dtype))
 
     def write_adapter(self, slot: int, adapter: LoraAdapter) -> None:
         """Put `adapter` (lora_adapter.read_adapter) into LoRA slot `slot` of every graph: a write

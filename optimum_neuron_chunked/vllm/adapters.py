@@ -19,10 +19,8 @@ from vllm.logger import init_logger
 
 from ..adapter_slots import SlotTable
 from ..graph_runner import GraphRunner
-from ..lora_adapter import LoraAdapter, LoraConfigError, read_adapter
+from ..lora_adapter import LoraAdapter, LoraConfigError
 from ..lora_targets import resolve_targets
-from ..modeling import torch_dtype
-from ..modeling.family import family_spec
 from ..modeling.lora import NO_ADAPTER, LoraSpec
 from .compat import lora_target_modules
 
@@ -36,8 +34,6 @@ class AdapterManager:
         # vLLM's flags as lora_flags.fit_lora set them: at most the export's rank and targets
         self.max_rank = lora_config.max_lora_rank
         self.targets = set(resolve_targets(lora_target_modules(lora_config)))
-        self.spec = family_spec(graph_runner.hf_config)
-        self.dtype = torch_dtype(graph_runner.config)
         self.max_cpu_loras = lora_config.max_cpu_loras
         self.slots = SlotTable(self.lora.slots)
         self.host: OrderedDict[int, LoraAdapter] = OrderedDict()  # id -> adapter, least recent first
@@ -45,7 +41,7 @@ class AdapterManager:
 
     def add(self, lora_request) -> bool:
         """Read the adapter (LoraConfigError names what cannot be served) and keep it on the host."""
-        adapter = read_adapter(lora_request.lora_path, self.spec, self.lora, self.dtype)
+        adapter = self.graph_runner.read_adapter(lora_request.lora_path)
         if adapter.rank > self.max_rank:
             raise LoraConfigError(
                 f"{adapter.path}: rank {adapter.rank} exceeds --max-lora-rank {self.max_rank}"
