@@ -7,9 +7,9 @@ derives the sampler's metadata (penalties, seeds, logits processors, ...) from t
 
 With whole-sequence blocks the cache is presented to vLLM as one block of `max_model_len`
 tokens per request, so vLLM's block pool is the allocator - a finished or aborted request
-frees its block in the scheduler itself. vLLM's block b (1..B; 0 is vLLM's null block) is pool
-block b-1, except with prefix caching, where the connector chooses the pool block of each
-block it sees allocated (block_assignment.py) and the step's `PrefixCopies` bring the choice.
+frees its block in the scheduler itself. vLLM's block b is pool block `kv_blocks.pool_block(b)`,
+except with prefix caching, where the connector chooses the pool block of each block it sees
+allocated (block_assignment.py) and the step's `PrefixCopies` bring the choice.
 Paged exports: a request's KV address is its list of blocks (kv_blocks.py).
 """
 
@@ -25,7 +25,7 @@ from vllm.v1.worker.gpu_input_batch import CachedRequestState, InputBatch
 from ..modeling.lora import NO_ADAPTER
 from .compat import input_batch_args
 from .connector import PrefixCopies, is_prefix_cache_connector
-from .kv_blocks import dropped, next_block_ids, request_blocks
+from .kv_blocks import dropped, next_block_ids, pool_block, request_blocks
 from .plan import KVAddress, ScheduledWork
 from .prompt_logprobs import PromptLogprobs
 
@@ -64,7 +64,7 @@ class BatchState:
             **input_batch_args(block_size),
         )
         self.requests: dict[str, CachedRequestState] = {}
-        # vLLM block id -> pool block, as the prefix-copy connector assigned them; None: b - 1
+        # vLLM block id -> pool block, as the prefix-copy connector assigned them; None: kv_blocks.pool_block
         self.assigned: dict[int, int] | None = (
             {} if is_prefix_cache_connector(vllm_config.kv_transfer_config) else None
         )
@@ -72,14 +72,13 @@ class BatchState:
         self.prompt_logprobs: dict[str, PromptLogprobs] = {}
 
     def address(self, block_ids: tuple[list[int], ...]) -> KVAddress:
-        """The request's pool blocks, in position order (one KV-cache group): vLLM's block b is
-        the pool's block b - 1 (vLLM keeps block 0 as its null block: kv_blocks.py), unless the
-        prefix-copy connector assigned it (block_assignment.py)."""
+        """The request's pool blocks, in position order (one KV-cache group): kv_blocks.pool_block
+        of vLLM's block, unless the prefix-copy connector assigned it (block_assignment.py)."""
         return tuple(self._pool_block(b) for b in request_blocks(block_ids))
 
     def _pool_block(self, block: int) -> int:
         if self.assigned is None:
-            return block - 1
+            return pool_block(block)
         if block not in self.assigned:
             raise RuntimeError(
                 f"block {block} was allocated without a pool block from the prefix-copy connector"

@@ -2,11 +2,11 @@
 
 vLLM's block pool hands out the most recently freed block first (blocks without a hash go to
 the front of the free queue: `BlockPool.free_blocks`, vllm/v1/core/block_pool.py, 0.32). With
-pool block = block id - 1 that evicts the freshest cached prefix first - the one a chat's next turn
+kv_blocks.pool_block that evicts the freshest cached prefix first - the one a chat's next turn
 is most likely to need. So with prefix caching the connector maps blocks to pool blocks itself:
 a new request gets the free pool block that holds the longest prefix of its prompt (pool block affinity:
 no copy), else the pool block freed longest ago (LRU eviction). The map reaches the runner with the
-step's `PrefixCopies`; without prefix caching the pool block stays block id - 1.
+step's `PrefixCopies`; without prefix caching the pool block stays kv_blocks.pool_block.
 """
 
 from __future__ import annotations

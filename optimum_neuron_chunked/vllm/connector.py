@@ -36,6 +36,8 @@ logger = init_logger(f"vllm.{__name__}")
 
 # Shorter common prefixes are computed, not copied (a chat template's first tokens).
 MIN_HIT_TOKENS = 16
+# The key of kv_connector_extra_config under which the platform passes the pool's block count.
+POOL_BLOCKS = "pool_blocks"
 
 
 @dataclass(frozen=True)
@@ -100,7 +102,12 @@ class PrefixCopyConnector(SchedulerSideConnector):
         # index reads them only when a new request looks up (not on every decode step)
         self._live_computed: dict[int, int] = {}
         self._copies: list[BlockCopy] = []
-        self.assignment = BlockAssignment(vllm_config.scheduler_config.max_num_seqs)
+        # Every block of the export's pool (KVPool.num_blocks, which the platform passes: the
+        # scheduler loads no export), not max_num_seqs: fewer requests may run than the pool holds,
+        # and the spare blocks keep more finished prefixes.
+        self.assignment = BlockAssignment(
+            vllm_config.kv_transfer_config.kv_connector_extra_config[POOL_BLOCKS]
+        )
         self._assigned: list[tuple[int, int]] = []
 
     # -- scheduler side ----------------------------------------------------------------------

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 from ..config import NeuronConfig
 from ..modeling.kv_layout import KVPool
+from .kv_blocks import pool_blocks, vllm_num_blocks
 
 
 class ServingConfigError(ValueError):
@@ -144,18 +145,18 @@ def kv_blocks(
     sequence a block by default), or fewer blocks if asked, plus vLLM's null block 0
     (vllm/v1/core/block_pool.py, 0.16.0 and 0.32), which num_blocks counts."""
     kv = KVPool.of(config)
-    size, pool = kv.block_size, kv.num_blocks + 1
+    size, pool = kv.block_size, vllm_num_blocks(kv.num_blocks)
     blocks = pool if override is None else override
-    if not 2 <= blocks <= pool:
+    if not vllm_num_blocks(1) <= blocks <= pool:
         raise ServingConfigError(
-            f"--num-gpu-blocks-override {blocks} is outside the export's KV pool: {pool - 1} blocks of "
-            f"{size} tokens plus vLLM's null block; pass 2 to {pool}, or omit it."
+            f"--num-gpu-blocks-override {blocks} is outside the export's KV pool: {kv.num_blocks} blocks of "
+            f"{size} tokens plus vLLM's null block; pass {vllm_num_blocks(1)} to {pool}, or omit it."
         )
-    needed = kv.blocks_holding(max_model_len)
-    if needed > blocks - 1:
+    needed, served = kv.blocks_holding(max_model_len), pool_blocks(blocks)
+    if needed > served:
         raise ServingConfigError(
             f"--max-model-len {max_model_len} needs {needed} KV blocks of {size} tokens, the pool "
-            f"serves {blocks - 1}: pass --max-model-len {(blocks - 1) * size} or less"
+            f"serves {served}: pass --max-model-len {served * size} or less"
             + (", or a larger --num-gpu-blocks-override" if blocks < pool else "")
             + f", or re-export with --kv-cache-blocks {needed} or more."
         )

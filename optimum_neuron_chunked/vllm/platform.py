@@ -307,7 +307,7 @@ def _set_prefix_caching(vllm_config, export: NeuronConfig) -> str:
     Paged exports: vLLM's own block prefix cache, with our wait connector (prefix_wait.py) so
     that concurrent requests do not compute a shared prefix twice.
     Returns how it was decided, for the start-up log."""
-    from .connector import PrefixCopyConnector, is_platform_connector
+    from .connector import POOL_BLOCKS, PrefixCopyConnector, is_platform_connector
     from .prefix_wait import PrefixWaitConnector
 
     cache = vllm_config.cache_config
@@ -331,22 +331,26 @@ def _set_prefix_caching(vllm_config, export: NeuronConfig) -> str:
         return "off (--no-enable-prefix-caching)" if not wanted else f"off: {unsupported}"
     # one KV group, and no hybrid cache manager on this platform (support_hybrid_kv_cache)
     vllm_config.scheduler_config.disable_hybrid_kv_cache_manager = True
-    _use_connector(vllm_config, PrefixCopyConnector)
+    _use_connector(vllm_config, PrefixCopyConnector, {POOL_BLOCKS: KVPool.of(export).num_blocks})
     return (
         "on (copies cached prefixes between whole-sequence blocks; --no-enable-prefix-caching turns it off)"
     )
 
 
-def _use_connector(vllm_config, connector: type) -> None:
-    """Name one of our scheduler-side connectors in vLLM's KV-transfer config; one already set
-    (the front end's call) is kept as it is."""
+def _use_connector(vllm_config, connector: type, extra: dict | None = None) -> None:
+    """Name one of our scheduler-side connectors in vLLM's KV-transfer config, with what it
+    reads of the export (`extra`); one already set (the front end's call) is kept, given `extra`."""
     from vllm.config import KVTransferConfig
 
     current = vllm_config.kv_transfer_config
     if current is not None and current.kv_connector_module_path == connector.__module__:
+        current.kv_connector_extra_config.update(extra or {})
         return
     vllm_config.kv_transfer_config = KVTransferConfig(
-        kv_connector=connector.__name__, kv_connector_module_path=connector.__module__, kv_role="kv_both"
+        kv_connector=connector.__name__,
+        kv_connector_module_path=connector.__module__,
+        kv_role="kv_both",
+        kv_connector_extra_config=dict(extra or {}),
     )
 
 

@@ -13,6 +13,7 @@ from ..backends import get_backend
 from ..config import NeuronConfig
 from ..graph_runner import GraphRunner
 from .compat import no_compilation_times
+from .kv_blocks import vllm_num_blocks
 from .plan import describe
 from .platform import data_parallel_rank, served_export
 from .runner import StepRunner
@@ -76,10 +77,9 @@ class NeuronChunkedWorker(WorkerBase):
         return spec.page_size_bytes * self.cache_config.num_gpu_blocks_override
 
     def initialize_from_config(self, kv_cache_config: KVCacheConfig) -> None:
-        # Nothing to allocate: the export owns its pool; vLLM's block b is its block b - 1
-        # (vLLM keeps block 0 as its null block: kv_blocks.py).
+        # Nothing to allocate: the export owns its pool, addressed through kv_blocks.pool_block.
         pool = self.runner.capabilities.kv.num_blocks
-        if kv_cache_config.num_blocks > pool + 1:
+        if kv_cache_config.num_blocks > vllm_num_blocks(pool):
             raise RuntimeError(
                 f"vLLM sized the KV cache at {kv_cache_config.num_blocks} blocks, the export's "
                 f"pool has {pool} (plus vLLM's null block)"
