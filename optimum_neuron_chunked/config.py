@@ -531,6 +531,12 @@ class NeuronConfig:
 EXPORT_OPTIONS = tuple(f for f in dataclasses.fields(NeuronConfig) if "flags" in f.metadata)
 
 
+def ceil_div(n, d: int):
+    """ceil(n / d) of integers: the one spelling. `n` may be a SymInt (a graph's live width):
+    no float, no negation."""
+    return (n + d - 1) // d
+
+
 def default_buckets(config: NeuronConfig) -> tuple[int, ...]:
     """Halve sequence_length down to max(MIN_DEFAULT_BUCKET, chunk size)."""
     floor = max(MIN_DEFAULT_BUCKET, config.prefill_chunk_size)

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from .config import NeuronConfigError
+from .config import NeuronConfigError, ceil_div
 from .modeling.quantization import QUANTIZED_MODULES, dequantize, kv_scale_for_neuron
 from .safetensors_io import TensorInfo
 
@@ -242,7 +242,7 @@ def dequantized(weight: torch.Tensor, scale: torch.Tensor, source: SourceQuantiz
     if source.block is None or not _partial_blocks(tuple(weight.shape), source.block):
         return dequantize(weight, source_scale(weight, scale, source), torch.float32)
     (out, inner), (bo, bi) = weight.shape, source.block
-    if tuple(scale.shape) != (-(-out // bo), -(-inner // bi)):
+    if tuple(scale.shape) != (ceil_div(out, bo), ceil_div(inner, bi)):
         raise UnsupportedQuantizationError(
             f"a [{out}, {inner}] FP8 weight has a scale {tuple(scale.shape)}, not one per {bo}x{bi} block"
         )

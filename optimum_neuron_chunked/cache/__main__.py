@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .store import cache_root, entries, remove
+from .store import cache_root, entries, entry_digest, remove
 
 
 def _size(folder) -> str:
@@ -37,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     removed = remove(names)
     for folder in removed:
         print(f"removed {folder}")
-    unknown = set(args.entries) - {f.name for f in removed} - {f.name.rsplit("-", 1)[-1] for f in removed}
+    unknown = set(args.entries) - {f.name for f in removed} - {entry_digest(f) for f in removed}
     if unknown:
         print(f"no such entries: {', '.join(sorted(unknown))}", file=sys.stderr)
         return 1

@@ -15,19 +15,30 @@ from .store import EntryKey, check_free_space, find_or_build
 logger = logging.getLogger(__name__)
 
 
-def resolved_options(options: dict) -> dict:
-    """Every export option, defaults filled and the host's choices made (backend, instance
-    type, cpu ISA), so that the key names what is compiled however the options were spelled;
-    validated by NeuronConfig (its errors name the flag)."""
+def host_choices(options: dict) -> dict:
+    """The export options this host decides: the backend, and its host fields (instance type,
+    cpu ISA)."""
     backend = options.get("backend") or default_backend()[0]
-    host = get_backend(backend).host_fields(options.get("instance_type"))
+    return {"backend": backend} | get_backend(backend).host_fields(options.get("instance_type"))
+
+
+def resolved_config(options: dict, host: dict | None = None) -> tuple[NeuronConfig, dict]:
+    """(NeuronConfig, every export option): defaults filled and the host's choices made
+    (`host`: host_choices(options)), so that the key names what is compiled however the
+    options were spelled; validated by NeuronConfig (its errors name the flag)."""
+    host = host_choices(options) if host is None else host
     given = {k: v for k, v in options.items() if v is not None}
-    config = NeuronConfig(**given | {"backend": backend} | host)
+    config = NeuronConfig(**given | host)
     full = {o.name: getattr(config, o.name) for o in EXPORT_OPTIONS} | host
     for o in EXPORT_OPTIONS:  # decided by the export itself (an FP8 checkpoint's quantization)
-        if o.metadata["resolved"] and o.name not in (*given, *full.keys() & {"backend", *host}):
+        if o.metadata["resolved"] and o.name not in (*given, *host):
             full[o.name] = None
-    return full
+    return config, full
+
+
+def resolved_options(options: dict) -> dict:
+    """Every export option, resolved (resolved_config)."""
+    return resolved_config(options)[1]
 
 
 def cached_export(

@@ -67,8 +67,17 @@ class EntryKey:
 
     @property
     def name(self) -> str:
-        label = self.source.get("repo") or self.source.get("folder", "model")
-        return f"{re.sub(r'[^A-Za-z0-9._-]+', '--', label)}-{self.digest}"
+        return f"{re.sub(r'[^A-Za-z0-9._-]+', '--', source_label(self.source))}-{self.digest}"
+
+
+def source_label(source: dict) -> str:
+    """A source's name in entry names and log lines: its Hub repo id, else its folder."""
+    return source.get("repo") or source.get("folder", "model")
+
+
+def entry_digest(folder: Path) -> str:
+    """The key digest an entry's folder name ends with (EntryKey.name)."""
+    return folder.name.rsplit("-", 1)[-1]
 
 
 def find_or_build(key: EntryKey, build: Callable[[Path], None], log: logging.Logger = logger) -> Path:
@@ -146,17 +155,14 @@ def entries(root: Path | None = None) -> list[tuple[Path, dict]]:
 
 def _log_why_new(root: Path, key: EntryKey, log: logging.Logger) -> None:
     """Say what differs from the entries of the same source (a new commit, another option)."""
-    same = [r for _, r in entries(root) if _label(r.get("source", {})) == _label(key.source)]
+    label = source_label(key.source)
+    same = [r for _, r in entries(root) if source_label(r.get("source", {})) == label]
     if not same:
-        log.warning("export cache: no export of %s yet: exporting it", _label(key.source))
+        log.warning("export cache: no export of %s yet: exporting it", label)
         return
     closest = min(same, key=lambda r: len(_differences(r, key.fields())))
     said = "; ".join(_differences(closest, key.fields()))
-    log.warning("export cache: exporting %s again: %s", _label(key.source), said)
-
-
-def _label(source: dict) -> str:
-    return source.get("repo") or source.get("folder", "?")
+    log.warning("export cache: exporting %s again: %s", label, said)
 
 
 def _differences(old: dict, new: dict) -> list[str]:
@@ -192,8 +198,8 @@ def remove(names: list[str], root: Path | None = None) -> list[Path]:
     root = root or cache_root()
     removed = []
     for folder, _ in entries(root):
-        if folder.name in names or folder.name.rsplit("-", 1)[-1] in names:
-            with _locked(root / f"{folder.name.rsplit('-', 1)[-1]}.lock"):
+        if folder.name in names or entry_digest(folder) in names:
+            with _locked(root / f"{entry_digest(folder)}.lock"):
                 shutil.rmtree(folder)
             removed.append(folder)
     return removed

@@ -29,7 +29,7 @@ from enum import Enum
 
 import torch
 
-from ..config import NeuronConfig
+from ..config import NeuronConfig, ceil_div
 from .quantization import QMAX, STORAGE
 
 
@@ -68,7 +68,7 @@ class KVPool:
     def blocks_holding(self, positions):
         """Blocks (table columns) holding a row's first `positions` positions: ceil(positions / P)
         (a graph of context bucket W takes tables of blocks_holding(W) columns)."""
-        return _ceil_div(positions, self.block_size)
+        return ceil_div(positions, self.block_size)
 
     @property
     def whole_sequence_blocks(self) -> bool:
@@ -126,7 +126,7 @@ class LayerKV:
 
     def blocks_holding(self, positions):
         """The table columns holding a row's first `positions` positions of this layer."""
-        return _ceil_div(positions, self.block_size)
+        return ceil_div(positions, self.block_size)
 
     def key_positions(self, position_ids: torch.Tensor, width: int) -> torch.Tensor:
         """[N or 1, width] absolute position of each entry read. A padded row repeats its last
@@ -134,10 +134,6 @@ class LayerKV:
         if self.ring is None:
             return torch.arange(width, device=position_ids.device)[None]
         return ring_positions(position_ids[:, -1], self.ring)
-
-
-def _ceil_div(n, d: int):
-    return (n + d - 1) // d  # n may be a SymInt: no float, no negation
 
 
 def ring_positions(last_positions: torch.Tensor, length: int) -> torch.Tensor:

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..config import NeuronConfigError
+from ..config import NeuronConfigError, ceil_div
 from . import quantization
 from .family import FamilySpec
 
@@ -84,7 +84,7 @@ class ShardLayout:
             kv_heads = tp
         else:
             kv_heads = heads
-        padded_vocab = -(-spec.vocab_size // tp) * tp
+        padded_vocab = ceil_div(spec.vocab_size, tp) * tp
         return cls(tp, heads, kv, kv_heads, spec.head_dim, spec.vocab_size, padded_vocab)
 
     @property

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from ..config import ceil_div
 from .layers import MASK_VALUE
 
 # sampling_params columns
@@ -58,7 +59,7 @@ def staged_topk(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     groups = stage_groups(v, k)
     if groups == 1:
         return torch.topk(x, k, dim=-1)
-    width = -(-v // groups)
+    width = ceil_div(v, groups)
     padded = (
         torch.cat([x, x.new_full((n, groups * width - v), MASK_VALUE)], dim=-1) if groups * width > v else x
     )
@@ -71,4 +72,4 @@ def staged_topk(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
 def stage_groups(vocab: int, k: int) -> int:
     """Groups of the first top-k stage: 1 (a plain top-k) unless splitting shortens the sort."""
     groups = int(round((vocab / k) ** 0.5))
-    return groups if groups >= 2 and -(-vocab // groups) >= k else 1
+    return groups if groups >= 2 and ceil_div(vocab, groups) >= k else 1

@@ -22,6 +22,7 @@ from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.sample.logits_processor import build_logitsprocs
 from vllm.v1.worker.gpu_input_batch import CachedRequestState, InputBatch
 
+from ..config import ceil_div
 from ..modeling.lora import NO_ADAPTER
 from .compat import input_batch_args
 from .connector import PrefixCopies, is_prefix_cache_connector
@@ -58,7 +59,7 @@ class BatchState:
             device=cpu,
             vocab_size=mc.get_vocab_size(),
             block_sizes=[block_size],
-            max_num_blocks_per_req=[-(-mc.max_model_len // block_size)],
+            max_num_blocks_per_req=[ceil_div(mc.max_model_len, block_size)],
             logitsprocs=build_logitsprocs(vllm_config, cpu, False, False, custom),
             logitsprocs_need_output_token_ids=bool(custom),
             **input_batch_args(block_size),

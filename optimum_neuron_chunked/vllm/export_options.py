@@ -24,7 +24,7 @@ from __future__ import annotations
 from difflib import get_close_matches
 
 from ..config import EXPORT_OPTIONS, NeuronConfig
-from .limits import SPECULATIVE_METHODS, EngineRequest, ServingConfigError
+from .limits import EXACT_FLAGS, EngineRequest, ServingConfigError, check_speculative_method
 from .lora_flags import lora_export_options
 
 # export option -> the vLLM flag that sets it
@@ -36,7 +36,6 @@ FROM_FLAGS = {
     "speculation_length": "--speculative-config",
     "kv_cache_dtype": "--kv-cache-dtype",
 }
-SERVING_KEYS = ("max_num_seqs", "max_num_batched_tokens")  # the platform's own (platform.EXACT_FLAGS)
 # keys vLLM writes into additional_config itself (vllm/engine/arg_utils.py, 0.32)
 VLLM_WRITTEN_KEYS = ("gdn_prefill_backend", "kda_prefill_backend", "kda_decode_backend")
 FP8_FLAGS = ("fp8", "fp8_per_channel", "fp8_per_tensor")  # vLLM 0.32's spellings; 0.16.0: fp8
@@ -49,25 +48,26 @@ def additional_export_keys(additional_config) -> dict:
     """The export options given through --additional-config; refuses unknown keys and keys a
     vLLM flag sets."""
     given = additional_config if isinstance(additional_config, dict) else {}
-    keys = {k: v for k, v in given.items() if k not in (*SERVING_KEYS, *VLLM_WRITTEN_KEYS)}
+    keys = {k: v for k, v in given.items() if k not in (*EXACT_FLAGS, *VLLM_WRITTEN_KEYS)}
     for name in keys:
         if name in FROM_FLAGS:
             raise ServingConfigError(
                 f"--additional-config {name}: pass vLLM's {FROM_FLAGS[name]} instead (it sets the export's {name})."
             )
         if name not in OPTION_NAMES:
-            close = get_close_matches(name, (*OPTION_NAMES, *SERVING_KEYS), n=1)
+            close = get_close_matches(name, (*OPTION_NAMES, *EXACT_FLAGS), n=1)
             hint = f" (did you mean {close[0]!r}?)" if close else ""
             raise ServingConfigError(
                 f"--additional-config {name!r}{hint} is not an option of this platform: its keys are "
                 f"{', '.join(n for n in OPTION_NAMES if n not in FROM_FLAGS)} (export options) and "
-                f"{', '.join(SERVING_KEYS)}."
+                f"{', '.join(EXACT_FLAGS)}."
             )
     return {k: tuple(v) if isinstance(v, list) else v for k, v in keys.items()}
 
 
-def export_options(vllm_config, request: EngineRequest) -> tuple[dict, list[str]]:
-    """(export()'s options for the served checkpoint, what was chosen for the user: log lines)."""
+def export_options(vllm_config, request: EngineRequest) -> tuple[dict, NeuronConfig, list[str]]:
+    """(export()'s options for the served checkpoint, their NeuronConfig, what was chosen for the
+    user: log lines)."""
     model_config = vllm_config.model_config
     options = additional_export_keys(vllm_config.additional_config)
     notes = []
@@ -88,11 +88,7 @@ def export_options(vllm_config, request: EngineRequest) -> tuple[dict, list[str]
             f"--tensor-parallel-size {options['tp_degree']} shards the export across NeuronCores: the "
             f"{options['backend']} backend runs on one process; drop the flag."
         )
-    if request.speculative_method not in (None, *SPECULATIVE_METHODS):
-        raise ServingConfigError(
-            f"--speculative-config method {request.speculative_method!r} is not supported: the runner "
-            f'drafts with vLLM\'s n-gram proposer only (method "ngram").'
-        )
+    check_speculative_method(request.speculative_method)
     options["speculation_length"] = request.speculative_tokens if request.speculative_method else 0
     kv_dtype = kv_cache_dtype_option(vllm_config.cache_config.cache_dtype, request.dtype)
     if kv_dtype is not None:
@@ -104,23 +100,23 @@ def export_options(vllm_config, request: EngineRequest) -> tuple[dict, list[str]
     return _with_host_choices(options, notes)
 
 
-def _with_host_choices(options: dict, notes: list[str]) -> tuple[dict, list[str]]:
-    """The backend, target and default chunk size resolved on this host, the whole validated."""
+def _with_host_choices(options: dict, notes: list[str]) -> tuple[dict, NeuronConfig, list[str]]:
+    """The backend, target and default chunk size resolved on this host, the whole validated
+    once (with the chunk size it will be exported with)."""
     from ..backends import BackendUnavailableError, get_backend
-    from ..cache.build import resolved_options
+    from ..cache.build import host_choices, resolved_config
 
     try:
-        resolved = resolved_options(options)
+        host = host_choices(options)
         if "prefill_chunk_size" not in options:
-            chunk = get_backend(resolved["backend"]).default_chunk_size(resolved.get("instance_type", ""))
-            resolved = resolved_options(
-                options | {"prefill_chunk_size": min(chunk, options["sequence_length"])}
-            )
+            chunk = get_backend(host["backend"]).default_chunk_size(host.get("instance_type", ""))
+            options = options | {"prefill_chunk_size": min(chunk, options["sequence_length"])}
+        config, resolved = resolved_config(options, host)
     except (ValueError, BackendUnavailableError) as e:  # they name the flag
         raise ServingConfigError(f"the export these flags ask for cannot be made: {e}") from e
     if "dtype" in options:
         notes.append(f"dtype {resolved['dtype']} (vLLM's --dtype, `auto` resolved by this platform)")
-    return resolved, notes
+    return resolved, config, notes
 
 
 def kv_cache_dtype_option(flag: str, dtype: str) -> str | None:
@@ -142,8 +138,7 @@ def quantization_option(model_config, key: str | None) -> str | None:
     the flag, int8 from the key only; a quantization vLLM read from the checkpoint's own config
     leaves it to the export (FP8 checkpoints stay FP8). None: the export decides."""
     flag = model_config.quantization
-    from_checkpoint = getattr(model_config.hf_config, "quantization_config", None) is not None
-    if flag is None or from_checkpoint:
+    if flag is None or _quantized_checkpoint(model_config):
         return key
     if flag not in FP8_FLAGS:
         raise ServingConfigError(
@@ -155,6 +150,12 @@ def quantization_option(model_config, key: str | None) -> str | None:
             f"--quantization {flag} and --additional-config quantization {key!r} disagree: give one."
         )
     return "fp8"
+
+
+def _quantized_checkpoint(model_config) -> bool:
+    """Whether the checkpoint's own config declares its quantization (vLLM then reads its
+    --quantization from it: the export decides, not the flag)."""
+    return getattr(model_config.hf_config, "quantization_config", None) is not None
 
 
 def check_export_keys(export: NeuronConfig, vllm_config) -> None:
@@ -184,8 +185,12 @@ def check_export_keys(export: NeuronConfig, vllm_config) -> None:
             f"({export.kv_cache_dtype}): drop the flag, or serve the source checkpoint to export it with fp8 KV."
         )
     flag = vllm_config.model_config.quantization
-    from_checkpoint = getattr(vllm_config.model_config.hf_config, "quantization_config", None) is not None
-    if flag is not None and not from_checkpoint and not (flag in FP8_FLAGS and export.quantization == "fp8"):
+    quantized_checkpoint = _quantized_checkpoint(vllm_config.model_config)
+    if (
+        flag is not None
+        and not quantized_checkpoint
+        and not (flag in FP8_FLAGS and export.quantization == "fp8")
+    ):
         raise ServingConfigError(
             f"--quantization {flag} is not what this export holds ({export.quantization or 'unquantized'} "
             "weights): drop the flag, the export decides."
@@ -197,12 +202,14 @@ def _as_field(export: NeuronConfig, name: str, value):
     return tuple(value) if isinstance(current, tuple) and isinstance(value, list | tuple) else value
 
 
-def describe_plan(options: dict, graphs: int) -> str:
+def describe_export(config: NeuronConfig) -> str:
     """The first log line of an export for `vllm serve`: the shapes, the graph count, the flags."""
-    chunk = options.get("prefill_chunk_size", 0)
+    from ..graphs import graph_specs
+
+    chunk = config.prefill_chunk_size
     kind = f"chunks of {chunk}" if chunk else "the standard context encoding"
     return (
-        f"for {options['batch_size']} sequences (--max-num-seqs) of {options['sequence_length']} "
+        f"for {config.batch_size} sequences (--max-num-seqs) of {config.sequence_length} "
         f"positions (--max-model-len), {kind} (--additional-config prefill_chunk_size), "
-        f"{options['dtype']} (--dtype), backend {options['backend']}: {graphs} graphs"
+        f"{config.dtype} (--dtype), backend {config.backend}: {len(graph_specs(config))} graphs"
     )

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..config import NeuronConfig
+from ..config import NeuronConfig, ceil_div
 from ..modeling.kv_layout import KVPool
 from .kv_blocks import pool_blocks, vllm_num_blocks
 
@@ -59,23 +59,31 @@ def full_chunk_budget(chunk: int, max_num_seqs: int, tokens_per_decode: int = 1)
     runs whole chunks back to back, never a sliver (vLLM 0.32; 0.16.0 caps it at one chunk a
     step, compat.LONE_PREFILL_TAKES_BUDGET). With speculation a decode takes its token and
     its drafts (`tokens_per_decode`)."""
-    return -(-(chunk + (max_num_seqs - 1) * tokens_per_decode) // chunk) * chunk
+    return ceil_div(chunk + (max_num_seqs - 1) * tokens_per_decode, chunk) * chunk
 
 
 SPECULATIVE_METHODS = ("ngram",)
+# Scheduler settings --additional-config gives exactly: vLLM cannot tell them from its defaults
+# (platform._engine_request); they are not export options (export_options.py).
+EXACT_FLAGS = ("max_num_batched_tokens", "max_num_seqs")
+
+
+def check_speculative_method(method: str | None) -> None:
+    """Refuse a --speculative-config method the runner cannot draft with (None: no speculation)."""
+    if method not in (None, *SPECULATIVE_METHODS):
+        raise ServingConfigError(
+            f"--speculative-config method {method!r} is not supported: the runner drafts with vLLM's "
+            f'n-gram proposer only; pass \'{{"method": "ngram", "num_speculative_tokens": K}}\'.'
+        )
 
 
 def check_speculation(config: NeuronConfig, request: EngineRequest) -> int:
     """Tokens a decode row carries: 1, or 1 + K when --speculative-config asks for a method the
     runner serves (vLLM's model-free n-gram proposer) within the export's verify graphs."""
     method, k = request.speculative_method, request.speculative_tokens
+    check_speculative_method(method)
     if method is None:
         return 1
-    if method not in SPECULATIVE_METHODS:
-        raise ServingConfigError(
-            f"--speculative-config method {method!r} is not supported: the runner drafts with vLLM's "
-            f'n-gram proposer only; pass \'{{"method": "ngram", "num_speculative_tokens": K}}\'.'
-        )
     if not 1 <= k <= config.speculation_length:
         served = (
             f"num_speculative_tokens <= {config.speculation_length}"

@@ -20,9 +20,9 @@ from ..export_folder import ExportCapabilities, check_export
 from ..hub import is_export, resolve_export
 from ..modeling.kv_layout import KVPool, PrefixCache
 from .compat import cap_scheduled_tokens
-from .export_options import check_export_keys, describe_plan, export_options
+from .export_options import check_export_keys, describe_export, export_options
 from .features import refuse_unsupported
-from .limits import EngineRequest, ServingConfigError, serving_limits
+from .limits import EXACT_FLAGS, EngineRequest, ServingConfigError, serving_limits
 from .lora_flags import fit_lora
 
 logger = init_logger(f"vllm.{__name__}")  # under vLLM's configured logger
@@ -167,11 +167,10 @@ def _export_folder(vllm_config) -> Path:
         return served_export(model_config)
     from ..backends import get_backend
     from ..cache import cached_export
-    from ..graphs import graph_specs
 
-    options, notes = export_options(vllm_config, _engine_request(vllm_config, None))
-    logger.info("%s is a plain checkpoint: its export is %s", model_config.model, describe_plan(options, len(graph_specs(
-        NeuronConfig(**{k: v for k, v in options.items() if v is not None})))))  # fmt: skip
+    # export is None: a max_num_seqs of vLLM's defaults is read as not given (DEFAULT_BATCH_SIZE)
+    options, config, notes = export_options(vllm_config, _engine_request(vllm_config, None))
+    logger.info("%s is a plain checkpoint: its export is %s", model_config.model, describe_export(config))
     for note in notes:
         logger.info(note)
     get_backend(options["backend"]).check_available()
@@ -206,10 +205,6 @@ def _fit_engine(vllm_config, limits) -> None:
     cache.block_size = limits.block_size
     cache.user_specified_block_size = True
     cache.num_gpu_blocks_override = limits.num_blocks
-
-
-# Values vLLM cannot tell from its defaults, given through --additional-config (honoured as given).
-EXACT_FLAGS = ("max_num_batched_tokens", "max_num_seqs")
 
 
 def _engine_request(vllm_config, export: NeuronConfig | None) -> EngineRequest:
