@@ -26,7 +26,7 @@ from host import results_folder, save  # noqa: E402
 
 from optimum_neuron_chunked import NeuronModelForCausalLM  # noqa: E402
 from optimum_neuron_chunked.config import prefill_slices  # noqa: E402
-from optimum_neuron_chunked.quantized_checkpoint import transformers_weight_only  # noqa: E402
+from optimum_neuron_chunked.testing.reference import transformers_weight_only  # noqa: E402
 
 
 def windows(ids: list[int], size: int) -> list[torch.Tensor]:

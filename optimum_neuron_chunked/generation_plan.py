@@ -20,9 +20,6 @@ HANDLED = {
     "prompt_lookup_num_tokens", "use_cache", "num_beams", "num_return_sequences",
     "transformers_version", "_from_model_config", "decoder_start_token_id",
 }  # fmt: skip
-# Processors the host applies, by the field that asks for one (transformers' own classes).
-HOST_FIELDS = ("min_new_tokens", "min_length", "repetition_penalty", "no_repeat_ngram_size",
-               "bad_words_ids", "suppress_tokens")  # fmt: skip
 
 
 @dataclass

@@ -19,7 +19,6 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
@@ -250,30 +249,6 @@ def dequantized(weight: torch.Tensor, scale: torch.Tensor, source: SourceQuantiz
     return weight.float() * expanded
 
 
-def transformers_weight_only(model: str | Path, dtype: torch.dtype = torch.float32):
-    """transformers running a checkpoint as the export computes it -> (model, what it is): an
-    FP8 checkpoint through transformers' own weight-only dequantization (FineGrainedFP8Config /
-    CompressedTensorsConfig(dequantize=True), compressed-tensors' activation and KV fake
-    quantization off: compressed_tensors.quantization.disable_quantization), others as they are."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    source = source_quantization(AutoConfig.from_pretrained(model))
-    if source is None or not source.fp8:
-        return AutoModelForCausalLM.from_pretrained(model, dtype=dtype).eval(), "transformers"
-    if source.method == "fp8":
-        from transformers import FineGrainedFP8Config as Dequantized
-    else:
-        from transformers import CompressedTensorsConfig as Dequantized
-    hf = AutoModelForCausalLM.from_pretrained(
-        model, dtype=dtype, quantization_config=Dequantized(dequantize=True)
-    )
-    if source.method == "compressed-tensors":
-        from compressed_tensors.quantization import disable_quantization
-
-        hf.apply(disable_quantization)
-    return hf.eval(), "transformers, FP8 weights dequantized (weight-only)"
-
-
 __all__ = [
     "SourceQuantization",
     "UnsupportedQuantizationError",
@@ -283,5 +258,4 @@ __all__ = [
     "kept_modules",
     "source_quantization",
     "source_scale",
-    "transformers_weight_only",
 ]

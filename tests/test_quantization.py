@@ -18,13 +18,9 @@ from optimum_neuron_chunked import NeuronModelForCausalLM
 from optimum_neuron_chunked.config import NeuronConfig, NeuronConfigError
 from optimum_neuron_chunked.export.pipeline import export
 from optimum_neuron_chunked.modeling.quantization import block_expand
-from optimum_neuron_chunked.quantized_checkpoint import (
-    dropped_notes,
-    source_quantization,
-    transformers_weight_only,
-)
+from optimum_neuron_chunked.quantized_checkpoint import dropped_notes, source_quantization
 from optimum_neuron_chunked.testing.fp8_checkpoints import KEPT
-from optimum_neuron_chunked.testing.reference import hf_greedy
+from optimum_neuron_chunked.testing.reference import hf_greedy, transformers_weight_only
 
 SHAPE = dict(batch_size=2, sequence_length=128, prefill_chunk_size=32, context_buckets=(64, 128))
 NEW_TOKENS = 10
