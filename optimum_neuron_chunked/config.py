@@ -406,9 +406,9 @@ class NeuronConfig:
                 "export: pass both, positive, with --prefill-chunk-size (a pool of N blocks of P "
                 "positions), or neither (one whole-sequence block per batch row)."
             )
-        from .modeling.kv_layout import KVPool  # the layout's rules read the config
-
-        if size and KVPool.of(self).whole_sequence_blocks:
+        # A block of S positions is a whole-sequence block, which only the absence of
+        # --kv-block-size asks for (KVPool.whole_sequence_blocks reads P = S as that).
+        if size == self.sequence_length:
             raise NeuronConfigError(
                 f"--kv-block-size {size} is the whole --sequence_length: omit --kv-cache-blocks and "
                 "--kv-block-size (one whole-sequence block per batch row), or pick a smaller P."
