@@ -131,3 +131,24 @@ def test_a_refused_adapter_raises_its_reason_and_the_worker_serves_on(lora_expor
     engine.step_until(lambda: not engine.scheduler.has_requests())
     assert engine.tokens["after"] == peft_greedy(peft, ids.tolist(), "a", NEW_TOKENS)
     assert engine.worker.remove_lora(1) and engine.worker.list_loras() == set()
+
+
+def test_adapters_with_ngram_speculation_verify_each_rows_drafts_under_its_adapter(lora_export, peft):
+    """Verify rows (a token and its drafts, one VF call) of two adapters and the base: tokens as peft's."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    backend = "xla" if "-xla-" in lora_export.name else "eager"
+    export = export_with("llama", backend, **LORA_EXPORT, speculation_length=3)
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+    args = EngineArgs(model=str(export), seed=0, speculative_config=spec, enable_lora=True)
+    engine = Engine(export, args.create_engine_config())
+    span = prompt(11, seed=8)
+    requests = {"s0": ("a", span.repeat(4)), "s1": ("__base__", span.repeat(3)), "s2": ("b", span.repeat(5))}
+    want = {r: peft_greedy(peft, ids.tolist(), name, NEW_TOKENS) for r, (name, ids) in requests.items()}
+    # drafts: the right continuation for s0 and s2, wrong ones for s1 (rejected)
+    engine.drafts_for = lambda r, tokens: want[r][len(tokens) : len(tokens) + 3] if r != "s1" else [5, 6, 7]
+    for req_id, (name, ids) in requests.items():
+        add(engine, req_id, ids, name)
+    engine.step_until(lambda: not engine.scheduler.has_requests())
+    assert {r: engine.tokens[r] for r in requests} == want
+    assert {r for r, drafts, _ in engine.verified if drafts} == set(requests)  # every row verified drafts
