@@ -261,6 +261,23 @@ class NeuronConfig:
         self._validate()
 
     def _validate(self) -> None:
+        """Every rule of the options, step by step; each error names the flag to change."""
+        self._validate_ranges()
+        self._validate_backend()
+        self._validate_widths()
+        self._validate_speculation()
+        self._validate_quantization()
+        self._validate_attention_kernel()
+        if self.context_buckets[0] < max(self.prefill_chunk_size, 1):
+            raise NeuronConfigError(
+                f"context bucket {self.context_buckets[0]} is smaller than the chunk size "
+                f"{self.prefill_chunk_size}: every bucket must hold at least one chunk."
+            )
+        self._validate_paged()
+        self._validate_lora()
+        self._validate_kv_cache_dtype()
+
+    def _validate_ranges(self) -> None:
         def fail(msg: str) -> None:
             raise NeuronConfigError(msg)
 
@@ -283,6 +300,11 @@ class NeuronConfig:
             fail(f"tp_degree must be >= 1, got {self.tp_degree}.")
         if self.dtype not in DTYPES:
             fail(f"dtype {self.dtype!r} is not supported: choose one of {', '.join(DTYPES)}.")
+
+    def _validate_backend(self) -> None:
+        def fail(msg: str) -> None:
+            raise NeuronConfigError(msg)
+
         if self.backend not in BACKENDS:
             fail(f"backend {self.backend!r} is not supported: choose one of {', '.join(BACKENDS)}.")
         if (self.backend == "neuron") != bool(self.instance_type):
@@ -295,6 +317,14 @@ class NeuronConfig:
             fail(
                 f"--tensor_parallel_size {self.tp_degree} needs --backend neuron (cpu, eager and xla run on one process)."
             )
+
+    def _validate_widths(self) -> None:
+        """The compiled shapes: the sampler's top-k, buckets up to the sequence, chunk and decode
+        widths, mixed steps."""
+
+        def fail(msg: str) -> None:
+            raise NeuronConfigError(msg)
+
         if self.max_topk < 1:
             fail(f"max_topk must be >= 1, got {self.max_topk}.")
         if self.context_buckets[-1] != self.sequence_length:
@@ -323,17 +353,6 @@ class NeuronConfig:
                 "--mixed-step runs decodes with a prefill chunk in one graph: it needs a chunked "
                 "export, pass --prefill-chunk-size too."
             )
-        self._validate_speculation()
-        self._validate_quantization()
-        self._validate_attention_kernel()
-        if self.context_buckets[0] < max(self.prefill_chunk_size, 1):
-            fail(
-                f"context bucket {self.context_buckets[0]} is smaller than the chunk size "
-                f"{self.prefill_chunk_size}: every bucket must hold at least one chunk."
-            )
-        self._validate_paged()
-        self._validate_lora()
-        self._validate_kv_cache_dtype()
 
     def _validate_kv_cache_dtype(self) -> None:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:

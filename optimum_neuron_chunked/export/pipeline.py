@@ -99,6 +99,30 @@ def export(
     impl = get_backend(backend)
     impl.check_available()
     hf_config = _load_hf_config(model)
+    config = _checked_config(model, hf_config, impl, options, backend, instance_type, weights, console)
+    staging = Path(tempfile.mkdtemp(prefix=f".{output.name}.partial-", dir=output.parent))
+    try:
+        started = time.perf_counter()
+        config, specs = _build(model, hf_config, config, impl, staging, weights, console)
+        if output.exists():
+            shutil.rmtree(output)
+        staging.rename(output)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    console.print(
+        f"[green]exported[/] {len(specs)} graphs ({', '.join(s.name for s in specs)}) to {output} "
+        f"in {time.perf_counter() - started:.1f}s"
+    )
+    return output
+
+
+def _checked_config(
+    model, hf_config, impl, options: dict, backend: str, instance_type, weights: str, console
+) -> NeuronConfig:
+    """The export's NeuronConfig: the checkpoint's quantization, KV scales
+    and shapes checked against the options before any work, with what the export drops and
+    its KV pool said."""
     spec = family_spec(hf_config)
     source = source_quantization(hf_config)  # refuses a checkpoint it cannot serve, before any work
     config = NeuronConfig(
@@ -119,29 +143,22 @@ def export(
     console.print(KVLayout.of(config, spec).summary(config.tp_degree))
     if config.max_loras:
         console.print(LoraSpec.of(config).summary(spec))  # refuses targets no layer has
-    staging = Path(tempfile.mkdtemp(prefix=f".{output.name}.partial-", dir=output.parent))
-    try:
-        started = time.perf_counter()
-        _save_hf_files(model, hf_config, staging)  # a source without a usable tokenizer stops here
-        with console.status(f"loading weights of {model}"):
-            decoder = _export_weights(model, hf_config, config, impl, staging, weights, console)
-        specs = graph_specs(config)
-        if config.quantization:
-            console.print(quantization_summary(decoder, config))
-        config = _compile(impl, decoder, config, specs, staging, console)
-        config.save(staging, files=record_files(staging, export_files(config)))
-        write_model_card(staging, model, config)
-        if output.exists():
-            shutil.rmtree(output)
-        staging.rename(output)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-    console.print(
-        f"[green]exported[/] {len(specs)} graphs ({', '.join(s.name for s in specs)}) to {output} "
-        f"in {time.perf_counter() - started:.1f}s"
-    )
-    return output
+    return config
+
+
+def _build(model, hf_config, config: NeuronConfig, impl, staging: Path, weights: str, console):
+    """Every export file into `staging`: tokenizer and HF files, weights, graphs, the config
+    with the files' digests, the model card -> (the config as compiled, the graph specs)."""
+    _save_hf_files(model, hf_config, staging)  # a source without a usable tokenizer stops here
+    with console.status(f"loading weights of {model}"):
+        decoder = _export_weights(model, hf_config, config, impl, staging, weights, console)
+    specs = graph_specs(config)
+    if config.quantization:
+        console.print(quantization_summary(decoder, config))
+    config = _compile(impl, decoder, config, specs, staging, console)
+    config.save(staging, files=record_files(staging, export_files(config)))
+    write_model_card(staging, model, config)
+    return config, specs
 
 
 def _kv_scales(model: str, hf_config, options: dict) -> dict:
