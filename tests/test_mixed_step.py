@@ -17,7 +17,7 @@ from optimum_neuron_chunked.generation import prefill_prompt
 from optimum_neuron_chunked.graph_runner import GraphRunner
 from optimum_neuron_chunked.graphs import graph_specs
 from optimum_neuron_chunked.testing.reference import hf_greedy
-from optimum_neuron_chunked.vllm.plan import DecodeRow, PrefillChunk, StepPlan, describe, fuse_chunk
+from optimum_neuron_chunked.vllm.step_plan import DecodeRow, PrefillChunk, StepPlan, describe, fuse_chunk
 
 LOGITS_TOLERANCE = 1e-4
 

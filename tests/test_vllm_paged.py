@@ -116,7 +116,7 @@ def test_paged_plans_keep_the_scheduler_order_between_chunks():
     """A request admitted this step may read blocks an earlier chunk of the step writes (a prefix
     hit on blocks vLLM cached when it allocated them): paged plans fuse their first chunk only,
     and run such a request's one-token piece as a chunk, not in the TG call ahead of the chunks."""
-    from optimum_neuron_chunked.vllm.plan import ScheduledWork, fuse_chunk, plan_step
+    from optimum_neuron_chunked.vllm.step_plan import ScheduledWork, fuse_chunk, plan_step
 
     work = [
         ScheduledWork("d", (1,), 5, (7,), 5, 6),

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from optimum_neuron_chunked.vllm.plan import describe_chunks
+from optimum_neuron_chunked.vllm.step_plan import describe_chunks
 
 EXPORT = "llama-2x4x32-eager"
 XLA_EXPORT = "llama-2x4x32-xla"  # the graphs on torch-xla's device, served by the SDK's vLLM

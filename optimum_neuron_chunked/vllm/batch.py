@@ -27,8 +27,8 @@ from ..modeling.lora import NO_ADAPTER
 from .compat import input_batch_args
 from .connector import PrefixCopies, is_prefix_cache_connector
 from .kv_blocks import dropped, next_block_ids, pool_block, request_blocks
-from .plan import KVAddress, ScheduledWork
 from .prompt_logprobs import PromptLogprobs
+from .step_plan import KVAddress, ScheduledWork
 
 
 def usable_drafts(drafts) -> list[int]:

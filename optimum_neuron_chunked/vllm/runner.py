@@ -21,10 +21,10 @@ from .adapters import AdapterManager
 from .batch import BatchState
 from .compat import host_sampler
 from .connector import PrefixCopies
-from .plan import StepPlan, describe, fuse_chunk, plan_step
 from .prompt_logprobs import add_chunk
 from .sampling import device_sampling_inputs, host_sample, on_device_eligible
 from .speculation import Drafter, RandomRow, accept_random, is_greedy, verifiable
+from .step_plan import StepPlan, describe, fuse_chunk, plan_step
 
 logger = init_logger(f"vllm.{__name__}")  # under vLLM's configured logger (VLLM_LOGGING_LEVEL)
 

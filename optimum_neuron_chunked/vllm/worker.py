@@ -14,9 +14,9 @@ from ..config import NeuronConfig
 from ..graph_runner import GraphRunner
 from .compat import no_compilation_times
 from .kv_blocks import vllm_num_blocks
-from .plan import describe
 from .platform import data_parallel_rank, served_export
 from .runner import StepRunner
+from .step_plan import describe
 
 logger = init_logger(f"vllm.{__name__}")  # under vLLM's configured logger
 KV_LAYER = "neuron_chunked.kv_cache"  # the static cache, as one vLLM "layer"

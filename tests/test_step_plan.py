@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from optimum_neuron_chunked.vllm.plan import PlanError, ScheduledWork, plan_step
+from optimum_neuron_chunked.vllm.step_plan import PlanError, ScheduledWork, plan_step
 
 
 def work(req_id, block, start, n, prompt, known=None, first=100):
