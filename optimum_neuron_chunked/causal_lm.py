@@ -91,8 +91,8 @@ class NeuronModelForCausalLM:
         `verify_weights`: also check the weight files' SHA-256 (sizes and graphs always are).
         `trust_remote_code`: consent to load a Hub export whose files run code (cpu, neuron)."""
         if export:
-            from .cache import cached_export
             from .export.pipeline import check_options
+            from .export_cache import cached_export
 
             options = export_options | ({"backend": backend} if backend else {})
             check_options(options)

@@ -22,8 +22,8 @@ from helpers import prompt
 from transformers import AutoModelForCausalLM
 
 from optimum_neuron_chunked import NeuronModelForCausalLM
-from optimum_neuron_chunked.cache import cached_export, entries
-from optimum_neuron_chunked.cache.store import EntryKey, find_or_build
+from optimum_neuron_chunked.export_cache import cached_export, entries
+from optimum_neuron_chunked.export_cache.store import EntryKey, find_or_build
 
 OPTIONS = dict(batch_size=2, sequence_length=64, prefill_chunk_size=16, backend="eager")
 
@@ -48,10 +48,12 @@ def test_an_entry_is_found_again_by_its_key(cache, tmp_path, caplog):
     with caplog.at_level("WARNING"):
         changed = cached_export(str(source), OPTIONS)
     assert changed not in (first, other) and "exporting llama again: files" in caplog.text
-    listed = subprocess.run([sys.executable, "-m", "optimum_neuron_chunked.cache", "list"], capture_output=True,
+    listed = subprocess.run([sys.executable, "-m", "optimum_neuron_chunked.export_cache", "list"], capture_output=True,
                             text=True, check=True, env=os.environ).stdout  # fmt: skip
     assert "3 entries" in listed and first.name in listed and "eager float32 B=2 S=64 C=16" in listed
-    subprocess.run([sys.executable, "-m", "optimum_neuron_chunked.cache", "rm", first.name], check=True)
+    subprocess.run(
+        [sys.executable, "-m", "optimum_neuron_chunked.export_cache", "rm", first.name], check=True
+    )
     assert not first.exists() and len(entries()) == 2
     assert not list((cache / ".staging").glob("*"))
 

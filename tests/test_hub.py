@@ -163,7 +163,7 @@ def test_vllm_serves_a_plain_repo_id_exported_once_for_every_data_parallel_rank(
     import torch
     from openai import OpenAI
 
-    from optimum_neuron_chunked.cache import entries
+    from optimum_neuron_chunked.export_cache import entries
     from optimum_neuron_chunked.testing.reference import hf_greedy
 
     env, _ = hub

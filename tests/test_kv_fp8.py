@@ -158,7 +158,7 @@ def test_vllm_serves_a_checkpoint_with_fp8_kv_as_the_loader_does(tmp_path, monke
     from vllm import LLM
 
     from optimum_neuron_chunked import NeuronModelForCausalLM
-    from optimum_neuron_chunked.cache import entries
+    from optimum_neuron_chunked.export_cache import entries
 
     monkeypatch.setenv("ONC_EXPORT_CACHE", str(tmp_path / "cache"))
     prompts = [prompt(n, seed=60 + n) for n in (5, 40)]

@@ -10,7 +10,7 @@ import pytest
 from fixtures.export_models import checkpoint_path
 from helpers import generate, greedy, prompt
 
-from optimum_neuron_chunked.cache import entries
+from optimum_neuron_chunked.export_cache import entries
 from optimum_neuron_chunked.testing.reference import hf_greedy
 
 SHAPES = dict(max_model_len=64, max_num_seqs=2)

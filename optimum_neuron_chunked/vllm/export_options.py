@@ -104,7 +104,7 @@ def _with_host_choices(options: dict, notes: list[str]) -> tuple[dict, NeuronCon
     """The backend, target and default chunk size resolved on this host, the whole validated
     once (with the chunk size it will be exported with)."""
     from ..backends import BackendUnavailableError, get_backend
-    from ..cache.build import host_choices, resolved_config
+    from ..export_cache.build import host_choices, resolved_config
 
     try:
         host = host_choices(options)

@@ -166,7 +166,7 @@ def _export_folder(vllm_config) -> Path:
     if is_export(model_config.model, model_config.revision):
         return served_export(model_config)
     from ..backends import get_backend
-    from ..cache import cached_export
+    from ..export_cache import cached_export
 
     # export is None: a max_num_seqs of vLLM's defaults is read as not given (DEFAULT_BATCH_SIZE)
     options, config, notes = export_options(vllm_config, _engine_request(vllm_config, None))

@@ -1,6 +1,6 @@
 """The export cache: `vllm serve MODEL` and `from_pretrained(MODEL, export=True)` on a plain
 checkpoint export it once into a folder found again by key (store.py, source.py);
-`python -m optimum_neuron_chunked.cache list|rm` lists and removes entries."""
+`python -m optimum_neuron_chunked.export_cache list|rm` lists and removes entries."""
 
 from .build import cached_export
 from .store import ENV, ExportCacheError, cache_root, entries, remove

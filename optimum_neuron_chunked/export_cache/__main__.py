@@ -1,4 +1,4 @@
-"""python -m optimum_neuron_chunked.cache list | rm ENTRY... | rm --all"""
+"""python -m optimum_neuron_chunked.export_cache list | rm ENTRY... | rm --all"""
 
 from __future__ import annotations
 
@@ -14,7 +14,9 @@ def _size(folder) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m optimum_neuron_chunked.cache", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="python -m optimum_neuron_chunked.export_cache", description=__doc__
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("list", help="the cached exports")
     rm = sub.add_parser("rm", help="remove cached exports")

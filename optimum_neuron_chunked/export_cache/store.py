@@ -189,7 +189,7 @@ def check_free_space(source_folder: str | Path, options: dict) -> None:
     if need > free:
         raise ExportCacheError(
             f"the export needs about {need / 2**30:.1f} GiB and {root} has {free / 2**30:.1f} GiB free: "
-            f"free space (python -m optimum_neuron_chunked.cache rm ...) or point {ENV} elsewhere."
+            f"free space (python -m optimum_neuron_chunked.export_cache rm ...) or point {ENV} elsewhere."
         )
 
 
