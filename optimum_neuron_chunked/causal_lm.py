@@ -36,11 +36,15 @@ class NeuronModelForCausalLM:
         self._slots = SlotTable(runner.config.max_loras)
 
     def load_adapter(self, path: str | Path, adapter_name: str) -> None:
-        """A PEFT LoRA adapter (peft's save_pretrained folder) under `adapter_name`, for
+        """A PEFT LoRA adapter (peft's save_pretrained folder, or its Hub id) under `adapter_name`, for
         `generate(..., adapter_names=[...])`; refused by name where the export's slots cannot hold
         it (lora_adapter.LoraConfigError)."""
         if adapter_name == BASE:
             raise ValueError(f"{BASE!r} names the base model: choose another adapter_name")
+        if not Path(path).is_dir():  # a Hub id: its snapshot (offline: the HF cache)
+            from huggingface_hub import snapshot_download
+
+            path = snapshot_download(str(path))
         adapter = self.runner.read_adapter(path)
         self.delete_adapter(adapter_name)  # a reload under the same name: its slot is stale
         self.adapters[adapter_name] = adapter

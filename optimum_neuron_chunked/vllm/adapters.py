@@ -16,6 +16,7 @@ import dataclasses
 from collections import OrderedDict
 
 from vllm.logger import init_logger
+from vllm.lora.utils import get_adapter_absolute_path  # vllm/lora/utils.py, 0.16.0 and 0.32
 
 from ..adapter_slots import SlotTable
 from ..graph_runner import GraphRunner
@@ -41,7 +42,8 @@ class AdapterManager:
 
     def add(self, lora_request) -> bool:
         """Read the adapter (LoraConfigError names what cannot be served) and keep it on the host."""
-        adapter = self.graph_runner.read_adapter(lora_request.lora_path)
+        # a local folder or a Hub id, resolved as vLLM resolves it (offline: the HF cache)
+        adapter = self.graph_runner.read_adapter(get_adapter_absolute_path(lora_request.lora_path))
         if adapter.rank > self.max_rank:
             raise LoraConfigError(
                 f"{adapter.path}: rank {adapter.rank} exceeds --max-lora-rank {self.max_rank}"
