@@ -36,7 +36,7 @@ from .graphs import (
 )
 from .lora_adapter import LoraAdapter, read_adapter, slot_tensors
 from .modeling.family import family_spec
-from .modeling.kv_layout import KVPool
+from .modeling.kv_layout import KVPool, row_blocks
 from .modeling.lora import NO_ADAPTER, LoraSpec, with_adapter_column
 
 logger = logging.getLogger(__name__)
@@ -283,7 +283,7 @@ class GraphRunner:
             inputs, order = self._row_inputs(
                 2, spec.width, self.config.sequence_length, token_rows, starts, blocks
             )
-            return (self.graphs[spec.name](inputs[1][:1], inputs[2][:, 0]),), order
+            return (self.graphs[spec.name](inputs[1][:1], row_blocks(inputs[2])),), order
         inputs, order = self._row_inputs(
             spec.batch, spec.width if chunk is None else 1, spec.window, token_rows, starts, blocks, adapters
         )

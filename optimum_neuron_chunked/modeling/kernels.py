@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from .kv_cache import KVCache
-from .kv_layout import KVLayout
+from .kv_layout import KVLayout, row_blocks
 from .layers import MASK_VALUE
 
 
@@ -119,7 +119,7 @@ def attend_read(q, cache: KVCache, part: GraphPart, live, core: AttentionCore) -
     if not part.read.pool_order:
         keys, values, key_positions = cache.read_tables(part.tables, live, part.position_ids)
         return core(q, keys, values, part.position_ids, key_positions)
-    rows, position_ids, blocks = part.tables[:, 0], part.position_ids, cache.keys.shape[0]
+    rows, position_ids, blocks = row_blocks(part.tables), part.position_ids, cache.keys.shape[0]
     q_pool = q.new_zeros(blocks, *q.shape[1:]).index_copy(0, rows, q)
     pos_pool = position_ids.new_zeros(blocks, position_ids.shape[1]).index_copy(0, rows, position_ids)
     keys, values, key_positions = cache.read_pool(live, pos_pool)

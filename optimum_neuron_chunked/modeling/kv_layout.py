@@ -115,7 +115,7 @@ class LayerKV:
         """(block [N, 1 or T], offset [N, T]) of each position of rows with block tables [N, M]:
         position p of row r at offset p % P of block tables[r, p // P]; whole-sequence blocks
         in place (static, no gather: positions below P, or wrapped in a ring)."""
-        if self.in_place:
+        if self.in_place:  # row_blocks, kept a column
             return tables[:, :1], self.index(position_ids)
         column = torch.div(position_ids, self.block_size, rounding_mode="floor")
         return torch.gather(tables, 1, column), torch.remainder(position_ids, self.block_size)
@@ -134,6 +134,12 @@ class LayerKV:
         if self.ring is None:
             return torch.arange(width, device=position_ids.device)[None]
         return ring_positions(position_ids[:, -1], self.ring)
+
+
+def row_blocks(tables: torch.Tensor) -> torch.Tensor:
+    """[N] each row's one block, where blocks hold whole sequences (KVPool.whole_sequence_blocks,
+    addressed in place: LayerKV.in_place): its block table's one column."""
+    return tables[:, 0]
 
 
 def ring_positions(last_positions: torch.Tensor, length: int) -> torch.Tensor:

@@ -48,8 +48,11 @@ def layer_plan(
     (CpuKernels.cache_read: pool order, block, rows), the layer's spec and layout, the choices."""
     read = part.read
     if decode_op and part.decode_rows and part.position_ids.shape[1] == 1:
-        # what the op computes: fp32 queries over an fp32 pool (never an fp8 one: the op reads it raw)
-        if spec.plain_causal and dtype == torch.float32 and cache.keys.dtype == dtype:
+        # What the op reads: position p at index p of a row's blocks (the layout: no ring). What it
+        # computes: causal attention without window or sinks (the mask), fp32 queries over an fp32
+        # pool (never an fp8 one: the op reads it raw).
+        reads = cache.layer.position_ordered
+        if reads and spec.plain_causal and dtype == torch.float32 and cache.keys.dtype == dtype:
             return LayerPlan(Read.IN_PLACE, Core.DECODE_OP)
     if read.pool_order:
         where = Read.PER_ROW if read.rows is not None else Read.POOL

@@ -33,7 +33,7 @@ from torch import nn
 
 from ...modeling.kernels import AttentionSpec, CacheRead, GraphPart, Kernels
 from ...modeling.kv_cache import KVCache
-from ...modeling.kv_layout import KVLayout, KVPool
+from ...modeling.kv_layout import KVLayout, KVPool, row_blocks
 from .attention import attend
 from .host import host_cpu_capability
 from .linear import CpuLinear
@@ -113,7 +113,7 @@ class CpuKernels(Kernels):
         self.choices = choices
         self.expert_selection = choices.expert_selection
         self.calls_decode_op = (
-            choices.decode_attention_op if pool.decode_reads_pool_order else choices.paged_decode_op
+            choices.decode_attention_op if pool.whole_sequence_blocks else choices.paged_decode_op
         )
         """Whether decode graphs may call decode_attention.decode_attention (load it first)."""
 
@@ -135,14 +135,15 @@ class CpuKernels(Kernels):
             live = position_ids.max().item() + 1
             torch._check(live >= 1)
             torch._check(live <= window)
-        if not kv.decode_reads_pool_order:  # smaller blocks: gathered up to the live context
+        if not kv.whole_sequence_blocks:  # smaller blocks: gathered up to the live context
             return CpuCacheRead(window, live)
+        blocks = row_blocks(tables)  # a row's block is read in place (views)
         if self.choices.block_view and not decode_rows and tables.shape[0] == 1:
-            block = tables[0, 0].item()
+            block = blocks[0].item()
             torch._check(block >= 0)
         if self.choices.per_row_live and decode_rows:
-            rows = tuple(_row_read(tables[i, 0], position_ids[i], window) for i in range(tables.shape[0]))
-        return CpuCacheRead(window, live, decode_rows, block, rows)
+            rows = tuple(_row_read(blocks[i], position_ids[i], window) for i in range(tables.shape[0]))
+        return CpuCacheRead(window, live, decode_rows and kv.decode_reads_pool_order, block, rows)
 
     def attend(
         self,
