@@ -253,10 +253,10 @@ def test_paged_kv_options():
     pool = KVPool.of(paged)
     assert (pool.num_blocks, pool.block_size, pool.whole_sequence_blocks) == (8, 8, False)
     assert [pool.blocks_holding(w) for w in paged.context_buckets] == [4, 8]
-    slots = NeuronConfig(**shapes)  # the pool of one whole-sequence block per batch row
-    pool = KVPool.of(slots)
+    whole = NeuronConfig(**shapes)  # the pool of one whole-sequence block per batch row
+    pool = KVPool.of(whole)
     assert (pool.num_blocks, pool.block_size, pool.whole_sequence_blocks) == (2, 64, True)
-    assert [pool.blocks_holding(w) for w in slots.context_buckets] == [1, 1]
+    assert [pool.blocks_holding(w) for w in whole.context_buckets] == [1, 1]
     assert [s.name for s in graph_specs(paged)] == [
         "cp_w32",
         "tg_w32",

@@ -16,14 +16,14 @@ from optimum_neuron_chunked.modeling import build_model, model_from_spec
 from optimum_neuron_chunked.modeling.kv_layout import KVPool
 
 
-def reference(query, k_cache, v_cache, slots, lengths, scale):
-    """Each row over its slot's (whole-sequence block's) first `length` positions, heads grouped
+def reference(query, k_cache, v_cache, blocks, lengths, scale):
+    """Each row over its whole-sequence block's first `length` positions, heads grouped
     as transformers' repeat_kv."""
     groups = query.shape[1] // k_cache.shape[1]
     outs = []
-    for q, slot, length in zip(query, slots.tolist(), lengths.tolist(), strict=True):
-        keys = k_cache[slot, :, :length].repeat_interleave(groups, 0)
-        values = v_cache[slot, :, :length].repeat_interleave(groups, 0)
+    for q, block, length in zip(query, blocks.tolist(), lengths.tolist(), strict=True):
+        keys = k_cache[block, :, :length].repeat_interleave(groups, 0)
+        values = v_cache[block, :, :length].repeat_interleave(groups, 0)
         outs.append((torch.softmax(q[:, None] @ keys.transpose(1, 2) * scale, -1) @ values)[:, 0])
     return torch.stack(outs)
 
@@ -32,16 +32,16 @@ def reference(query, k_cache, v_cache, slots, lengths, scale):
 @pytest.mark.parametrize("head_dim", [64, 32, 12])  # 12: a tail after the vector lanes
 def test_decode_attention_equals_the_masked_softmax(heads, kv_heads, head_dim):
     """Rows of different lengths (1, not a multiple of the key block, the whole cache) in any
-    slot order, a padded row repeating a real one; positions past a row's length (stale
+    block order, a padded row repeating a real one; positions past a row's length (stale
     entries) are never read. 150 positions: more than one block of value rows (64)."""
     torch.manual_seed(0)
     k_cache, v_cache = torch.randn(3, kv_heads, 150, head_dim), torch.randn(3, kv_heads, 150, head_dim)
-    slots, lengths = torch.tensor([2, 0, 1, 0]), torch.tensor([1, 71, 150, 71])
+    blocks, lengths = torch.tensor([2, 0, 1, 0]), torch.tensor([1, 71, 150, 71])
     query = torch.randn(4, heads, head_dim)
     query[3] = query[1]  # a padded row repeats the real row 1
-    tables = slots[:, None]  # one whole-sequence block a row
+    tables = blocks[:, None]  # one whole-sequence block a row
     got = decode_attention(query, k_cache, v_cache, tables, lengths, 0.3)
-    torch.testing.assert_close(got, reference(query, k_cache, v_cache, slots, lengths, 0.3))
+    torch.testing.assert_close(got, reference(query, k_cache, v_cache, blocks, lengths, 0.3))
     k_cache[:, :, 71:] = v_cache[:, :, 71:] = float("nan")
     stale = decode_attention(query[1:2], k_cache, v_cache, tables[1:2], lengths[1:2], 0.3)
     torch.testing.assert_close(stale, got[1:2])
@@ -52,9 +52,9 @@ def test_decode_attention_with_weights_below_the_normal_range():
     the reference's sum."""
     torch.manual_seed(1)
     k_cache, v_cache = torch.randn(2, 2, 300, 64), torch.randn(2, 2, 300, 64)
-    query, slots, lengths = torch.randn(2, 4, 64) * 40, torch.tensor([1, 0]), torch.tensor([300, 257])
-    got = decode_attention(query, k_cache, v_cache, slots[:, None], lengths, 0.3)
-    torch.testing.assert_close(got, reference(query, k_cache, v_cache, slots, lengths, 0.3))
+    query, blocks, lengths = torch.randn(2, 4, 64) * 40, torch.tensor([1, 0]), torch.tensor([300, 257])
+    got = decode_attention(query, k_cache, v_cache, blocks[:, None], lengths, 0.3)
+    torch.testing.assert_close(got, reference(query, k_cache, v_cache, blocks, lengths, 0.3))
 
 
 def test_decode_attention_reads_block_tables_in_place():
@@ -70,11 +70,18 @@ def test_decode_attention_reads_block_tables_in_place():
     query = torch.randn(4, heads, head_dim)
     query[3] = query[1]
 
-    def as_slots(pool):
+    def as_whole_sequence_blocks(pool):
         return pool[tables].transpose(1, 2).reshape(4, kv_heads, 4 * block, head_dim)
 
     got = decode_attention(query, pool_k, pool_v, tables, lengths, 0.3)
-    want = reference(query, as_slots(pool_k), as_slots(pool_v), torch.arange(4), lengths, 0.3)
+    want = reference(
+        query,
+        as_whole_sequence_blocks(pool_k),
+        as_whole_sequence_blocks(pool_v),
+        torch.arange(4),
+        lengths,
+        0.3,
+    )
     torch.testing.assert_close(got, want)
     # what no row reads: blocks in no table, and block 7 past row 0's 40 positions (8 of 16)
     for unread in ((0,), (4,), (6,), (7, slice(None), slice(8, None))):
@@ -82,12 +89,12 @@ def test_decode_attention_reads_block_tables_in_place():
     torch.testing.assert_close(decode_attention(query, pool_k, pool_v, tables, lengths, 0.3), got)
 
 
-@pytest.mark.parametrize("slot, length", [(3, 5), (-1, 5), (0, 0), (0, 41)])
-def test_decode_attention_refuses_a_row_outside_the_cache(slot, length):
+@pytest.mark.parametrize("block, length", [(3, 5), (-1, 5), (0, 0), (0, 41)])
+def test_decode_attention_refuses_a_row_outside_the_cache(block, length):
     caches = torch.zeros(3, 2, 40, 8)
     with pytest.raises(RuntimeError, match="outside the cache"):
         decode_attention(
-            torch.zeros(1, 2, 8), caches, caches, torch.tensor([[slot]]), torch.tensor([length]), 1.0
+            torch.zeros(1, 2, 8), caches, caches, torch.tensor([[block]]), torch.tensor([length]), 1.0
         )
 
 

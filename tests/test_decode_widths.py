@@ -33,9 +33,9 @@ def test_each_step_runs_in_the_narrowest_width_that_holds_its_rows():
 
     runner = GraphRunner(cfg, {s.name: graph(s.name) for s in graph_specs(cfg)})
 
-    def step(slots: list[int], positions: list[int]) -> list[int]:
-        n = len(slots)
-        tables = torch.tensor([[s] for s in slots])  # one whole-sequence block a row
+    def step(blocks: list[int], positions: list[int]) -> list[int]:
+        n = len(blocks)
+        tables = torch.tensor([[s] for s in blocks])  # one whole-sequence block a row
         tokens, _ = runner.decode(
             torch.ones(n), torch.tensor(positions), tables, (torch.ones(n, 3), torch.zeros(n))
         )
@@ -64,15 +64,15 @@ def test_narrow_decode_steps_match_transformers(backend, tmp_path):
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     prompts = [torch.randint(4, 380, (n,), generator=torch.Generator().manual_seed(n)) for n in (20, 62)]
     seqs = [p.clone() for p in prompts]
-    for slot, p in enumerate(prompts):
-        first = prefill_prompt(model.runner, p, (slot,)).argmax()
-        seqs[slot] = torch.cat([p, first[None]])
-    # both rows (the batch's width), then slot 1 alone (width 1) into the second bucket, then both
-    for slots in ([0, 1], [1], [1], [0, 1]):
-        last = torch.stack([seqs[s][-1] for s in slots])
-        positions = torch.tensor([len(seqs[s]) - 1 for s in slots])
-        tokens, logits = model.runner.decode(last, positions, [[s] for s in slots], greedy_rows(len(slots)))
-        for row, s in enumerate(slots):
+    for block, p in enumerate(prompts):
+        first = prefill_prompt(model.runner, p, (block,)).argmax()
+        seqs[block] = torch.cat([p, first[None]])
+    # both rows (the batch's width), then block 1 alone (width 1) into the second bucket, then both
+    for blocks in ([0, 1], [1], [1], [0, 1]):
+        last = torch.stack([seqs[s][-1] for s in blocks])
+        positions = torch.tensor([len(seqs[s]) - 1 for s in blocks])
+        tokens, logits = model.runner.decode(last, positions, [[s] for s in blocks], greedy_rows(len(blocks)))
+        for row, s in enumerate(blocks):
             with torch.no_grad():
                 want = hf(seqs[s][None]).logits[0, -1]
             torch.testing.assert_close(logits[row], want, atol=LOGITS_TOLERANCE, rtol=0)

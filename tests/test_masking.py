@@ -96,17 +96,17 @@ def test_stale_cache_entries_beyond_the_context_are_never_read(decoder):
     for cache in decoder.cache_names():
         getattr(decoder, cache).zero_()
     clean = run_chunk(decoder, tokens, start=0)
-    for cache in decoder.cache_names():  # a previous request's leftovers in the slot
+    for cache in decoder.cache_names():  # a previous request's leftovers in the block
         getattr(decoder, cache)[0, :, 9:].normal_(0, 100)
     dirty = run_chunk(decoder, tokens, start=0)
     torch.testing.assert_close(dirty, clean, atol=0, rtol=0)
 
 
-def test_slots_are_isolated(decoder):
+def test_blocks_are_isolated(decoder):
     tokens = torch.arange(5, 5 + 9)
     alone = run_chunk(decoder, tokens, start=0, block=0)
     run_chunk(decoder, torch.arange(40, 60), start=0, block=1, width=20)
-    again = run_chunk(decoder, tokens[-1:], start=8, block=0)  # re-run the last token on slot 0
+    again = run_chunk(decoder, tokens[-1:], start=8, block=0)  # re-run the last token on block 0
     torch.testing.assert_close(again, alone, atol=1e-5, rtol=0)
 
 
@@ -138,8 +138,8 @@ def ring_and_linear(family: str, chunk: int):
 
 
 @pytest.mark.parametrize("family", ["gemma3_text", "gpt_oss"])
-def test_ring_layers_equal_position_indexed_layers_over_stale_slots(family):
-    """Chunks of every width up to C, then decodes, in a slot a previous request filled with
+def test_ring_layers_equal_position_indexed_layers_over_stale_blocks(family):
+    """Chunks of every width up to C, then decodes, in a block a previous request filled with
     garbage: the ring layers (window + C positions) give the logits of full-length caches."""
     chunk = 16
     ring, linear = ring_and_linear(family, chunk)
@@ -157,7 +157,7 @@ def test_ring_layers_equal_position_indexed_layers_over_stale_slots(family):
         torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
         start += width
     with torch.no_grad():
-        for _ in range(8):  # TG: one row per slot, slot 0 idle
+        for _ in range(8):  # TG: one row per block, block 0 idle
             ids, pos, seq = (
                 tokens[start].view(1, 1).repeat(2, 1),
                 torch.tensor([[0], [start]]),
@@ -172,12 +172,12 @@ def test_ring_layers_equal_position_indexed_layers_over_stale_slots(family):
 
 @pytest.mark.parametrize("family", ["llama", "gemma3_text", "qwen3_moe", "gpt_oss", "mistral"])
 def test_fused_attention_kernel_equals_the_masked_softmax(family):
-    """SDPA (the cpu backend's core from its threshold window up) over slot views (its chunks
-    read slot 1 as a scalar), the masked softmax over the live positions only (live_window),
-    per decode row over its own slot and position (per_row_live) with the decode rows' linear
+    """SDPA (the cpu backend's core from its threshold window up) over block views (its chunks
+    read block 1 as a scalar), the masked softmax over the live positions only (live_window),
+    per decode row over its own block and position (per_row_live) with the decode rows' linear
     layers as dot products (rowwise_linear_rows), against the reference
     masked softmax over gathered bucket windows, eager here (the cpu parity tests run it
-    compiled): chunks, then decodes with an idle slot, over stale slots; gemma3's ring layers
+    compiled): chunks, then decodes with an idle block, over stale blocks; gemma3's ring layers
     included."""
     from optimum_neuron_chunked.backends.cpu.kernels import kernel_choices
     from optimum_neuron_chunked.modeling import model_from_spec
@@ -223,7 +223,7 @@ def test_fused_attention_kernel_equals_the_masked_softmax(family):
 @pytest.mark.parametrize("prefill_from, decode_from", [(1, None), (None, 1), (SEQ, SEQ + 1)])
 def test_sdpa_is_chosen_per_graph_kind_and_bucket(monkeypatch, prefill_from, decode_from):
     """kernels.sdpa_prefill_from_window / sdpa_decode_from_window: a chunk (one row) and a decode
-    step (one row per slot) each take SDPA only from their own threshold on."""
+    step (one row per block) each take SDPA only from their own threshold on."""
     from optimum_neuron_chunked.modeling import model_from_spec
 
     path = checkpoint_path("llama")
@@ -252,11 +252,11 @@ def test_sdpa_is_chosen_per_graph_kind_and_bucket(monkeypatch, prefill_from, dec
 @pytest.mark.parametrize("kind", ["cp", "tg"])
 def test_cpu_kernels_compiled_by_aotinductor_equal_the_masked_softmax(tmp_path, kind):
     """The cpu backend's kernels as AOTInductor compiles them - SDPA in decode graphs too (the
-    cpu backend's decode graphs keep the masked softmax), a view of slot 1 read as a scalar,
+    cpu backend's decode graphs keep the masked softmax), a view of block 1 read as a scalar,
     attention over the live positions read as a scalar, per decode row (per_row_live), decode
     rows' linear layers as dot products (rowwise_linear_rows) - against eager's masked softmax
     over gathered bucket windows and ATen's linear: a chunk graph, and a decode graph with an
-    idle slot, over stale caches."""
+    idle block, over stale caches."""
     from optimum_neuron_chunked.graphs import GraphSpec, example_inputs, graph_module
     from optimum_neuron_chunked.modeling import model_from_spec
 
@@ -290,7 +290,7 @@ def test_cpu_kernels_compiled_by_aotinductor_equal_the_masked_softmax(tmp_path, 
         for shift in (0, 7):  # a second call further on: the live length is read per call
             inputs[1] = inputs[1] + shift
             got, want = compiled(*inputs), reference(*inputs)
-            if kind == "tg":  # (tokens, logits): row 0 is the idle-ish slot at position 0
+            if kind == "tg":  # (tokens, logits): row 0 is the idle-ish block at position 0
                 got, want = got[1][1], want[1][1]
             torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
 

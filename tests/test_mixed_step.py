@@ -83,10 +83,10 @@ def test_a_mixed_call_runs_in_the_bucket_that_covers_both_parts():
 
     runner = GraphRunner(cfg, {s.name: graph(s.name) for s in graph_specs(cfg)})
 
-    def step(slot: int, position: int, chunk_start: int, chunk_slot: int, tokens: int = CHUNK):
+    def step(block: int, position: int, chunk_start: int, chunk_block: int, tokens: int = CHUNK):
         one = torch.ones(1)
-        return runner.decode_with_chunk(one, torch.tensor([position]), [[slot]], (torch.ones(1, 3), one),
-                                        torch.ones(tokens), chunk_start, (chunk_slot,))  # fmt: skip
+        return runner.decode_with_chunk(one, torch.tensor([position]), [[block]], (torch.ones(1, 3), one),
+                                        torch.ones(tokens), chunk_start, (chunk_block,))  # fmt: skip
 
     tokens, _, chunk_logits = step(0, 10, 0, 1)
     assert tokens.tolist() == [0] and chunk_logits.tolist() == [1.0] * 4
@@ -105,7 +105,7 @@ def test_a_mixed_call_runs_in_the_bucket_that_covers_both_parts():
 
 @pytest.mark.parametrize("backend", ["eager", pytest.param("cpu", marks=pytest.mark.slow)])
 def test_mixed_steps_match_transformers(backend, tmp_path):
-    """Slot 0 decodes while slot 1's prompt is prefilled in full chunks in the same calls."""
+    """Block 0 decodes while block 1's prompt is prefilled in full chunks in the same calls."""
     path = checkpoint_path("llama")
     out = export(str(path), tmp_path / "export", batch_size=2, sequence_length=SEQUENCE_LENGTH,
                  prefill_chunk_size=CHUNK, backend=backend, context_buckets=BUCKETS,
@@ -165,4 +165,4 @@ def test_vllm_runs_a_decode_and_each_full_chunk_in_one_call(mixed_export, hf_ref
     ]
     hf = hf_reference("llama")
     assert engine.tokens == {"a": hf_greedy(hf, a, 9), "b": hf_greedy(hf, b, 3)}
-    assert engine.free_slots == 2
+    assert engine.free_blocks == 2

@@ -57,11 +57,11 @@ def test_each_chunk_runs_in_the_narrowest_width_that_holds_it():
         runner.prefill(torch.arange(CHUNK + 1), 0, blocks=(0,))
 
 
-def prefill_in_chunks(model: NeuronModelForCausalLM, ids: torch.Tensor, slot: int) -> list[torch.Tensor]:
+def prefill_in_chunks(model: NeuronModelForCausalLM, ids: torch.Tensor, block: int) -> list[torch.Tensor]:
     """The logits after each chunk of CHUNKS."""
     out, start = [], 0
     for n in CHUNKS:
-        out.append(model.runner.prefill(ids[start : start + n], start, (slot,)))
+        out.append(model.runner.prefill(ids[start : start + n], start, (block,)))
         start += n
     return out
 
@@ -76,7 +76,7 @@ def test_narrow_chunks_match_transformers(backend, tmp_path):
     assert {s.name for s in graph_specs(model.neuron_config)} >= {"cp_w64_c8", "cp_w128_c16"}
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     ids = torch.randint(4, 380, (sum(CHUNKS),), generator=torch.Generator().manual_seed(3))
-    got = prefill_in_chunks(model, ids, slot=1)
+    got = prefill_in_chunks(model, ids, block=1)
     ends = torch.tensor(CHUNKS).cumsum(0).tolist()
     with torch.no_grad():
         logits = hf(ids[None]).logits[0]

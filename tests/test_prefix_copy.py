@@ -1,4 +1,4 @@
-"""The copy graph: a prefix copied from one slot (a whole-sequence block) into another is exactly what computing it
+"""The copy graph: a prefix copied from one whole-sequence block into another is exactly what computing it
 there would have written, on every backend that runs here (cpu: AOTInductor, in place)."""
 
 from __future__ import annotations

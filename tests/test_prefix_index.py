@@ -13,7 +13,7 @@ from optimum_neuron_chunked.vllm.prefix_index import (
 )
 
 
-def test_the_longest_common_prefix_over_every_slot_wins():
+def test_the_longest_common_prefix_over_every_block_wins():
     index = PrefixIndex(min_hit=4)
     index.set(0, range(100))
     index.set(1, [*range(50), 7, 7])
@@ -31,7 +31,7 @@ def test_a_hit_leaves_the_last_prompt_token_and_short_hits_are_not_worth_a_copy(
     assert index.longest_hit([0]) is None
 
 
-def test_admission_copies_unless_the_slot_already_holds_the_hit():
+def test_admission_copies_unless_the_block_already_holds_the_hit():
     index = PrefixIndex(min_hit=4)
     index.set(0, range(100))
     prompt = [*range(40), 500, 501]
@@ -39,11 +39,11 @@ def test_admission_copies_unless_the_slot_already_holds_the_hit():
     assert index.admit(1, prompt, hit) == BlockCopy(0, 1, 40)
     assert index.held(1).tolist() == list(range(40))  # what the copy puts there
     assert index.held(0).tolist() == list(range(100))  # the source keeps its tokens
-    assert index.admit(0, prompt, PrefixHit(0, 40)) is None  # slot affinity: no copy
-    assert index.held(0).tolist() == list(range(40))  # the rest of slot 0 will be overwritten
+    assert index.admit(0, prompt, PrefixHit(0, 40)) is None  # block affinity: no copy
+    assert index.held(0).tolist() == list(range(40))  # the rest of block 0 will be overwritten
 
 
-def test_admission_without_a_hit_forgets_what_the_slot_held():
+def test_admission_without_a_hit_forgets_what_the_block_held():
     index = PrefixIndex(min_hit=4)
     index.set(0, range(100))
     assert index.admit(0, [7, 8, 9], None) is None

@@ -1,6 +1,6 @@
 """Verify graphs through the loader: generate() with prompt-lookup drafts verified K + 1 tokens
 a row in one VF call gives transformers' greedy tokens, drafts accepted in part, in whole and
-not at all, for slot and paged exports, across chunk and bucket edges and narrow widths."""
+not at all, for whole-sequence-block and paged exports, across chunk and bucket edges and narrow widths."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from optimum_neuron_chunked.testing.reference import hf_greedy
 K = 4
 SHAPE = dict(batch_size=2, sequence_length=SEQUENCE_LENGTH, prefill_chunk_size=CHUNK, context_buckets=BUCKETS,
              decode_widths=(1, 2), speculation_length=K)  # fmt: skip
-LAYOUTS = {"slots": {}, "paged": dict(kv_cache_blocks=16, kv_block_size=16)}
+LAYOUTS = {"whole": {}, "paged": dict(kv_cache_blocks=16, kv_block_size=16)}
 
 
 def repetitive(n: int, seed: int) -> torch.Tensor:

@@ -1,5 +1,5 @@
 """`vllm serve EXPORT --data-parallel-size 2`: two engine cores, each with its own graphs,
-weights and KV slots; vLLM's own load balancing spreads the requests; every answer equals
+weights and KV blocks; vLLM's own load balancing spreads the requests; every answer equals
 transformers'; an abort and the shutdown leave nothing behind."""
 
 from __future__ import annotations

@@ -125,7 +125,9 @@ def test_paged_plans_keep_the_scheduler_order_between_chunks():
     ]
     plan = plan_step(work, 32, 4)
     assert fuse_chunk(plan, 32, (4,), in_order=True).fused is None
-    assert fuse_chunk(plan, 32, (4,)).fused == 1  # slot exports: no request reads another's slot
+    assert (
+        fuse_chunk(plan, 32, (4,)).fused == 1
+    )  # whole-sequence-block exports: no request reads another's block
     # resumed with all but its last token hit, on blocks x writes this step: a chunk after x's
     resumed = ScheduledWork("r", (2, 3, 5), 47, (9,), 30, 48, after_earlier_chunks=True)
     plan = plan_step([*work, resumed], 32, 4)

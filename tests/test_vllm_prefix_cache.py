@@ -1,9 +1,9 @@
 """Prefix caching: vLLM's real scheduler asks our connector for cached prefixes, schedules only
-the rest, and the runner copies the prefix into the new request's slot before the step's
+the rest, and the runner copies the prefix into the new request's block before the step's
 graphs. Step tables show what was copied and computed; tokens equal HF's greedy tokens on the
 whole prompt (the copied K/V must be exactly what computing it would have written).
 
-llama-2x4x32-eager: 2 slots, chunk 32, budget 64 tokens per step.
+llama-2x4x32-eager: 2 blocks, chunk 32, budget 64 tokens per step.
 """
 
 from __future__ import annotations
@@ -51,9 +51,9 @@ def test_a_shared_three_chunk_prefix_schedules_only_the_suffix(engine, hf_refere
     a, b = joined(system, prompt(10, seed=31)), joined(system, prompt(20, seed=32))
     engine.add("a", a, max_tokens=8)
     table = [engine.step(), engine.step(), engine.step()]
-    engine.add("b", b, max_tokens=2)  # while a decodes in slot 0
+    engine.add("b", b, max_tokens=2)  # while a decodes in block 0
     table += engine.run()
-    # the prefix from a's live slot, only the suffix computed
+    # the prefix from a's live block, only the suffix computed
     shared = ["a |", "copy 0->1[0:96] a | b[96:116]", "a+b |"]
     if LONE_PREFILL_TAKES_BUDGET:
         assert table[:5] == ["| a[0:32] a[32:64]", "| a[64:96] a[96:106]", *shared]
@@ -62,17 +62,17 @@ def test_a_shared_three_chunk_prefix_schedules_only_the_suffix(engine, hf_refere
         assert table[3] == "copy 0->1[0:96] | a[96:106] b[96:116]"
     hf = hf_reference("llama")
     assert engine.tokens == {"a": hf_greedy(hf, a, 8), "b": hf_greedy(hf, b, 2)}
-    assert engine.free_slots == 2
+    assert engine.free_blocks == 2
 
 
-def test_a_finished_request_leaves_its_prefix_in_its_slot(engine, hf_reference):
-    """Slot affinity: the next request lands in the free slot that holds its prefix."""
+def test_a_finished_request_leaves_its_prefix_in_its_block(engine, hf_reference):
+    """Block affinity: the next request lands in the free block that holds its prefix."""
     system = prompt(96, seed=30)
     a, b = joined(system, prompt(10, seed=31)), joined(system, prompt(20, seed=32))
     engine.add("a", a, max_tokens=2)
     engine.run()
     engine.add("b", b, max_tokens=2)
-    assert engine.run() == ["| b[96:116]", "b |", ""]  # no copy: b is in a's slot
+    assert engine.run() == ["| b[96:116]", "b |", ""]  # no copy: b is in a's block
     hf = hf_reference("llama")
     assert engine.tokens == {"a": hf_greedy(hf, a, 2), "b": hf_greedy(hf, b, 2)}
 
@@ -83,16 +83,16 @@ def test_partial_hits_mid_chunk_and_the_prompt_repeated(engine, hf_reference):
     engine.add("a", a, max_tokens=3)
     engine.run()
     engine.add("b", b, max_tokens=3)
-    assert engine.run()[0] == "| b[45:75]"  # b in a's slot (slot 0), 45 tokens cached
-    # nothing shared: the slot freed longest ago (1), not the one b just left (vLLM's choice)
+    assert engine.run()[0] == "| b[45:75]"  # b in a's block (block 0), 45 tokens cached
+    # nothing shared: the block freed longest ago (1), not the one b just left (vLLM's choice)
     engine.add("keep", prompt(20, seed=42), max_tokens=30)
     engine.step()
-    engine.add("c", a, max_tokens=3)  # a again: slot 0 still holds b, i.e. a's first 45 tokens
+    engine.add("c", a, max_tokens=3)  # a again: block 0 still holds b, i.e. a's first 45 tokens
     assert engine.step() == "keep | c[45:70]"
     while len(engine.tokens["c"]) < 3:
         engine.step()
     d = joined(a[:50], prompt(5, seed=43))
-    engine.add("d", d, max_tokens=3)  # c's slot (0) holds a now
+    engine.add("d", d, max_tokens=3)  # c's block (0) holds a now
     assert engine.step() == "keep | d[50:55]"
     engine.run()
     hf = hf_reference("llama")
@@ -113,7 +113,7 @@ def test_multi_turn_reuses_the_generated_tokens(engine, hf_reference):
 
 
 def test_a_chat_turn_after_an_unrelated_request_finds_its_history(engine, hf_reference):
-    """LRU eviction: an unrelated request takes the slot freed longest ago. vLLM alone would
+    """LRU eviction: an unrelated request takes the block freed longest ago. vLLM alone would
     hand it the block freed last - the chat's - and the next turn would compute it all again."""
     a = prompt(40, seed=60)
     engine.add("a", a, max_tokens=6)
@@ -122,25 +122,25 @@ def test_a_chat_turn_after_an_unrelated_request_finds_its_history(engine, hf_ref
     engine.run()
     turn = joined(a, engine.tokens["a"], prompt(12, seed=62))
     engine.add("b", turn, max_tokens=4)
-    assert engine.run()[0] == "| b[45:58]"  # no copy: b is in a's slot, only the new message computed
+    assert engine.run()[0] == "| b[45:58]"  # no copy: b is in a's block, only the new message computed
     hf = hf_reference("llama")
     assert engine.tokens["b"] == hf_greedy(hf, turn, 4)
-    assert engine.free_slots == 2
+    assert engine.free_blocks == 2
 
 
 def test_a_miss_and_a_source_slot_reused_in_between(engine, hf_reference):
     system = prompt(64, seed=37)
     a = joined(system, prompt(8, seed=38))
     engine.add("a", a, max_tokens=2)
-    engine.run()  # slot 0 holds a
+    engine.run()  # block 0 holds a
     x, y = prompt(50, seed=39), prompt(50, seed=40)  # misses: nothing shared
     engine.add("x", x, max_tokens=2)
     engine.add("y", y, max_tokens=2)
-    table = engine.run()  # x and y take both slots: a's K/V is overwritten
+    table = engine.run()  # x and y take both blocks: a's K/V is overwritten
     assert not any("copy" in row for row in table)
     b = joined(system, prompt(8, seed=41))
     engine.add("b", b, max_tokens=2)
-    # a miss: a's prefix is gone from both slots
+    # a miss: a's prefix is gone from both blocks
     assert engine.run()[0] == ("| b[0:32] b[32:64]" if LONE_PREFILL_TAKES_BUDGET else "| b[0:32]")
     hf = hf_reference("llama")
     for req_id, ids in {"a": a, "x": x, "y": y, "b": b}.items():
@@ -155,14 +155,14 @@ def test_two_requests_admitted_in_one_step_share_a_finished_prefix(engine, hf_re
     engine.run()
     engine.add("b", b, max_tokens=3)
     engine.add("c", c, max_tokens=3)
-    # b lands in a's slot (no copy); c's copy reads slot 0 before b's chunk writes it
+    # b lands in a's block (no copy); c's copy reads block 0 before b's chunk writes it
     assert engine.run()[0] == "copy 0->1[0:96] | b[96:116] c[96:116]"
     hf = hf_reference("llama")
     for req_id, ids in {"a": a, "b": b, "c": c}.items():
         assert engine.tokens[req_id] == hf_greedy(hf, ids, 3 if req_id != "a" else 2), req_id
 
 
-def test_a_request_aborted_in_its_copy_step_leaves_a_valid_slot(engine, hf_reference):
+def test_a_request_aborted_in_its_copy_step_leaves_a_valid_block(engine, hf_reference):
     system = prompt(96, seed=48)
     a, b = joined(system, prompt(10, seed=49)), joined(system, prompt(20, seed=50))
     engine.add("a", a, max_tokens=12)
@@ -170,14 +170,14 @@ def test_a_request_aborted_in_its_copy_step_leaves_a_valid_slot(engine, hf_refer
         engine.step()
     engine.add("b", b, max_tokens=4)
     assert engine.step() == "copy 0->1[0:96] a | b[96:116]"
-    engine.abort("b")  # its slot holds the copied prefix and the suffix it computed
-    engine.add("c", b, max_tokens=4)  # b's prompt again: all but its last token is in slot 1
+    engine.abort("b")  # its block holds the copied prefix and the suffix it computed
+    engine.add("c", b, max_tokens=4)  # b's prompt again: all but its last token is in block 1
     assert engine.step() == "a | c[115:116]"
     engine.run()
     hf = hf_reference("llama")
     assert engine.tokens["a"] == hf_greedy(hf, a, 12)
     assert engine.tokens["c"] == hf_greedy(hf, b, 4)
-    assert engine.free_slots == 2
+    assert engine.free_blocks == 2
 
 
 def test_prompt_logprobs_requests_read_no_cached_prefix(engine):

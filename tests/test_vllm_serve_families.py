@@ -20,7 +20,7 @@ def test_served_chunked_family_answers_with_transformers_tokens(export_dir, hf_r
     # across chunk edges and past the sliding windows (36 for gemma3)
     prompts = [prompt(n, seed=40 + i) for i, n in enumerate((1, CHUNK + 1, 3 * CHUNK + 5, 70))]
     expected = [hf_greedy(hf, p, 8) for p in prompts]
-    # 4 requests on 2 slots: chunks mixed with decodes
+    # 4 requests on 2 blocks: chunks mixed with decodes
     assert (
         served_greedy_tokens(export_dir, tmp_path / "serve.log", [p.tolist() for p in prompts], 8) == expected
     )

@@ -14,7 +14,7 @@ from helpers import export_params, prompt
 from optimum_neuron_chunked.testing.reference import hf_greedy
 from optimum_neuron_chunked.testing.server import Server, concurrent_greedy_tokens, disconnect_mid_prefill
 
-EXPORT = "llama-2x4x32-eager"  # 2 slots, S=128, C=32
+EXPORT = "llama-2x4x32-eager"  # 2 blocks, S=128, C=32
 SEQUENCE_LENGTH = 128
 
 
@@ -51,7 +51,7 @@ def test_completions_match_transformers_alone_and_concurrently(server, client, h
     prompts = [prompt(n, seed=20 + i) for i, n in enumerate((1, CHUNK + 1, 3 * CHUNK + 5, 50, 7, 120))]
     expected = [hf_greedy(hf, p, 8) for p in prompts]
     assert list(complete(client, model, prompts[2].tolist(), ignore_eos=True).token_ids) == expected[2]
-    # 6 requests on 2 slots: queued, not refused
+    # 6 requests on 2 blocks: queued, not refused
     assert concurrent_greedy_tokens(server.url, model, [p.tolist() for p in prompts], 8) == expected
 
 
@@ -122,7 +122,7 @@ def test_max_tokens_beyond_the_context_follows_vllm(client):
     assert len(choice.token_ids) == SEQUENCE_LENGTH - 96 and choice.finish_reason == "length"
 
 
-def test_clients_that_disconnect_mid_prefill_free_their_slots(server, client, hf_reference):
+def test_clients_that_disconnect_mid_prefill_free_their_blocks(server, client, hf_reference):
     model = served_model(client)
     disconnect_mid_prefill(server.url, model, prompt(120, seed=40).tolist(), 6)
     hf = hf_reference("llama")

@@ -1,7 +1,7 @@
-"""Soak: 200 requests of random lengths at twice the slot count, a tenth dropped mid-prefill,
+"""Soak: 200 requests of random lengths at twice the block count, a tenth dropped mid-prefill,
 half of them opening with one of three shared prefixes (prefix caching copies them).
 
-Every finished request must equal HF transformers' greedy tokens, no slot may leak, and the
+Every finished request must equal HF transformers' greedy tokens, no block may leak, and the
 server must still serve afterwards.
 """
 
@@ -17,9 +17,9 @@ from helpers import export_params, prompt
 from optimum_neuron_chunked.testing.reference import hf_greedy
 from optimum_neuron_chunked.testing.server import Server
 
-EXPORT = "llama-2x4x32-eager"  # 2 slots, S=128, C=32
-SEQUENCE_LENGTH, SLOTS = 128, 2
-NUM_REQUESTS, CONCURRENCY = 200, 2 * SLOTS
+EXPORT = "llama-2x4x32-eager"  # 2 blocks, S=128, C=32
+SEQUENCE_LENGTH, BLOCKS = 128, 2
+NUM_REQUESTS, CONCURRENCY = 200, 2 * BLOCKS
 
 
 SHARED = [prompt(n, seed=90 + n) for n in (20, CHUNK, 2 * CHUNK + 7)]  # mid-chunk, one, two+
@@ -87,7 +87,7 @@ def test_soak(export_dir, tmp_path, hf_reference):
 
         metrics = server.metrics()
         assert metrics["vllm:num_requests_running"] == 0 and metrics["vllm:num_requests_waiting"] == 0
-        assert metrics["vllm:kv_cache_usage_perc"] == 0  # every slot is free again
+        assert metrics["vllm:kv_cache_usage_perc"] == 0  # every block is free again
         assert metrics["vllm:external_prefix_cache_hits_total"] > 0  # the shared prefixes were reused
         after = requests[0]
         body = {"model": model, "prompt": after["ids"].tolist(), "max_tokens": 5, "temperature": 0}

@@ -19,7 +19,7 @@ from optimum_neuron_chunked.testing.reference import hf_greedy
 K = 4
 SPEC = {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
 SHAPE = dict(sequence_length=128, prefill_chunk_size=32, context_buckets=BUCKETS, speculation_length=K)
-SLOTS = dict(SHAPE, batch_size=2, decode_widths=(1, 2))
+BLOCKS = dict(SHAPE, batch_size=2, decode_widths=(1, 2))
 PAGED = dict(SHAPE, batch_size=4, kv_cache_blocks=32, kv_block_size=16)
 
 
@@ -43,12 +43,12 @@ def run(engine: Engine, max_steps: int = 300) -> None:
 @pytest.fixture(
     params=[pytest.param("eager", id="eager"), pytest.param("xla", id="xla", marks=pytest.mark.xla)]
 )
-def slots_export(request):
-    return export_with("llama", request.param, **SLOTS)
+def whole_export(request):
+    return export_with("llama", request.param, **BLOCKS)
 
 
-def test_greedy_tokens_equal_transformers_with_the_proposers_drafts(slots_export, hf_reference):
-    engine = engine_for(slots_export)
+def test_greedy_tokens_equal_transformers_with_the_proposers_drafts(whole_export, hf_reference):
+    engine = engine_for(whole_export)
     prompts = {"a": repetitive(30, 1), "b": repetitive(45, 2), "c": repetitive(70, 3), "d": repetitive(9, 4)}
     for req_id, ids in prompts.items():  # four requests on two rows; c's prompt crosses two chunk edges
         engine.add(req_id, ids, max_tokens=24)
@@ -56,16 +56,16 @@ def test_greedy_tokens_equal_transformers_with_the_proposers_drafts(slots_export
     hf = hf_reference("llama")
     assert engine.tokens == {r: hf_greedy(hf, ids, 24) for r, ids in prompts.items()}
     assert engine.verified  # the n-gram proposer drafted from the repeated spans
-    assert engine.free_slots == 2
+    assert engine.free_blocks == 2
 
 
-def test_drafts_accepted_in_whole_in_part_and_not_at_all(slots_export, hf_reference):
+def test_drafts_accepted_in_whole_in_part_and_not_at_all(whole_export, hf_reference):
     """Drafts given to the scheduler in the proposer's place, cut from transformers' own answer
     and spoiled at a chosen draft: every verify emits the accepted drafts and the target's token."""
     hf = hf_reference("llama")
     prompts = {"a": repetitive(31, 5), "b": repetitive(58, 6), "c": repetitive(12, 7)}
     truth = {r: hf_greedy(hf, ids, 40) for r, ids in prompts.items()}
-    engine = engine_for(slots_export)
+    engine = engine_for(whole_export)
 
     calls = dict.fromkeys(prompts, 0)
 
@@ -83,11 +83,11 @@ def test_drafts_accepted_in_whole_in_part_and_not_at_all(slots_export, hf_refere
     outcomes = {(d, a) for _, d, a in engine.verified}
     assert (K, K) in outcomes and (K, 0) in outcomes and any(0 < a < d for d, a in outcomes), outcomes
     assert len(engine.verified) < 3 * 40 // 2  # whole rows of drafts were accepted
-    assert engine.free_slots == 2
+    assert engine.free_blocks == 2
 
 
-def test_an_abort_mid_verify_leaves_the_others_exact(slots_export, hf_reference):
-    engine = engine_for(slots_export)
+def test_an_abort_mid_verify_leaves_the_others_exact(whole_export, hf_reference):
+    engine = engine_for(whole_export)
     engine.add("a", repetitive(30, 4), max_tokens=30)
     engine.add("b", repetitive(40, 5), max_tokens=20)
     engine.step_until(lambda: any(r == "a" for r, _, _ in engine.verified))
@@ -97,7 +97,7 @@ def test_an_abort_mid_verify_leaves_the_others_exact(slots_export, hf_reference)
     hf = hf_reference("llama")
     assert engine.tokens["b"] == hf_greedy(hf, repetitive(40, 5), 20)
     assert engine.tokens["c"] == hf_greedy(hf, repetitive(25, 6), 12)
-    assert engine.free_slots == 2
+    assert engine.free_blocks == 2
 
 
 @pytest.mark.parametrize("backend", [pytest.param("eager"), pytest.param("xla", marks=pytest.mark.xla)])
@@ -122,14 +122,14 @@ def test_preemption_and_prefix_hits_keep_the_tokens_exact(backend, hf_reference)
         req_id, start = part.split("[")[0], int(part.split("[")[1].split(":")[0])
         first.setdefault(req_id, start)
     assert any(first[r] >= 16 for r in ("r1", "r2", "r3")), table  # a hit on r0's cached blocks
-    assert engine.free_slots == 8
+    assert engine.free_blocks == 8
 
 
-def test_seeded_sampling_with_drafts_is_reproducible(slots_export):
+def test_seeded_sampling_with_drafts_is_reproducible(whole_export):
     from vllm import SamplingParams
 
     def sample(seed: int) -> list[int]:
-        engine = engine_for(slots_export)
+        engine = engine_for(whole_export)
         params = SamplingParams(max_tokens=24, temperature=0.8, top_k=20, seed=seed, ignore_eos=True)
         engine.add_request("a", repetitive(33, 9), params)
         engine.add("b", repetitive(20, 10), max_tokens=24)  # a greedy neighbour
@@ -148,7 +148,7 @@ def test_vllm_serve_with_speculation_equals_transformers(tmp_path, hf_reference)
 
     from optimum_neuron_chunked.testing.server import Server, concurrent_greedy_tokens
 
-    export_dir = export_with("llama", "eager", **SLOTS)
+    export_dir = export_with("llama", "eager", **BLOCKS)
     server = Server(export_dir, tmp_path / "serve.log", "--speculative-config", json.dumps(SPEC)).wait_ready()
     try:
         prompts = [repetitive(n, 20 + n) for n in (9, 33, 50, 70)]

@@ -1,7 +1,7 @@
 """Step tables: vLLM's real V1 scheduler driving the real worker and runner, step by step.
 
-The export is llama-2x4x32-eager: 2 slots, chunk 32, so the platform derives a token budget
-of 64 tokens per step (the other slot's decode plus a full chunk, rounded up to whole
+The export is llama-2x4x32-eager: 2 blocks, chunk 32, so the platform derives a token budget
+of 64 tokens per step (the other block's decode plus a full chunk, rounded up to whole
 chunks) and caps one request's share at a chunk: every chunk is full but a prompt's last.
 """
 
@@ -43,7 +43,7 @@ def test_decodes_continue_between_the_chunks_of_a_long_prompt(export_dir, engine
     ]
     hf = hf_reference("llama")
     assert engine.tokens == {"a": hf_greedy(hf, a, 9), "b": hf_greedy(hf, b, 3)}
-    assert engine.free_slots == 2
+    assert engine.free_blocks == 2
 
 
 @pytest.mark.parametrize("export_dir", export_params([EXPORT]), indirect=True)
@@ -68,7 +68,7 @@ def test_abort_mid_prefill_frees_the_slot_for_a_queued_request(export_dir, engin
     a, b, c = prompt(6, seed=13), prompt(90, seed=14), prompt(40, seed=15)
     engine.add("a", a, max_tokens=8)
     engine.add("b", b, max_tokens=4)
-    engine.add("c", c, max_tokens=4)  # queued: both slots are taken
+    engine.add("c", c, max_tokens=4)  # queued: both blocks are taken
     table = [engine.step(), engine.step()]
     engine.abort("b")
     while engine.scheduler.has_requests():
@@ -77,9 +77,9 @@ def test_abort_mid_prefill_frees_the_slot_for_a_queued_request(export_dir, engin
     assert "b" not in "".join(table[2:])
     hf = hf_reference("llama")
     assert engine.tokens["a"] == hf_greedy(hf, a, 8)
-    assert engine.tokens["c"] == hf_greedy(hf, c, 4)  # c reuses b's slot: nothing of b is read
+    assert engine.tokens["c"] == hf_greedy(hf, c, 4)  # c reuses b's block: nothing of b is read
     assert engine.tokens["b"] == []
-    assert engine.free_slots == 2
+    assert engine.free_blocks == 2
 
 
 @pytest.mark.parametrize("export_dir", export_params([EXPORT]), indirect=True)
@@ -147,7 +147,7 @@ def test_recompute_after_a_reset_gives_the_transformers_tokens(export_dir, hf_re
         engine.step()
     hf = hf_reference("llama")
     assert engine.tokens == {"a": hf_greedy(hf, a, 12), "b": hf_greedy(hf, b, 10)}
-    assert engine.free_slots == 2  # every block of the export's pool back, whatever --max-num-seqs
+    assert engine.free_blocks == 2  # every block of the export's pool back, whatever --max-num-seqs
 
 
 @pytest.mark.slow
@@ -201,13 +201,13 @@ def test_the_runner_keeps_no_state_per_step(export_dir, engine_factory):
 
 @pytest.mark.parametrize("export_dir", export_params([EXPORT]), indirect=True)
 @pytest.mark.parametrize("second_input", ["while-decoding", "after-the-turn"])
-def test_a_streaming_input_session_continues_in_its_slot(
+def test_a_streaming_input_session_continues_in_its_block(
     export_dir, engine_factory, hf_reference, second_input
 ):
     """A streaming-input session (AsyncLLM.generate with an async generator of inputs) re-adds
     its request id with each new input: vLLM keeps the KV block, drops the turn's last sampled
     token and resends the request as new, its prompt now prompt + kept outputs + new input,
-    computed up to where the slot's cache is valid. Another request decodes meanwhile.
+    computed up to where the block's cache is valid. Another request decodes meanwhile.
     An input queued while the turn decodes is scheduled in the very next step."""
     from vllm.v1.request import RequestStatus
 
@@ -233,4 +233,4 @@ def test_a_streaming_input_session_continues_in_its_slot(
     context = torch.cat([first, torch.tensor(turn1[:-1]), second])
     assert len(turn2) >= 4 and turn2 == hf_greedy(hf, context, len(turn2))
     assert engine.tokens["o"] == hf_greedy(hf, other, 30)
-    assert engine.free_slots == 2
+    assert engine.free_blocks == 2

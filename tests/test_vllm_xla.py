@@ -1,7 +1,7 @@
 """The Neuron host's stack end to end: `vllm serve CHECKPOINT` (vLLM 0.16.0 in the SDK-mirror
 environment) exporting a plain checkpoint for the xla backend, then serving it, every graph call one execution on torch-xla's device - the
 graphs neuronx-cc would receive. One server answers concurrent requests across chunk edges on
-more requests than slots, a prefix-cache hit, structured output beside free requests, prompt
+more requests than blocks, a prefix-cache hit, structured output beside free requests, prompt
 logprobs and clients that disconnect mid-prefill, each equal to transformers. The xla backend
 refuses any graph that falls back to the host or lowers to dynamic or non-static HLO
 (XlaLoweringError), so a clean run is also a lowering check of every graph the server ran.
@@ -133,7 +133,7 @@ def test_prompt_logprobs_equal_transformers(server, model, hf_reference):
         assert abs(got[i][str(token)]["logprob"] - float(want[i - 1, token])) < 1e-4, i
 
 
-def test_clients_that_disconnect_mid_prefill_leak_no_slot(server, model, hf_reference):
+def test_clients_that_disconnect_mid_prefill_leak_no_block(server, model, hf_reference):
     disconnect_mid_prefill(server.url, model, prompt(120, seed=101).tolist(), 4)
     after = prompt(90, seed=102)
     assert concurrent_greedy_tokens(server.url, model, [after.tolist()], 6) == [

@@ -152,7 +152,7 @@ def test_chunked_graphs_on_xla_equal_eager(family):
     pair.prefill(a[2 * CHUNK :], 2 * CHUNK, (0,))  # a partial chunk crossing into bucket 128
     pair.copy_prefix(0, 1, 2 * CHUNK + 5)  # prefix caching: three calls, the last one padded
     pair.assert_caches_equal()
-    pair.prefill(b, 0, (1,))  # another slot, over part of the copied prefix
+    pair.prefill(b, 0, (1,))  # another block, over part of the copied prefix
     # TG: a greedy row and a top-k/top-p/temperature row, sampled on device
     pair.decode(
         torch.tensor([7, 9]), torch.tensor([len(a), len(b)]), torch.tensor([[0], [1]]), SAMPLING, RAND
@@ -182,19 +182,19 @@ def test_narrow_prefill_graphs_on_xla_equal_eager():
 
 def test_narrow_decode_graphs_on_xla_equal_eager():
     """--decode-widths: one-row steps in the one-row TG graph of each bucket, two-row steps in the
-    batch's; the one-row graph still writes and reads the cache by slot."""
+    batch's; the one-row graph still writes and reads the cache by block."""
     pair = Pair("llama", export_config(chunked=True, decode_widths=(1, 2)))
     reset_counters()
     a, b = tokens(2 * CHUNK - 2, seed=7), tokens(CHUNK - 2, seed=8)
     pair.prefill(a[:CHUNK], 0, (1,))
     pair.prefill(a[CHUNK:], CHUNK, (1,))
     pair.prefill(b, 0, (0,))
-    # (slots, positions): one row in bucket 64, two rows, one row, one row crossing into 128, two
+    # (blocks, positions): one row in bucket 64, two rows, one row, one row crossing into 128, two
     steps = (([1], [62]), ([0, 1], [30, 63]), ([0], [31]), ([1], [64]), ([0, 1], [32, 65]))
-    for i, (slots, positions) in enumerate(steps):
-        n = len(slots)
+    for i, (blocks, positions) in enumerate(steps):
+        n = len(blocks)
         ids = tokens(n, seed=20 + i)
-        pair.decode(ids, torch.tensor(positions), torch.tensor(slots)[:, None], SAMPLING[-n:], RAND[-n:])
+        pair.decode(ids, torch.tensor(positions), torch.tensor(blocks)[:, None], SAMPLING[-n:], RAND[-n:])
     pair.assert_caches_equal()
     assert fallback_ops() == []
     ran = {"cp_w64", "tg_w64", "tg_w64_r1", "tg_w128", "tg_w128_r1"}
@@ -207,7 +207,7 @@ def test_narrow_decode_graphs_on_xla_equal_eager():
 
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_mixed_graphs_on_xla_equal_eager(family):
-    """--mixed-step: one decode row (padded to the batch) with a full chunk of the other slot, in
+    """--mixed-step: one decode row (padded to the batch) with a full chunk of the other block, in
     each bucket; the chunk then continues in CP and both rows decode through TG."""
     pair = Pair(family, export_config(chunked=True, mixed_step=True))
     reset_counters()
@@ -228,7 +228,7 @@ def test_mixed_graphs_on_xla_equal_eager(family):
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
-@pytest.mark.parametrize("paged", [False, True], ids=["slots", "paged"])
+@pytest.mark.parametrize("paged", [False, True], ids=["whole", "paged"])
 def test_verify_graphs_on_xla_equal_eager(family, paged):
     """--speculation-length: decode rows of the last token and 0 to K drafts, two rows in bucket
     64, one row (the narrow VF graph) whose drafts cross into bucket 128, then two rows in 128;
@@ -318,7 +318,7 @@ def test_standard_graphs_on_xla_equal_eager(family):
     pair.decode(
         torch.tensor([5, 6]), torch.tensor([len(b), len(a)]), torch.tensor([[0], [1]]), SAMPLING, RAND
     )
-    # TG over bucket 64: one real row (slot 1) padded to the batch
+    # TG over bucket 64: one real row (block 1) padded to the batch
     pair.decode(torch.tensor([8]), torch.tensor([len(a) + 1]), torch.tensor([[1]]), SAMPLING[:1], RAND[:1])
     pair.assert_caches_equal()
     assert fallback_ops() == []

@@ -107,7 +107,7 @@ class Engine:
         raise AssertionError(f"not done after {max_steps} steps: {self.tokens}")
 
     @property
-    def free_slots(self) -> int:
+    def free_blocks(self) -> int:
         return self.scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
 
 

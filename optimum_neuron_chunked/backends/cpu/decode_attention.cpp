@@ -1,5 +1,5 @@
-// Decode attention over each row's own blocks and length, fp32 (see decode_attention.py). A slot
-// cache is a pool of one block per slot: its rows' tables hold one entry each.
+// Decode attention over each row's own blocks and length, fp32 (see decode_attention.py). A pool
+// of whole-sequence blocks: its rows' tables hold one entry each.
 //
 // A decode step is bound by reading the live K/V once. Per (row, KV head) this reads the keys
 // once for all G query heads of the group (scores into a G x length buffer that stays in
@@ -218,12 +218,11 @@ void group_values(const float* p, int64_t G, const float* v, int64_t length, int
 }
 
 // query [N, Hq, D]; caches [blocks, Hkv, P, D] (positions contiguous); tables [N, M] (or [N]:
-// one block each, a slot cache), lengths [N] -> [N, Hq, D]. Row n attends over its positions
+// one whole-sequence block each), lengths [N] -> [N, Hq, D]. Row n attends over its positions
 // 0 .. lengths[n] - 1, position p at offset p % P of block tables[n][p / P]; query head h reads
 // KV head h / (Hq / Hkv), as transformers' repeat_kv.
 at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                            const at::Tensor& slots, const at::Tensor& lengths, double scale) {
-  const at::Tensor& tables = slots;
+                            const at::Tensor& tables, const at::Tensor& lengths, double scale) {
   TORCH_CHECK(query.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
               "decode_attention: query [N, Hq, D] and caches [blocks, Hkv, P, D] expected");
   TORCH_CHECK(query.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kFloat &&
@@ -290,7 +289,11 @@ at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& k_cache, 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(optimum_neuron_chunked, m) {
-  // `slots`: the block tables (the name of the slot-only op, kept: compiled graphs call it by schema)
+  // `slots` is the block tables: the argument's name when the op read whole-sequence blocks only.
+  // Kept: AOTInductor packages store the schema they call (its argument names included), so a
+  // rename would make every cpu export compiled before it fail at its first decode, while the
+  // loader accepts exports of the same package version (config.package_version) - rename it
+  // with a version bump.
   m.def("decode_attention(Tensor query, Tensor k_cache, Tensor v_cache, Tensor slots, Tensor lengths, float scale) -> Tensor");
 }
 
