@@ -39,13 +39,19 @@ class SlotTable:
             writes.append((slot, key))
         return writes
 
-    def drop(self, key: Hashable) -> None:
-        """Forget `key`: its slot is free (its tensors stay until another adapter is written)."""
+    def release(self, key: Hashable) -> None:
+        """`key`'s slot is free (its tensors stay until another adapter is written); a pin stays:
+        a reloaded adapter takes a slot again at its next step."""
         self._holder.pop(key, None)
+
+    def drop(self, key: Hashable) -> None:
+        """Forget `key`: its slot and its pin."""
+        self.release(key)
         self.pinned.discard(key)
 
     def pin(self, key: Hashable) -> None:
-        """Keep `key` in its slot until dropped; one slot always stays unpinned."""
+        """Keep `key` in its slot until dropped; one slot always stays unpinned (an export of one
+        slot pins none)."""
         if key not in self.pinned and len(self.pinned) + 1 >= self.slots:
             raise SlotsExhausted(
                 f"pinning it would pin {len(self.pinned) + 1} of the export's {self.slots} adapter slots: "

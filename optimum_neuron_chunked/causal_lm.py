@@ -11,7 +11,7 @@ from .adapter_slots import SlotTable
 from .block_pool import BlockPool
 from .config import InvalidExportError
 from .graph_runner import GraphRunner
-from .hub import resolve_export
+from .hub import is_repo_id, resolve_export
 from .lora_adapter import LoraAdapter
 from .modeling.lora import NO_ADAPTER
 
@@ -41,12 +41,14 @@ class NeuronModelForCausalLM:
         it (lora_adapter.LoraConfigError)."""
         if adapter_name == BASE:
             raise ValueError(f"{BASE!r} names the base model: choose another adapter_name")
-        if not Path(path).is_dir():  # a Hub id: its snapshot (offline: the HF cache)
+        if not Path(path).is_dir() and is_repo_id(
+            str(path)
+        ):  # a Hub id: its snapshot (offline: the HF cache)
             from huggingface_hub import snapshot_download
 
             path = snapshot_download(str(path))
         adapter = self.runner.read_adapter(path)
-        self.delete_adapter(adapter_name)  # a reload under the same name: its slot is stale
+        self._slots.release(adapter_name)  # a reload under the same name: its slot is stale
         self.adapters[adapter_name] = adapter
 
     def delete_adapter(self, adapter_name: str) -> None:

@@ -32,14 +32,22 @@ def option(
     help: str | None = None,
     choices: tuple[str, ...] | None = None,
     resolved: bool = False,
+    comma_list: bool = False,
 ) -> Any:
     """A NeuronConfig field that is an export option: a keyword of export() and a flag of
     `optimum-cli export neuron` (export/cli.py builds the parser from it).
 
     `flags`: the spellings users type, the first shown by --help; a bool defaulting to True
     has one flag that turns it off. `resolved`: export() and the CLI default to None, which
-    the export resolves on its host; the field's own default is for configs built by hand."""
-    metadata = {"flags": flags, "help": help, "choices": choices, "resolved": resolved}
+    the export resolves on its host; the field's own default is for configs built by hand.
+    `comma_list`: a tuple of names typed as one comma-separated word (not PATTERN...)."""
+    metadata = {
+        "flags": flags,
+        "help": help,
+        "choices": choices,
+        "resolved": resolved,
+        "comma_list": comma_list,
+    }
     return field(default=default, metadata=metadata)
 
 
@@ -225,9 +233,10 @@ class NeuronConfig:
         "--lora-target-modules",
         "--lora_target_modules",
         default=(),
-        help="With --max-loras: the projections that get slots (q_proj,k_proj,v_proj,o_proj,gate_proj,"
-        "up_proj,down_proj; vLLM's qkv_proj and gate_up_proj stand for their sets), comma or space "
-        "separated. Default: every attention and dense MLP projection.",
+        comma_list=True,
+        help="With --max-loras: the projections that get slots, comma-separated (q_proj,k_proj,v_proj,"
+        "o_proj,gate_proj,up_proj,down_proj; vLLM's qkv_proj and gate_up_proj stand for their sets). "
+        "Default: every attention and dense MLP projection.",
     )
     # Recorded by the export.
     quantization_block: tuple[int, ...] = ()  # FP8 checkpoints' block-wise scales: (rows, columns)
@@ -369,9 +378,9 @@ class NeuronConfig:
                 f"--max-loras {slots} --max-lora-rank {rank}: pass --max-loras N >= 1 with --max-lora-rank r >= 1 "
                 "(adapter slots), or --max-loras 0 for none."
             )
-        if self.lora_target_modules and not slots:
+        if (self.lora_target_modules or rank != 16) and not slots:
             raise NeuronConfigError(
-                "--lora-target-modules names the projections of adapter slots: pass --max-loras N too."
+                "--max-lora-rank and --lora-target-modules shape adapter slots: pass --max-loras N too."
             )
 
     def _validate_speculation(self) -> None:
@@ -484,7 +493,9 @@ class NeuronConfig:
             value = getattr(self, f.name)
             if f.default is not dataclasses.MISSING and value == f.default:
                 continue
-            if f.type == "tuple[str, ...]":  # PATTERN...: last, ended by "--" before OUT
+            if (
+                f.type == "tuple[str, ...]" and not f.metadata["comma_list"]
+            ):  # PATTERN...: last, ended by "--"
                 patterns += [f.metadata["flags"][0], *value, "--"]
                 continue
             words.append(f.metadata["flags"][0])

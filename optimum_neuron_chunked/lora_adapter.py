@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from .lora_targets import PACKED, TARGETS
+from .lora_targets import ATTENTION_TARGETS, MLP_TARGETS, PACKED, ROW_PARALLEL, TARGETS
 from .modeling.family import FamilySpec
 from .modeling.lora import LoraSpec
 from .modeling.parallel import ShardLayout
@@ -172,18 +172,15 @@ def _check_module(folder: Path, module: str, a, b, spec: FamilySpec, lora: LoraS
     layer = int(parts[2]) if parts[:2] == ["model", "layers"] and parts[2].isdigit() else None
     if projection not in TARGETS or layer is None or layer >= spec.num_layers:
         raise LoraConfigError(
-            f"{where}: not a projection of this base model ({spec.model_type}, {spec.num_layers} layers)"
+            f"{where}: not an attention or dense MLP projection of this base model ({spec.model_type}, "
+            f"{spec.num_layers} layers); adapters may target {', '.join(TARGETS)}"
         )
     if projection not in lora.targets:
         raise LoraConfigError(
             f"{where}: the export has no slots on {projection} (its --lora-target-modules: "
             f"{', '.join(lora.targets)}); export again with {projection} among them"
         )
-    if (
-        spec.moe is not None
-        and projection in ("gate_proj", "up_proj", "down_proj")
-        and spec.moe.sparse_layers[layer]
-    ):
+    if spec.moe is not None and projection in MLP_TARGETS and spec.moe.sparse_layers[layer]:
         raise LoraConfigError(
             f"{where}: layer {layer}'s MLP is a mixture of experts; expert projections take no adapters"
         )
@@ -217,7 +214,7 @@ def slot_tensors(
     out = {}
     for i in range(spec.num_layers):
         for projection in lora.targets:
-            block = "self_attn" if projection in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
+            block = "self_attn" if projection in ATTENTION_TARGETS else "mlp"
             if block == "mlp" and spec.moe is not None and spec.moe.sparse_layers[i]:
                 continue
             module = f"model.layers.{i}.{block}.{projection}"
@@ -242,7 +239,7 @@ def _rank_share(projection: str, a, b, layout: ShardLayout, rank: int):
     tp = layout.tp_degree
     if tp == 1:
         return a, b
-    if projection in ("o_proj", "down_proj"):
+    if projection in ROW_PARALLEL:
         return a.chunk(tp, dim=1)[rank].contiguous(), b
     if projection in ("k_proj", "v_proj") and layout.kv_heads != layout.num_kv_heads:
         heads = b.view(b.shape[0], layout.num_kv_heads, -1).index_select(1, layout.kv_source())

@@ -229,3 +229,30 @@ def test_an_int8_base_keeps_its_weights_and_adapters_apply_on_them():
     peft = PeftModel.from_pretrained(hf, path, adapter_name="a").eval()
     prompts, names = [prompt(50, seed=8), prompt(30, seed=9)], ["a", "__base__"]
     assert generated(model, prompts, names) == expected(peft, prompts, names)
+
+
+def test_slot_table_places_least_recently_used_first_and_keeps_pins():
+    from optimum_neuron_chunked.adapter_slots import SlotsExhausted, SlotTable
+
+    table = SlotTable(2)
+    assert table.place(["a", "b"]) == [(0, "a"), (1, "b")]
+    assert table.place(["a"]) == [] and table.place(["c"]) == [(1, "c")]  # b was least recently used
+    table.pin("a")
+    table.release("a")  # a reload under the same key: a new slot write, the pin kept
+    assert table.place(["a"]) == [(0, "a")] and "a" in table.pinned
+    assert table.place(["b"]) == [(1, "b")]  # c leaves; the pinned a stays
+    with pytest.raises(SlotsExhausted, match="one must stay free"):
+        table.pin("b")
+
+
+def test_the_cli_takes_lora_target_modules_as_one_comma_separated_word():
+    import argparse
+
+    from optimum_neuron_chunked.export.cli import add_export_arguments
+
+    parser = argparse.ArgumentParser()
+    add_export_arguments(parser)
+    args = parser.parse_args(
+        ["--model", "m", "--max-loras", "2", "--lora-target-modules", "qkv_proj,o_proj", "out"]
+    )
+    assert (args.lora_target_modules, args.output) == (("qkv_proj", "o_proj"), "out")

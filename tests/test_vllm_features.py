@@ -13,7 +13,7 @@ EXPORT = "llama-2x4x32-eager"
 @pytest.mark.parametrize(
     "kwargs,flag,said",
     [
-        (dict(enable_lora=True), "--enable-lora", "not supported"),
+        (dict(enable_lora=True), "--enable-lora", "no LoRA adapter slots; re-export with --max-loras N"),
         (
             dict(speculative_config={"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3}),
             "--speculative-config",

@@ -25,8 +25,13 @@ def int_list(text: str) -> tuple[int, ...]:
         raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers") from None
 
 
+def str_list(text: str) -> tuple[str, ...]:
+    """'q_proj,v_proj' -> ('q_proj', 'v_proj')."""
+    return tuple(x.strip() for x in text.split(",") if x.strip())
+
+
 # Field annotations (strings: config.py postpones them) -> argparse's `type`.
-PARSERS = {"int": int, "str": str, "tuple[int, ...]": int_list}
+PARSERS = {"int": int, "str": str, "tuple[int, ...]": int_list, "tuple[str, ...]": str_list}
 
 
 def add_export_arguments(parser: argparse.ArgumentParser) -> None:
@@ -47,7 +52,7 @@ def argument(option: dataclasses.Field) -> dict:
     if isinstance(option.default, bool):
         return kwargs | {"action": "store_false" if option.default else "store_true"}
     default = None if meta["resolved"] else option.default
-    if option.type == "tuple[str, ...]":
+    if option.type == "tuple[str, ...]" and not meta["comma_list"]:
         return kwargs | {"nargs": "+", "default": default, "metavar": "PATTERN"}
     return kwargs | {"type": PARSERS[option.type], "choices": meta["choices"], "default": default}
 

@@ -38,7 +38,6 @@ class AdapterManager:
         self.max_cpu_loras = lora_config.max_cpu_loras
         self.slots = SlotTable(self.lora.slots)
         self.host: OrderedDict[int, LoraAdapter] = OrderedDict()  # id -> adapter, least recent first
-        self.pinned: set[int] = set()
 
     def add(self, lora_request) -> bool:
         """Read the adapter (LoraConfigError names what cannot be served) and keep it on the host."""
@@ -52,7 +51,7 @@ class AdapterManager:
         kept = {m: w for m, w in adapter.weights.items() if m.rsplit(".", 1)[-1] in self.targets}
         adapter = dataclasses.replace(adapter, weights=kept)
         if lora_request.lora_int_id in self.host:  # a reload under the same id: the slot is stale
-            self.slots.drop(lora_request.lora_int_id)
+            self.slots.release(lora_request.lora_int_id)
         self.host[lora_request.lora_int_id] = adapter
         self.host.move_to_end(lora_request.lora_int_id)
         self._trim_host()
@@ -69,14 +68,12 @@ class AdapterManager:
         if self.host.pop(lora_id, None) is None:
             return False
         self.slots.drop(lora_id)
-        self.pinned.discard(lora_id)
         return True
 
     def pin(self, lora_id: int) -> bool:
         if lora_id not in self.host:
             raise ValueError(f"adapter id {lora_id} is not loaded: load it before pinning it")
         self.slots.pin(lora_id)
-        self.pinned.add(lora_id)
         return True
 
     def ids(self) -> set[int]:
@@ -101,7 +98,7 @@ class AdapterManager:
 
     def _trim_host(self) -> None:
         while len(self.host) > self.max_cpu_loras:
-            victim = next((i for i in self.host if i not in self.pinned), None)
+            victim = next((i for i in self.host if i not in self.slots.pinned), None)
             if victim is None:
                 return
             self.remove(victim)
