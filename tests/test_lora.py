@@ -252,7 +252,6 @@ def test_the_cli_takes_lora_target_modules_as_one_comma_separated_word():
 
     parser = argparse.ArgumentParser()
     add_export_arguments(parser)
-    args = parser.parse_args(
-        ["--model", "m", "--max-loras", "2", "--lora-target-modules", "qkv_proj,o_proj", "out"]
-    )
+    words = ["--model", "m", "--batch_size", "1", "--sequence_length", "64", "--max-loras", "2"]
+    args = parser.parse_args([*words, "--lora-target-modules", "qkv_proj,o_proj", "out"])
     assert (args.lora_target_modules, args.output) == (("qkv_proj", "o_proj"), "out")
