@@ -145,7 +145,9 @@ def fuse_chunk(
 
 
 def _check_copies(copies: tuple[BlockCopy, ...], work: list[ScheduledWork]) -> None:
-    """A copy fills a request admitted this step with its prefix: its prefill starts right after."""
+    """A copy fills a request admitted this step with its prefix: its prefill starts right after.
+    Copies exist for pools of whole-sequence blocks only (KVPool.copy_graph): the target's request
+    addresses that one block."""
     starts = {w.blocks: w.start for w in work}
     for c in copies:
         if starts.get((c.target,)) != c.length:

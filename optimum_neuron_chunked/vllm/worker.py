@@ -58,6 +58,8 @@ class NeuronChunkedWorker(WorkerBase):
         # count is fixed by the platform, so only the page size matters (determine_available_memory).
         # One group of P-token blocks, full attention for every layer (sliding-window layers keep
         # every position, or a ring in a whole-sequence block), so vLLM's block table is the export's.
+        # A ring layer's block holds fewer positions than P: vLLM reads only the page size, and the
+        # block count is the platform's (num_gpu_blocks_override), so no decision depends on it.
         kv = self.runner.capabilities.kv
         spec = FullAttentionSpec(
             block_size=self.cache_config.block_size,
