@@ -188,3 +188,16 @@ def test_a_kv_cache_dtype_the_export_does_not_hold_is_refused(flag, message):
     with pytest.raises(Exception, match="") as refused:
         EngineArgs(model=str(export), kv_cache_dtype=flag).create_engine_config()
     assert message in " ".join(str(refused.value).split())
+
+
+@pytest.mark.slow
+def test_the_cpu_backend_compiles_fp8_kv_graphs_that_generate_as_eager():
+    from optimum_neuron_chunked import NeuronModelForCausalLM
+
+    options = dict(SHAPES, prefill_chunk_size=32, kv_cache_dtype="fp8")
+    models = [
+        NeuronModelForCausalLM.from_pretrained(export_with("llama", b, **options)) for b in ("cpu", "eager")
+    ]
+    ids = torch.stack([prompt(40, seed=7), prompt(40, seed=8)])
+    cpu, eager = (m.generate(ids, max_new_tokens=6, do_sample=False) for m in models)
+    assert torch.equal(cpu, eager)
