@@ -21,9 +21,8 @@ NEW_TOKENS = 6
 
 def adapter(name: str, **options):
     seeds = {"a": 1, "b": 2, "dora": 9}
-    return write_adapter(
-        checkpoint_path("llama"), cache_root() / "adapters" / name, seed=seeds[name], **options
-    )
+    folder = cache_root() / "adapters" / f"service-{name}"  # this file's own: others write other options
+    return write_adapter(checkpoint_path("llama"), folder, seed=seeds[name], **options)
 
 
 @pytest.fixture(scope="module")
