@@ -142,3 +142,34 @@ def fake_quantize(hf, quantization: str, keep=lambda module: False) -> None:
             if stacked or (projection and not keep(name.removesuffix(".weight"))):
                 stored, scale = quantization_rule(param.data, quantization)
                 param.copy_(stored.float() * scale)
+
+
+# LoRA tests: the export (2 adapter slots of rank 8) and three peft adapters of the tiny llama
+LORA_EXPORT = dict(batch_size=2, sequence_length=128, prefill_chunk_size=32, context_buckets=(64, 128),
+                   max_loras=2, max_lora_rank=8)  # fmt: skip
+
+
+def lora_adapters() -> dict:
+    """name -> a peft adapter folder of the tiny llama, each different in kind (written once)."""
+    from fixtures.export_models import cache_root, checkpoint_path
+
+    from optimum_neuron_chunked.testing.lora_adapters import write_adapter
+
+    base, root = checkpoint_path("llama"), cache_root() / "adapters"
+    return {
+        "a": write_adapter(base, root / "a", seed=1, rank=8),
+        "b": write_adapter(
+            base, root / "b", seed=2, rank=4, target_modules=["q_proj", "v_proj", "down_proj"]
+        ),
+        "c": write_adapter(
+            base,
+            root / "c",
+            seed=3,
+            rank=8,
+            scale=1.0,
+            use_rslora=True,
+            rank_pattern={"v_proj": 4},
+            alpha_pattern={"o_proj": 32},
+            layers_to_transform=[1],
+        ),  # fmt: skip
+    }

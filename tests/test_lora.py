@@ -11,40 +11,16 @@ import re
 import pytest
 import torch
 from fixtures.export_models import cache_root, checkpoint_path, export_with
-from helpers import prompt
+from helpers import LORA_EXPORT, lora_adapters, prompt
 
 from optimum_neuron_chunked.testing.lora_adapters import peft_greedy, peft_reference, write_adapter
 
-LORA_EXPORT = dict(batch_size=2, sequence_length=128, prefill_chunk_size=32, context_buckets=(64, 128),
-                   max_loras=2, max_lora_rank=8)  # fmt: skip
 NEW_TOKENS = 6
-
-
-def adapters() -> dict:
-    """name -> a peft adapter folder of the tiny llama, each different in kind."""
-    base, root = checkpoint_path("llama"), cache_root() / "adapters"
-    return {
-        "a": write_adapter(base, root / "a", seed=1, rank=8),
-        "b": write_adapter(
-            base, root / "b", seed=2, rank=4, target_modules=["q_proj", "v_proj", "down_proj"]
-        ),
-        "c": write_adapter(
-            base,
-            root / "c",
-            seed=3,
-            rank=8,
-            scale=1.0,
-            use_rslora=True,
-            rank_pattern={"v_proj": 4},
-            alpha_pattern={"o_proj": 32},
-            layers_to_transform=[1],
-        ),  # fmt: skip
-    }
 
 
 @pytest.fixture(scope="module")
 def peft():
-    return peft_reference(checkpoint_path("llama"), adapters())
+    return peft_reference(checkpoint_path("llama"), lora_adapters())
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +29,7 @@ def model(request):
 
     backend = getattr(request, "param", "eager")
     loaded = NeuronModelForCausalLM.from_pretrained(export_with("llama", backend, **LORA_EXPORT))
-    for name, path in adapters().items():
+    for name, path in lora_adapters().items():
         loaded.load_adapter(path, adapter_name=name)
     return loaded
 
@@ -213,7 +189,7 @@ def test_an_int8_base_keeps_its_weights_and_adapters_apply_on_them():
     from optimum_neuron_chunked import NeuronModelForCausalLM
     from optimum_neuron_chunked.modeling.quantization import quantize
 
-    path = adapters()["a"]
+    path = lora_adapters()["a"]
     model = NeuronModelForCausalLM.from_pretrained(
         export_with("llama", "eager", quantization="int8", **LORA_EXPORT)
     )

@@ -8,41 +8,18 @@ from __future__ import annotations
 
 import pytest
 import torch
-from fixtures.export_models import cache_root, checkpoint_path, export_with
-from helpers import prompt
+from fixtures.export_models import checkpoint_path, export_with
+from helpers import LORA_EXPORT, lora_adapters, prompt
 from vllm_stepper import Engine
 
 from optimum_neuron_chunked.testing.lora_adapters import peft_greedy, peft_reference, write_adapter
 
-LORA_EXPORT = dict(batch_size=2, sequence_length=128, prefill_chunk_size=32, context_buckets=(64, 128),
-                   max_loras=2, max_lora_rank=8)  # fmt: skip
 NEW_TOKENS = 5
-
-
-def adapter_paths() -> dict:
-    base, root = checkpoint_path("llama"), cache_root() / "adapters"
-    return {
-        "a": write_adapter(base, root / "a", seed=1, rank=8),
-        "b": write_adapter(
-            base, root / "b", seed=2, rank=4, target_modules=["q_proj", "v_proj", "down_proj"]
-        ),
-        "c": write_adapter(
-            base,
-            root / "c",
-            seed=3,
-            rank=8,
-            scale=1.0,
-            use_rslora=True,
-            rank_pattern={"v_proj": 4},
-            alpha_pattern={"o_proj": 32},
-            layers_to_transform=[1],
-        ),  # fmt: skip
-    }
 
 
 @pytest.fixture(scope="module")
 def peft():
-    return peft_reference(checkpoint_path("llama"), adapter_paths())
+    return peft_reference(checkpoint_path("llama"), lora_adapters())
 
 
 @pytest.fixture(scope="module", params=["eager", pytest.param("xla", marks=pytest.mark.xla)])
@@ -65,7 +42,7 @@ def lora_request(name: str):
     from vllm.lora.request import LoRARequest
 
     ids = {"a": 1, "b": 2, "c": 3}
-    return None if name == "__base__" else LoRARequest(name, ids[name], str(adapter_paths()[name]))
+    return None if name == "__base__" else LoRARequest(name, ids[name], str(lora_adapters()[name]))
 
 
 def add(engine: Engine, req_id: str, ids: torch.Tensor, name: str) -> None:
