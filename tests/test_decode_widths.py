@@ -5,13 +5,18 @@ from __future__ import annotations
 
 import pytest
 import torch
-from fixtures.export_models import BUCKETS, CHUNK, SEQUENCE_LENGTH, checkpoint_path
+from fixtures.export_models import (
+    BUCKETS,
+    CHUNK,
+    SEQUENCE_LENGTH,
+    checkpoint_path,
+    widths_export,
+)
 from helpers import RecordingGraphs, greedy_rows
 from transformers import AutoModelForCausalLM
 
 from optimum_neuron_chunked import NeuronModelForCausalLM
 from optimum_neuron_chunked.config import NeuronConfig
-from optimum_neuron_chunked.export.pipeline import export
 from optimum_neuron_chunked.generation import prefill_prompt
 from optimum_neuron_chunked.graph_runner import GraphRunner
 from optimum_neuron_chunked.graphs import graph_specs
@@ -54,11 +59,9 @@ def test_each_step_runs_in_the_narrowest_width_that_holds_its_rows():
 
 
 @pytest.mark.parametrize("backend", ["eager", pytest.param("cpu", marks=pytest.mark.slow)])
-def test_narrow_decode_steps_match_transformers(backend, tmp_path):
+def test_narrow_decode_steps_match_transformers(backend):
     path = checkpoint_path("llama")
-    out = export(str(path), tmp_path / "export", batch_size=2, sequence_length=SEQUENCE_LENGTH,
-                 prefill_chunk_size=CHUNK, backend=backend, context_buckets=BUCKETS,
-                 decode_widths=(1, 2))  # fmt: skip
+    out = widths_export(backend)
     model = NeuronModelForCausalLM.from_pretrained(out)
     model.runner.graphs = RecordingGraphs(model.runner.graphs)
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()

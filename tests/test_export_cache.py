@@ -131,3 +131,26 @@ def test_from_pretrained_exports_through_the_cache_and_generate_takes_transforme
         model.generate(ids, cache_implementation="static")  # asked for: refused
     with pytest.raises(TypeError, match="export options batch_size: they export a plain checkpoint"):
         NeuronModelForCausalLM.from_pretrained(model.model_dir, batch_size=2)
+
+
+def test_the_test_export_key_follows_what_exporting_imports(tmp_path):
+    """testing/export_cache.code_key: a module the export imports (at any depth) or a file of the
+    backend's folder changes the key; a module exporting never imports does not."""
+    from optimum_neuron_chunked.testing.export_cache import ROOT, code_key
+
+    shutil.copytree(ROOT / "optimum_neuron_chunked", tmp_path / "optimum_neuron_chunked",
+                    ignore=shutil.ignore_patterns("__pycache__"))  # fmt: skip
+
+    def touched(relative: str) -> tuple[str, str]:
+        before = code_key("eager", tmp_path), code_key("cpu", tmp_path)
+        with open(tmp_path / "optimum_neuron_chunked" / relative, "a") as f:
+            f.write("\n// touched\n" if relative.endswith(".cpp") else "\n# touched\n")
+        after = code_key("eager", tmp_path), code_key("cpu", tmp_path)
+        return tuple("changed" if a != b else "same" for a, b in zip(before, after, strict=True))
+
+    for module in ["lora_targets.py", "quantized_checkpoint.py", "export/tokenizer.py",
+                   "export/model_card.py", "hub.py", "integrity.py", "modeling/lora.py"]:  # fmt: skip
+        assert touched(module) == ("changed", "changed"), module
+    assert touched("backends/cpu/decode_attention.cpp") == ("same", "changed")
+    assert touched("backends/eager.py") == ("changed", "same")
+    assert touched("vllm/runner.py") == ("same", "same")

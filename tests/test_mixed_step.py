@@ -6,13 +6,19 @@ from __future__ import annotations
 
 import pytest
 import torch
-from fixtures.export_models import BUCKETS, CHUNK, SEQUENCE_LENGTH, checkpoint_path
+from fixtures.export_models import (
+    BUCKETS,
+    CHUNK,
+    SEQUENCE_LENGTH,
+    checkpoint_path,
+    export_with,
+    widths_export,
+)
 from helpers import RecordingGraphs, prompt
 from transformers import AutoModelForCausalLM
 
 from optimum_neuron_chunked import NeuronModelForCausalLM
 from optimum_neuron_chunked.config import NeuronConfig, NeuronConfigError
-from optimum_neuron_chunked.export.pipeline import export
 from optimum_neuron_chunked.generation import prefill_prompt
 from optimum_neuron_chunked.graph_runner import GraphRunner
 from optimum_neuron_chunked.graphs import graph_specs
@@ -104,12 +110,10 @@ def test_a_mixed_call_runs_in_the_bucket_that_covers_both_parts():
 
 
 @pytest.mark.parametrize("backend", ["eager", pytest.param("cpu", marks=pytest.mark.slow)])
-def test_mixed_steps_match_transformers(backend, tmp_path):
+def test_mixed_steps_match_transformers(backend):
     """Block 0 decodes while block 1's prompt is prefilled in full chunks in the same calls."""
     path = checkpoint_path("llama")
-    out = export(str(path), tmp_path / "export", batch_size=2, sequence_length=SEQUENCE_LENGTH,
-                 prefill_chunk_size=CHUNK, backend=backend, context_buckets=BUCKETS,
-                 mixed_step=True)  # fmt: skip
+    out = widths_export(backend)
     model = NeuronModelForCausalLM.from_pretrained(out)
     model.runner.graphs = RecordingGraphs(model.runner.graphs)
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
@@ -132,10 +136,9 @@ def test_mixed_steps_match_transformers(backend, tmp_path):
 
 
 @pytest.fixture(scope="module")
-def mixed_export(tmp_path_factory):
-    return export(str(checkpoint_path("llama")), tmp_path_factory.mktemp("mx") / "export", batch_size=2,
-                  sequence_length=SEQUENCE_LENGTH, prefill_chunk_size=CHUNK, backend="eager",
-                  context_buckets=BUCKETS, mixed_step=True)  # fmt: skip
+def mixed_export():
+    return export_with("llama", "eager", batch_size=2, sequence_length=SEQUENCE_LENGTH, prefill_chunk_size=CHUNK,
+                       context_buckets=BUCKETS, mixed_step=True)  # fmt: skip
 
 
 @pytest.mark.parametrize("sampling", [{}, {"logprobs": 2}], ids=["on-device", "host-sampled"])

@@ -5,13 +5,18 @@ from __future__ import annotations
 
 import pytest
 import torch
-from fixtures.export_models import BUCKETS, CHUNK, SEQUENCE_LENGTH, checkpoint_path
+from fixtures.export_models import (
+    BUCKETS,
+    CHUNK,
+    SEQUENCE_LENGTH,
+    checkpoint_path,
+    widths_export,
+)
 from helpers import greedy_rows
 from transformers import AutoModelForCausalLM
 
 from optimum_neuron_chunked import NeuronModelForCausalLM
 from optimum_neuron_chunked.config import NeuronConfig
-from optimum_neuron_chunked.export.pipeline import export
 from optimum_neuron_chunked.graph_runner import GraphRunner
 from optimum_neuron_chunked.graphs import graph_specs
 
@@ -67,11 +72,9 @@ def prefill_in_chunks(model: NeuronModelForCausalLM, ids: torch.Tensor, block: i
 
 
 @pytest.mark.parametrize("backend", ["eager", pytest.param("cpu", marks=pytest.mark.slow)])
-def test_narrow_chunks_match_transformers(backend, tmp_path):
+def test_narrow_chunks_match_transformers(backend):
     path = checkpoint_path("llama")
-    out = export(str(path), tmp_path / "export", batch_size=2, sequence_length=SEQUENCE_LENGTH,
-                 prefill_chunk_size=CHUNK, backend=backend, context_buckets=BUCKETS,
-                 prefill_widths=WIDTHS)  # fmt: skip
+    out = widths_export(backend)
     model = NeuronModelForCausalLM.from_pretrained(out)
     assert {s.name for s in graph_specs(model.neuron_config)} >= {"cp_w64_c8", "cp_w128_c16"}
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()

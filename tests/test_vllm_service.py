@@ -9,7 +9,7 @@ import shutil
 import pytest
 import torch
 from fixtures.export_models import CHUNK, checkpoint_path
-from helpers import export_params, prompt
+from helpers import export_params, prompt, refusal_at_start
 
 from optimum_neuron_chunked.testing.reference import hf_greedy
 from optimum_neuron_chunked.testing.server import Server, concurrent_greedy_tokens, disconnect_mid_prefill
@@ -138,10 +138,17 @@ def test_metrics_are_served(server):
     assert "vllm:num_requests_running" in metrics and "vllm:kv_cache_usage_perc" in metrics
 
 
+def test_a_start_up_refusal_reaches_the_user_and_leaves_nothing(export_dir, tmp_path):
+    srv = Server(export_dir, tmp_path / "serve.log", "--max-model-len", "4096")
+    assert srv.wait_exit() != 0
+    output = srv.output()
+    assert "--max-model-len 4096" in output and "sequence_length 128" in output, output[-3000:]
+    assert srv.stop() == []
+
+
 @pytest.mark.parametrize(
     "case, expected",
     [
-        ("max-model-len", ["--max-model-len 4096", "sequence_length 128"]),
         ("max-num-seqs", ["--max-num-seqs 8", "batch_size 2"]),
         ("checkpoint", ["--additional-config 'prefil_chunk_size' (did you mean 'prefill_chunk_size'?)"]),
         ("incomplete", ["incomplete export", "model.safetensors"]),
@@ -149,13 +156,11 @@ def test_metrics_are_served(server):
     ],
 )
 def test_start_up_refusals_name_the_fix(export_dir, tmp_path, case, expected):
-    model, args = export_dir, []
-    if case == "max-model-len":
-        args = ["--max-model-len", "4096"]
-    elif case == "max-num-seqs":
-        args = ["--max-num-seqs", "8"]
+    model, args = export_dir, {}
+    if case == "max-num-seqs":
+        args = {"max_num_seqs": 8}
     elif case == "checkpoint":  # a plain checkpoint is exported from the flags: a wrong key is refused first
-        model, args = checkpoint_path("llama"), ["--additional-config", '{"prefil_chunk_size": 8}']
+        model, args = checkpoint_path("llama"), {"additional_config": {"prefil_chunk_size": 8}}
     else:
         model = tmp_path / "partial"
         shutil.copytree(export_dir, model)
@@ -164,10 +169,8 @@ def test_start_up_refusals_name_the_fix(export_dir, tmp_path, case, expected):
             weights.unlink()
         else:  # an interrupted copy
             weights.write_bytes(weights.read_bytes()[:1000])
-    srv = Server(model, tmp_path / "serve.log", *args)
-    assert srv.wait_exit() != 0
-    output = srv.output()
-    assert all(text in output for text in expected), output[-3000:]
+    said = refusal_at_start(model, **args)
+    assert all(text in said for text in expected), said
 
 
 def test_structured_output_beside_unconstrained_requests(server, client, hf_reference):
