@@ -7,13 +7,14 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import subprocess
 import sys
-import time
 
 import pytest
 from fixtures.export_models import CHUNKED_SHAPE, EXPORTS, checkpoint_path, export_model
 from fixtures.hub_cache import add_to_hub_cache
+from helpers import prompt
 
 from optimum_neuron_chunked.export.pipeline import export
 from optimum_neuron_chunked.hub import hub_snapshot, is_repo_id
@@ -155,13 +156,26 @@ def test_vllm_serves_a_repo_id_from_the_offline_cache(hub, tmp_path):
             assert srv.stop() == []
 
 
+def finished_per_engine(server: Server) -> dict[str, float]:
+    counts: dict[str, float] = {}
+    for line in server.metrics_text().splitlines():
+        if line.startswith("vllm:request_success_total{"):
+            engine = re.search(r'engine="(\d+)"', line).group(1)
+            counts[engine] = counts.get(engine, 0.0) + float(line.rsplit(" ", 1)[1])
+    return counts
+
+
 @pytest.mark.slow
-def test_vllm_serves_a_plain_repo_id_exported_once_for_every_data_parallel_rank(hub, tmp_path, hf_reference):
-    """`vllm serve org/plain` (a plain checkpoint in the offline cache) on the cpu backend with
-    two data-parallel ranks: exported once into the export cache, served as transformers; a
-    second start finds the entry. The start times print (docs/performance.md)."""
-    import torch
-    from openai import OpenAI
+def test_a_plain_repo_id_is_exported_once_and_its_data_parallel_ranks_share_the_requests(
+    hub, tmp_path, hf_reference
+):
+    """`vllm serve org/plain --data-parallel-size 2` (a plain checkpoint in the offline cache):
+    exported once into the export cache for both engine cores, each with its own graphs, weights
+    and KV blocks; vLLM's load balancing spreads the requests; every answer equals transformers';
+    an abandoned stream and the shutdown leave nothing behind."""
+    import asyncio
+
+    from openai import AsyncOpenAI
 
     from optimum_neuron_chunked.export_cache import entries
     from optimum_neuron_chunked.testing.reference import hf_greedy
@@ -170,27 +184,41 @@ def test_vllm_serves_a_plain_repo_id_exported_once_for_every_data_parallel_rank(
     serve_env = {k: env[k] for k in ("HF_HUB_CACHE", "HF_HUB_OFFLINE")} | {
         "ONC_EXPORT_CACHE": str(tmp_path / "exports")
     }
-    export_keys = {"prefill_chunk_size": 16, "backend": "cpu", "context_buckets": [64]}
-    args = ("--data-parallel-size", "2", "--max-model-len", "64", "--max-num-seqs", "2",
+    export_keys = {"prefill_chunk_size": 32, "backend": "eager", "context_buckets": [64, 128]}
+    args = ("--data-parallel-size", "2", "--max-model-len", "128", "--max-num-seqs", "2",
             "--additional-config", json.dumps(export_keys))  # fmt: skip
-    want = hf_greedy(hf_reference("llama"), torch.tensor(PROMPT), 6)
-    for start, exports in (("first", 1), ("second", 0)):
-        srv = Server("org/plain", tmp_path / f"{start}.log", *args, env=serve_env)
-        try:
-            began = time.monotonic()
-            srv.wait_ready(timeout=900)
-            print(f"{start} start of `vllm serve org/plain` (2 ranks): {time.monotonic() - began:.1f}s")
-            client = OpenAI(base_url=f"{srv.url}/v1", api_key="none", max_retries=0)
-            choice = client.completions.create(
-                model="org/plain",
-                prompt=PROMPT,
-                max_tokens=6,
-                temperature=0,
-                extra_body={"return_token_ids": True},
-            ).choices[0]
-            assert list(choice.token_ids) == want
-        finally:
-            assert srv.stop() == []
-        assert srv.output().count("no export of org/plain yet: exporting it") == exports, srv.output()[-3000:]
+    hf = hf_reference("llama")
+    prompts = [prompt(n, seed=70 + i) for i, n in enumerate((3, 40, 70, 9, 33, 100, 5, 64))]
+    expected = [hf_greedy(hf, p, 6) for p in prompts]
+
+    async def all_at_once(url: str) -> list[list[int]]:
+        client = AsyncOpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+        extra = {"return_token_ids": True, "ignore_eos": True}
+        abandoned = asyncio.create_task(  # a client that goes away mid-stream
+            client.completions.create(
+                model="org/plain", prompt=prompts[5].tolist(), max_tokens=20, stream=True
+            )
+        )
+        calls = [
+            client.completions.create(
+                model="org/plain", prompt=p.tolist(), max_tokens=6, temperature=0, extra_body=extra
+            )
+            for p in prompts
+        ]
+        stream = await abandoned
+        async for _ in stream:
+            break
+        await stream.close()
+        return [list(r.choices[0].token_ids) for r in await asyncio.gather(*calls)]
+
+    srv = Server("org/plain", tmp_path / "serve.log", *args, env=serve_env)
+    try:
+        srv.wait_ready(timeout=600)
+        assert asyncio.run(all_at_once(srv.url)) == expected
+        counts = finished_per_engine(srv)
+        assert set(counts) == {"0", "1"} and all(n > 0 for n in counts.values()), counts
+    finally:
+        assert srv.stop() == [], "processes left behind"
+    assert srv.output().count("no export of org/plain yet: exporting it") == 1, srv.output()[-3000:]
     ((entry, record),) = entries(tmp_path / "exports")
     assert record["source"] == {"repo": "org/plain", "commit": commit_of("org/plain")}

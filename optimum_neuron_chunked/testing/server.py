@@ -62,11 +62,15 @@ class Server:
     def output(self) -> str:
         return self.log.read_text(errors="replace")
 
-    def metrics(self) -> dict[str, float]:
+    def metrics_text(self) -> str:
+        """The Prometheus text of /metrics, labels included."""
         with urllib.request.urlopen(f"{self.url}/metrics", timeout=5) as r:
-            text = r.read().decode()
+            return r.read().decode()
+
+    def metrics(self) -> dict[str, float]:
+        """vllm:* metrics by name, labels dropped (the last sample of a name wins)."""
         values = {}
-        for line in text.splitlines():
+        for line in self.metrics_text().splitlines():
             if line.startswith("vllm:") and " " in line:
                 name, value = line.rsplit(" ", 1)
                 values[name.split("{")[0]] = float(value)
