@@ -70,9 +70,10 @@ def pytest_terminal_summary(terminalreporter):
         terminalreporter.write_line(f"{name:<30}" + "".join(f"{c:>13}" for c in counts))
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def llm(export_dir):
-    """vllm.LLM on the export of `export_dir`, in this process's engine core."""
+    """vllm.LLM on the export of `export_dir`, shared by every test of the session on that export
+    (pytest keeps one at a time: a test on another export replaces it)."""
     from vllm import LLM
 
     engine = LLM(model=str(export_dir), seed=0)

@@ -1,9 +1,10 @@
 """`vllm serve EXPORT` driven by the openai client: parity, streaming, chat, bad input, aborts,
-start-up refusals and a shutdown that leaves no process behind."""
+start-up refusals, a soak of 200 requests and a shutdown that leaves no process behind."""
 
 from __future__ import annotations
 
 import asyncio
+import random
 import shutil
 
 import pytest
@@ -214,18 +215,93 @@ def test_structured_output_beside_unconstrained_requests(server, client, hf_refe
     assert json.loads(as_json.text) in values, as_json.text
 
 
-@pytest.mark.slow
-def test_a_budget_equal_to_a_vllm_default_is_said_and_can_be_forced(export_dir, tmp_path):
-    typed = Server(export_dir, tmp_path / "typed.log", "--max-num-batched-tokens", "2048").wait_ready()
-    assert typed.stop() == []
-    said = " ".join(typed.output().split())
+def test_a_budget_equal_to_a_vllm_default_is_said_and_can_be_forced(export_dir, capfd):
+    from vllm.engine.arg_utils import EngineArgs
+
+    typed = EngineArgs(model=str(export_dir), max_num_batched_tokens=2048).create_engine_config()
+    captured = capfd.readouterr()
+    said = " ".join((captured.out + captured.err).split())
     assert "--max-num-batched-tokens 2048 is one of vLLM's defaults, so it is read as not given" in said
-    assert (
-        "max_num_batched_tokens=64" in said
-        and "--additional-config '{\"max_num_batched_tokens\": 2048}'" in said
-    )
-    forced = Server(
-        export_dir, tmp_path / "forced.log", "--additional-config", '{"max_num_batched_tokens": 2048}'
-    ).wait_ready()
-    assert forced.stop() == []
-    assert "max_num_batched_tokens=2048" in forced.output()
+    assert "--additional-config '{\"max_num_batched_tokens\": 2048}'" in said
+    assert typed.scheduler_config.max_num_batched_tokens == 64
+    forced = EngineArgs(
+        model=str(export_dir), additional_config={"max_num_batched_tokens": 2048}
+    ).create_engine_config()
+    assert forced.scheduler_config.max_num_batched_tokens == 2048
+
+
+SOAK_REQUESTS, CONCURRENCY = 200, 4  # twice the export's 2 blocks
+
+
+SHARED = [prompt(n, seed=90 + n) for n in (20, CHUNK, 2 * CHUNK + 7)]  # mid-chunk, one, two+
+
+
+def workload(seed: int = 0) -> list[dict]:
+    import torch
+
+    rng = random.Random(seed)
+    requests = []
+    for i in range(SOAK_REQUESTS):
+        new_tokens = rng.randint(1, 12)
+        long = rng.random() < 0.3  # more than 3 chunks
+        length = (
+            rng.randint(3 * CHUNK + 1, SEQUENCE_LENGTH - new_tokens) if long else rng.randint(1, 3 * CHUNK)
+        )
+        ids = prompt(length, seed=100 + i)
+        if i % 2:  # a shared prefix, then the request's own tokens
+            shared = SHARED[rng.randrange(len(SHARED))][: max(0, length - 1)]
+            ids = torch.cat([shared, ids[len(shared) :]])
+        requests.append({"id": i, "ids": ids, "new_tokens": new_tokens, "drop": i % 10 == 3})
+    return requests
+
+
+@pytest.mark.slow
+def test_soak(server, hf_reference):
+    """200 requests of random lengths at twice the block count, a tenth dropped mid-prefill,
+    half of them opening with one of three shared prefixes (prefix caching copies them): every
+    finished request equals transformers' greedy tokens, no block leaks, the server serves on."""
+    import httpx
+
+    hf = hf_reference("llama")
+    requests = workload()
+    expected = {r["id"]: hf_greedy(hf, r["ids"], r["new_tokens"]) for r in requests if not r["drop"]}
+    assert sum(r["ids"].shape[0] > 3 * CHUNK for r in requests) > 40
+
+    model = httpx.get(f"{server.url}/v1/models").json()["data"][0]["id"]
+
+    async def one(http: httpx.AsyncClient, gate: asyncio.Semaphore, r: dict):
+        body = {
+            "model": model,
+            "prompt": r["ids"].tolist(),
+            "max_tokens": r["new_tokens"],
+            "temperature": 0,
+            "ignore_eos": True,
+            "return_token_ids": True,
+        }
+        async with gate:
+            if r["drop"]:  # the client goes away once the request is accepted: mid-prefill
+                async with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as resp:
+                    assert resp.status_code == 200
+                return r["id"], None
+            resp = await http.post("/v1/completions", json=body)
+            assert resp.status_code == 200, resp.text
+            return r["id"], resp.json()["choices"][0]["token_ids"]
+
+    async def run_all():
+        gate = asyncio.Semaphore(CONCURRENCY)
+        async with httpx.AsyncClient(base_url=server.url, timeout=300) as http:
+            return dict(await asyncio.gather(*(one(http, gate, r) for r in requests)))
+
+    results = asyncio.run(run_all())
+    mismatched = [i for i, tokens in expected.items() if results[i] != tokens]
+    assert mismatched == [], f"{len(mismatched)} requests differ from HF, e.g. {mismatched[:5]}"
+
+    metrics = server.metrics()
+    assert metrics["vllm:num_requests_running"] == 0 and metrics["vllm:num_requests_waiting"] == 0
+    assert metrics["vllm:kv_cache_usage_perc"] == 0  # every block is free again
+    assert metrics["vllm:external_prefix_cache_hits_total"] > 0  # the shared prefixes were reused
+    after = requests[0]
+    body = {"model": model, "prompt": after["ids"].tolist(), "max_tokens": 5, "temperature": 0}
+    body |= {"ignore_eos": True, "return_token_ids": True}
+    resp = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60)
+    assert resp.json()["choices"][0]["token_ids"] == hf_greedy(hf, after["ids"], 5)
