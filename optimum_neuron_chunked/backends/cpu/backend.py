@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import warnings
 from pathlib import Path
 
 import torch
@@ -113,7 +114,10 @@ class CpuBackend(Backend):
         (out_dir / GRAPHS_DIR).mkdir(parents=True, exist_ok=True)
         options = inductor_configs(config)
         for spec, path in zip(specs, self.graph_files(specs), strict=True):
-            with on_graph(spec), torch.no_grad():
+            with on_graph(spec), torch.no_grad(), warnings.catch_warnings():
+                # torch's own export / packaging builds the LeafSpec it deprecates (torch 2.13
+                # utils/_pytree.py): a FutureWarning per graph that users read as our error.
+                warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
                 program = torch.export.export(graph_module(model, spec, config), example_inputs(spec, config))
                 torch._inductor.aoti_compile_and_package(
                     program, package_path=str(out_dir / path), inductor_configs=options
