@@ -58,6 +58,18 @@ def generate(llm, prompts: list[torch.Tensor], params) -> list:
     return [o.outputs[0] for o in llm.generate([{"prompt_token_ids": p.tolist()} for p in prompts], params)]
 
 
+def engine_greedy_tokens(model, prompts: list[torch.Tensor], n: int) -> list[list[int]]:
+    """Greedy tokens of `prompts` submitted together to a `vllm.LLM` of its own on `model` (chunks
+    mixed with decodes), the engine shut down after."""
+    from vllm import LLM
+
+    llm = LLM(model=str(model), seed=0)
+    try:
+        return [list(o.token_ids) for o in generate(llm, prompts, greedy(n))]
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+
+
 class RecordingGraphs(dict):
     """The loaded graphs, recording which ran."""
 

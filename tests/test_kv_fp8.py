@@ -191,10 +191,13 @@ def test_a_kv_cache_dtype_the_export_does_not_hold_is_refused(flag, message):
 
 
 @pytest.mark.slow
-def test_the_cpu_backend_compiles_fp8_kv_graphs_that_generate_as_eager():
+def test_the_cpu_backend_compiles_fp8_weight_and_kv_graphs_that_generate_as_eager():
+    """AOTInductor packages hold no weights (fp8 weights and scales are bound at load) and read an
+    fp8 KV pool: tokens equal eager's on the same export options (eager's fp8 weights equal
+    transformers' on the same weights, tests/test_quantization.py)."""
     from optimum_neuron_chunked import NeuronModelForCausalLM
 
-    options = dict(SHAPES, prefill_chunk_size=32, kv_cache_dtype="fp8")
+    options = dict(SHAPES, prefill_chunk_size=32, kv_cache_dtype="fp8", quantization="fp8")
     models = [
         NeuronModelForCausalLM.from_pretrained(export_with("llama", b, **options)) for b in ("cpu", "eager")
     ]

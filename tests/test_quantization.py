@@ -10,7 +10,7 @@ import logging
 import pytest
 import torch
 from fixtures.export_models import checkpoint_path, export_with, fp8_checkpoint_path
-from helpers import fake_quantize, prompt, quantization_rule
+from helpers import engine_greedy_tokens, fake_quantize, prompt, quantization_rule
 from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
@@ -313,14 +313,10 @@ def test_export_summary_prints_the_bytes_saved_and_the_kv_blocks_they_hold(tmp_p
         pytest.param("int8", "xla", marks=pytest.mark.xla),
     ],
 )
-def test_vllm_serve_of_quantized_exports_answers_with_transformers_on_their_weights(
-    source, backend, tmp_path
-):
-    """`vllm serve` of an int8 export and of an exported FP8 checkpoint (no flag: the export
-    records its quantization): concurrent requests, chunks mixed with decodes; xla: vLLM 0.16.0
-    in the SDK-mirror environment, every graph on torch-xla's device."""
-    from optimum_neuron_chunked.testing.server import served_greedy_tokens
-
+def test_vllm_on_quantized_exports_answers_with_transformers_on_their_weights(source, backend, tmp_path):
+    """vLLM on an int8 export and on an exported FP8 checkpoint (no flag: the export records its
+    quantization): requests together, chunks mixed with decodes; xla: vLLM 0.16.0 in the
+    SDK-mirror environment, every graph on torch-xla's device."""
     if source == "int8":
         export_dir = export_with("llama", backend, quantization="int8", **SHAPE)
         hf = AutoModelForCausalLM.from_pretrained(checkpoint_path("llama"), dtype=torch.float32).eval()
@@ -332,15 +328,4 @@ def test_vllm_serve_of_quantized_exports_answers_with_transformers_on_their_weig
         hf = transformers_weight_only(fp8_checkpoint_path("llama", "block"))[0]
     prompts = [prompt(n, seed=50 + i) for i, n in enumerate((1, 33, 3 * 32 + 5, 70))]
     expected = [hf_greedy(hf, p, 8) for p in prompts]
-    assert (
-        served_greedy_tokens(export_dir, tmp_path / "serve.log", [p.tolist() for p in prompts], 8) == expected
-    )
-
-
-@pytest.mark.slow
-def test_cpu_backend_compiles_fp8_graphs_bound_to_the_weights_at_load():
-    """AOTInductor packages hold no weights: the fp8 weights and scales are bound at load."""
-    out = export_with("qwen3", "cpu", quantization="fp8", **(SHAPE | {"context_buckets": (128,)}))
-    hf = AutoModelForCausalLM.from_pretrained(checkpoint_path("qwen3"), dtype=torch.float32).eval()
-    fake_quantize(hf, "fp8")
-    assert_generates_as(NeuronModelForCausalLM.from_pretrained(out), hf)
+    assert engine_greedy_tokens(export_dir, prompts, 8) == expected

@@ -10,7 +10,7 @@ from helpers import NEW_TOKENS, export_params, generate, greedy, prompt
 from optimum_neuron_chunked.testing.reference import hf_greedy
 
 PROMPT_LENGTHS = (1, CHUNK - 1, CHUNK, CHUNK + 1, 3 * CHUNK + 5)
-ENGINE_EXPORTS = ["llama-2x4x32-eager", "llama-2x1x128-eager", "qwen3-2x4x32-cpu", "qwen3-2x1x128-cpu"]
+ENGINE_EXPORTS = ["llama-2x4x32-eager", "llama-2x1x128-eager", "qwen3_moe-2x4x32-cpu", "llama-2x1x128-cpu"]
 
 
 @pytest.mark.parametrize("export_dir", export_params(ENGINE_EXPORTS), indirect=True)

@@ -116,23 +116,6 @@ def concurrent_greedy_tokens(
     return asyncio.run(all_at_once())
 
 
-def served_greedy_tokens(
-    export_dir: Path, log: Path, prompts: list[list[int]], max_tokens: int
-) -> list[list[int]]:
-    """`vllm serve` of `export_dir` answering every prompt at once (concurrent_greedy_tokens);
-    the server stopped after, leaving no process behind."""
-    from openai import OpenAI
-
-    server = Server(export_dir, log).wait_ready()
-    try:
-        model = OpenAI(base_url=f"{server.url}/v1", api_key="none").models.list().data[0].id
-        return concurrent_greedy_tokens(server.url, model, prompts, max_tokens)
-    finally:
-        left = server.stop()
-        if left:
-            raise RuntimeError(f"vllm serve left processes {left} behind")
-
-
 def disconnect_mid_prefill(url: str, model: str, prompt_ids: list[int], times: int) -> None:
     """Stream a completion of `prompt_ids` and hang up as soon as the headers arrive (the prefill
     still running), `times` times in a row."""
