@@ -215,12 +215,21 @@ def test_structured_output_beside_unconstrained_requests(server, client, hf_refe
     assert json.loads(as_json.text) in values, as_json.text
 
 
-def test_a_budget_equal_to_a_vllm_default_is_said_and_can_be_forced(export_dir, capfd):
+def test_a_budget_equal_to_a_vllm_default_is_said_and_can_be_forced(export_dir):
+    import logging
+
     from vllm.engine.arg_utils import EngineArgs
 
-    typed = EngineArgs(model=str(export_dir), max_num_batched_tokens=2048).create_engine_config()
-    captured = capfd.readouterr()
-    said = " ".join((captured.out + captured.err).split())
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logger = logging.getLogger("vllm.optimum_neuron_chunked.vllm.platform")  # the platform's
+    logger.addHandler(handler)
+    try:
+        typed = EngineArgs(model=str(export_dir), max_num_batched_tokens=2048).create_engine_config()
+    finally:
+        logger.removeHandler(handler)
+    said = " ".join(" ".join(r.getMessage() for r in records).split())
     assert "--max-num-batched-tokens 2048 is one of vLLM's defaults, so it is read as not given" in said
     assert "--additional-config '{\"max_num_batched_tokens\": 2048}'" in said
     assert typed.scheduler_config.max_num_batched_tokens == 64
