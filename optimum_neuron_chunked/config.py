@@ -165,6 +165,15 @@ class NeuronConfig:
         "last token and up to K drafted tokens in one call, for vLLM's n-gram speculative decoding "
         "(--speculative-config); 0 (default): none.",
     )
+    speculation_head: str = option(
+        "--speculation-head",
+        "--speculation_head",
+        default="",
+        help="An EAGLE3 head (a folder or Hub id: yuhuili's LlamaForCausalLMEagle3 or speculators' "
+        "Eagle3Speculator) compiled beside the target, with --speculation-length K and "
+        "--prefill-chunk-size: draft graphs propose K tokens a row on the device from the target's "
+        "hidden states (vLLM's eagle3 method; the export keeps the head's config in eagle3_head/).",
+    )
     kv_cache_blocks: int = option(
         "--kv-cache-blocks",
         "--kv_cache_blocks",
@@ -245,6 +254,8 @@ class NeuronConfig:
     kv_cache_scales: tuple[tuple[float, float], ...] = ()
     # the kernel limits that chose them (backends/neuron/attention_choice.KernelLimits)
     nki_limits: dict = field(default_factory=dict, compare=False, hash=False)
+    speculation_head_digest: str = ""  # the head's config and weights (head_checkpoint.head_digest)
+    speculation_head_shares: tuple[str, ...] = ()  # weights the head takes from the target (eagle3.py)
     cpu_isa: str = ""  # cpu backend: the vector ISA of the host that compiled (AVX2, AVX512, ...)
     model_type: str = ""
     package_version: str = __version__
@@ -259,7 +270,7 @@ class NeuronConfig:
         object.__setattr__(
             self, "decode_widths", tuple(sorted(set(self.decode_widths or (self.batch_size,))))
         )
-        for name in ("quantization_skip", "quantization_block"):  # the CLI gives lists
+        for name in ("quantization_skip", "quantization_block", "speculation_head_shares"):  # lists given
             object.__setattr__(self, name, tuple(getattr(self, name)))
         object.__setattr__(self, "kv_cache_scales", tuple(tuple(map(float, s)) for s in self.kv_cache_scales))
         if self.max_loras:  # as typed -> the projections, in the decoder's order (modeling/lora.py)
@@ -399,6 +410,12 @@ class NeuronConfig:
                 "--speculation-length and --mixed-step do not combine: verify rows run in their own VF "
                 "graphs, never beside a chunk in an MX graph. Drop one of them."
             )
+        if self.speculation_head and (not k or not self.chunked):
+            raise NeuronConfigError(
+                f"--speculation-head {self.speculation_head} drafts K tokens after each prefill chunk and "
+                "verify step: pass --speculation-length K (1 or more) and --prefill-chunk-size C with it "
+                f"(got --speculation-length {k}, --prefill-chunk-size {self.prefill_chunk_size})."
+            )
 
     def _validate_attention_kernel(self) -> None:
         kernel = self.attention_kernel
@@ -513,6 +530,7 @@ class NeuronConfig:
         d["quantization_block"] = list(self.quantization_block)
         d["lora_target_modules"] = list(self.lora_target_modules)
         d["kv_cache_scales"] = [list(s) for s in self.kv_cache_scales]
+        d["speculation_head_shares"] = list(self.speculation_head_shares)
         return d
 
     @classmethod
@@ -533,6 +551,7 @@ class NeuronConfig:
         d["quantization_block"] = tuple(d.get("quantization_block", ()))
         d["lora_target_modules"] = tuple(d.get("lora_target_modules", ()))
         d["kv_cache_scales"] = tuple(tuple(s) for s in d.get("kv_cache_scales", ()))
+        d["speculation_head_shares"] = tuple(d.get("speculation_head_shares", ()))
         return cls(**d)
 
     def save(self, directory: str | Path, files: dict[str, dict] | None = None) -> None:

@@ -12,6 +12,7 @@ from transformers import PretrainedConfig
 from .backends import get_backend
 from .config import CONFIG_NAME, InvalidExportError, NeuronConfig, NeuronConfigError
 from .graphs import graph_specs
+from .head_checkpoint import HEAD_CONFIG
 from .integrity import recorded_files, verify_files
 from .modeling import family_spec
 from .modeling.kv_layout import KVLayout
@@ -51,7 +52,8 @@ def check_export(
         )
     impl = get_backend(config.backend)
     graphs, weights = impl.graph_files(graph_specs(config)), impl.weight_files(config)
-    _check_complete(model_dir, [CONFIG_NAME, "config.json", *weights, *graphs])
+    head = [HEAD_CONFIG] if config.speculation_head else []  # an EAGLE3 head's shapes
+    _check_complete(model_dir, [CONFIG_NAME, "config.json", *weights, *graphs, *head])
     hashed = set(graphs) | (set(weights) if verify_weights else set())
     verify_files(model_dir, recorded_files(model_dir), hashed)
     return config

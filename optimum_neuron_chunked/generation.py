@@ -33,7 +33,9 @@ def generate(
     arguments (generation_plan.py: the device samples greedy / temperature / top-k / top-p,
     the host applies transformers' processors for the rest, anything else is refused by name).
     `prompt_lookup_num_tokens` K (greedy, exports with --speculation-length >= K): each step
-    verifies up to K tokens drafted by prompt lookup (prompt_lookup.py) in one VF call.
+    verifies up to K tokens drafted by prompt lookup (prompt_lookup.py) in one VF call. Without
+    it, greedy generation on an export with an EAGLE3 head (--speculation-head) verifies the
+    head's K drafts each step: one VF call, then one DV call drafting the next K on the device.
     `adapter_names`: each row's LoRA adapter (model.load_adapter), "__base__" for the base,
     as peft's mixed batches take them."""
     adapter_names = kwargs.pop("adapter_names", None)
@@ -62,10 +64,13 @@ def generate(
     if streamer is not None and n > 1:
         raise ValueError("a streamer takes one prompt at a time (as transformers' streamers).")
     lookup = _check_lookup(model.neuron_config, gen.prompt_lookup_num_tokens, gen.do_sample or p.on_host)
+    head = bool(model.neuron_config.speculation_head) and not lookup and not (gen.do_sample or p.on_host)
     if streamer is not None:
         streamer.put(input_ids.cpu())
     rows = Rows(input_ids, p, generator, streamer, model.adapter_slots(adapter_names, n))
-    new_tokens = _generate_tokens(model, prompts, max_new_tokens, row_params, set(eos_ids), rows, lookup)
+    new_tokens = _generate_tokens(
+        model, prompts, max_new_tokens, row_params, set(eos_ids), rows, lookup, head
+    )
     if streamer is not None:
         streamer.end()
     steps = max((len(t) for t in new_tokens), default=0)
@@ -118,7 +123,7 @@ def _check_lookup(config, k: int | None, sampled: bool) -> int:
 
 
 def _generate_tokens(
-    model, prompts, max_new_tokens, row_params, eos_ids, rows: Rows, lookup=0
+    model, prompts, max_new_tokens, row_params, eos_ids, rows: Rows, lookup=0, head=False
 ) -> list[list[int]]:
     n = len(prompts)
     tokens: list[list[int]] = [[] for _ in range(n)]
@@ -129,48 +134,60 @@ def _generate_tokens(
     params = torch.tensor([sampling_params(temperature=0.0) if host else row_params] * n)
     runner, config, pool = model.runner, model.neuron_config, model.kv_pool
     blocks = []  # each request's KV blocks
+    drafts, pending = {}, None  # EAGLE3: each row's drafts; the verify call the next drafts follow
+    lookahead = config.speculation_length if head else 0  # the head's chain writes K past a row
     try:
         for prompt in prompts:
-            blocks.append(pool.acquire(len(prompt) + max_new_tokens))
+            blocks.append(pool.acquire(min(len(prompt) + max_new_tokens + lookahead, config.sequence_length)))
         for i, prompt in enumerate(prompts):
-            logits = prefill_prompt(runner, prompt, blocks[i], rows.slots[i])
+            logits = prefill_prompt(runner, prompt, blocks[i], rows.slots[i], draft=head)
             token = rows.choose(i, tokens[i], logits) if host else int(
                 sample(logits[None], params[i : i + 1], _rand(1, rows.generator), config.max_topk)[0]
             )  # fmt: skip
+            if head:
+                drafts[i] = _draft_after_prompt(runner, prompt, token, blocks[i]).tolist()
             if rows.append(i, tokens[i], token, logits if host else None):
                 stopped.add(i)
         live = [i for i in range(n) if i not in stopped and not _finished(tokens[i], eos_ids, max_new_tokens)]
         while live:
             kvs = [blocks[i] for i in live]
-            if lookup:
+            if lookup or head:
                 before = [len(tokens[i]) for i in live]
-                _verify_step(runner, [prompts[i].tolist() for i in live], [tokens[i] for i in live], kvs, lookup,
-                             max_new_tokens, [rows.slots[i] for i in live])  # fmt: skip
+                if head:
+                    pending = _head_step(runner, live, prompts, tokens, kvs, drafts, pending, max_new_tokens,
+                                         [rows.slots[i] for i in live])  # fmt: skip
+                else:
+                    _verify_step(runner, [prompts[i].tolist() for i in live], [tokens[i] for i in live], kvs,
+                                 lookup, max_new_tokens, [rows.slots[i] for i in live])  # fmt: skip
                 for i, n in zip(live, before, strict=True):
                     _cut_at_eos(tokens[i], eos_ids)
                     rows.stream(tokens[i][n:])
                 live = [i for i in live if not _finished(tokens[i], eos_ids, max_new_tokens)]
                 continue
-            ids = torch.tensor([tokens[i][-1] for i in live])
-            positions = torch.tensor([len(prompts[i]) + len(tokens[i]) - 1 for i in live])
-            sampling = (params[live], _rand(len(live), rows.generator))
-            sampled, logits = runner.decode(
-                ids, positions, kvs, sampling, host, [rows.slots[i] for i in live]
-            )
-            if host:
-                sampled = torch.tensor(
-                    [rows.choose(i, tokens[i], row) for i, row in zip(live, logits, strict=True)]
-                )
-            elif sampled is None:  # an export that samples on the host
-                sampled = sample(logits, *sampling, config.max_topk)
-            for j, (i, token) in enumerate(zip(live, sampled.tolist(), strict=True)):
-                if rows.append(i, tokens[i], token, logits[j] if host else None):
-                    stopped.add(i)
+            stopped |= _decode_step(runner, live, prompts, tokens, kvs, params, rows)
             live = [i for i in live if i not in stopped and not _finished(tokens[i], eos_ids, max_new_tokens)]
     finally:
         for row_blocks in blocks:
             pool.release(row_blocks)
     return tokens
+
+
+def _decode_step(runner: GraphRunner, live, prompts, tokens, kvs, params, rows: Rows) -> set[int]:
+    """One TG call of rows `live`, the tokens sampled on the device or the host appended -> the
+    rows a stopping criterion ends."""
+    host, stopped = rows.plan.on_host, set()
+    ids = torch.tensor([tokens[i][-1] for i in live])
+    positions = torch.tensor([len(prompts[i]) + len(tokens[i]) - 1 for i in live])
+    sampling = (params[live], _rand(len(live), rows.generator))
+    sampled, logits = runner.decode(ids, positions, kvs, sampling, host, [rows.slots[i] for i in live])
+    if host:
+        sampled = torch.tensor([rows.choose(i, tokens[i], row) for i, row in zip(live, logits, strict=True)])
+    elif sampled is None:  # an export that samples on the host
+        sampled = sample(logits, *sampling, runner.config.max_topk)
+    for j, (i, token) in enumerate(zip(live, sampled.tolist(), strict=True)):
+        if rows.append(i, tokens[i], token, logits[j] if host else None):
+            stopped.add(i)
+    return stopped
 
 
 def _verify_step(runner: GraphRunner, prompts, tokens, kvs, k: int, max_new_tokens: int, slots) -> None:
@@ -187,6 +204,36 @@ def _verify_step(runner: GraphRunner, prompts, tokens, kvs, k: int, max_new_toke
         t.extend(accept_greedy(d, row))
 
 
+def _head_step(runner: GraphRunner, live, prompts, tokens, kvs, drafts, pending, max_new_tokens: int, slots):
+    """One EAGLE3 step of rows `live`: the drafts of the previous verify call (one DV call, made
+    now that a step follows it), then one VF call of each row's last token and its drafts (no more
+    than it may still emit); accepted tokens appended to `tokens` -> what the next drafts follow."""
+    if pending is not None:
+        verified, rows, next_tokens, accepted = pending
+        drafts.update(
+            zip(rows, runner.draft_after_verify(verified, next_tokens, accepted).tolist(), strict=True)
+        )
+    k = runner.config.speculation_length
+    row_drafts = [drafts[i][: max(0, min(k, max_new_tokens - len(tokens[i]) - 1))] for i in live]
+    token_rows = [torch.tensor([tokens[i][-1], *d]) for i, d in zip(live, row_drafts, strict=True)]
+    positions = torch.tensor([len(prompts[i]) + len(tokens[i]) - 1 for i in live])
+    argmax, _ = runner.verify(token_rows, positions, kvs, False, slots)
+    next_tokens, accepted = [], []
+    for i, d, row in zip(live, row_drafts, argmax.tolist(), strict=True):
+        kept = accept_greedy(d, row)
+        tokens[i].extend(kept)
+        next_tokens.append(kept[-1])
+        accepted.append(len(kept) - 1)
+    return runner.last_verify, list(live), next_tokens, accepted
+
+
+def _draft_after_prompt(runner: GraphRunner, prompt: torch.Tensor, token: int, blocks) -> torch.Tensor:
+    """The head's K drafts after a prompt's last chunk, `token` sampled after it."""
+    last = prefill_slices(len(prompt), runner.config.prefill_chunk_size)[-1]
+    shifted = torch.cat([prompt[last][1:], torch.tensor([token], dtype=prompt.dtype)])
+    return runner.draft_after_chunk(shifted, last.start, blocks)
+
+
 def _cut_at_eos(tokens: list[int], eos_ids: set[int]) -> None:
     """Drop what a verify step accepted past an end-of-sequence token."""
     for i, token in enumerate(tokens):
@@ -196,10 +243,16 @@ def _cut_at_eos(tokens: list[int], eos_ids: set[int]) -> None:
 
 
 def prefill_prompt(
-    runner: GraphRunner, input_ids: torch.Tensor, blocks: tuple[int, ...], adapter: int = NO_ADAPTER
+    runner: GraphRunner,
+    input_ids: torch.Tensor,
+    blocks: tuple[int, ...],
+    adapter: int = NO_ADAPTER,
+    draft: bool = False,
 ) -> torch.Tensor:
     """A whole prompt into KV blocks `blocks`, chunk by chunk or through CE, whichever the export
-    has, under LoRA slot `adapter` -> logits [V] after its last token."""
+    has, under LoRA slot `adapter` -> logits [V] after its last token. `draft`: each chunk but the
+    last is followed by the EAGLE3 head's pass over it (the caller drafts after the last, once it
+    has the token that follows)."""
     config, n = runner.config, input_ids.shape[0]
     if not 0 < n <= config.sequence_length:
         raise ValueError(
@@ -207,6 +260,8 @@ def prefill_prompt(
         )
     for piece in prefill_slices(n, config.prefill_chunk_size):
         logits = runner.prefill(input_ids[piece], piece.start, blocks, adapter=adapter)
+        if draft and piece.stop < n:  # the head's K/V of the chunk: its tokens shifted by one
+            runner.draft_after_chunk(input_ids[piece.start + 1 : piece.stop + 1], piece.start, blocks)
     return logits
 
 

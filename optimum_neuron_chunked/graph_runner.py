@@ -21,6 +21,7 @@ from transformers import AutoConfig, PretrainedConfig
 from .backends import get_backend
 from .backends.base import SlotWriter
 from .config import NeuronConfig, prefill_slices
+from .draft_rows import CalledRows, draft_graph, shifted_rows
 from .export_folder import ExportCapabilities, check_export
 from .graphs import (
     COPY,
@@ -90,6 +91,9 @@ class GraphRunner:
         self.hf_config = hf_config
         self.capabilities = ExportCapabilities.of(config, hf_config) if hf_config is not None else None
         self.pool = KVPool.of(config)
+        self.calls = 0  # graph calls so far: a draft call must follow the call whose rows it drafts for
+        self.last_chunk: CalledRows | None = None  # the latest CP call's rows (draft_after_chunk)
+        self.last_verify: CalledRows | None = None  # the latest VF call's rows (draft_after_verify)
 
     @classmethod
     def load(
@@ -165,7 +169,8 @@ class GraphRunner:
             )
         width = self.config.width_for(t) if self.config.chunked else window
         spec = cp_spec(self.config, width, window) if self.config.chunked else ce_spec(window)
-        (logits,), _ = self._call(spec, [token_ids], [start], [blocks], adapters=[adapter])
+        (logits,), unsort = self._call(spec, [token_ids], [start], [blocks], adapters=[adapter])
+        self.last_chunk = CalledRows(spec, [token_ids], [start], [blocks], [adapter], unsort, self.calls)
         if every_position:
             return logits[0, :t].clone()
         return (logits[0, t - 1] if self.config.prompt_logprobs else logits[0]).clone()
@@ -246,8 +251,44 @@ class GraphRunner:
         spec = vf_spec(
             self.config, self.config.decode_width_for(n), self.config.bucket_for(int(last.max()) + 1)
         )
-        (argmax, logits), unsort = self._call(spec, token_rows, positions.tolist(), blocks, adapters=adapters)
+        starts = positions.tolist()
+        (argmax, logits), unsort = self._call(spec, token_rows, starts, blocks, adapters=adapters)
+        self.last_verify = CalledRows(spec, token_rows, starts, blocks, adapters, unsort, self.calls)
         return argmax.cpu()[unsort].long(), logits.cpu()[unsort] if need_logits else None
+
+    def draft_after_verify(
+        self, verified: CalledRows, next_tokens: Sequence[int], accepted: Sequence[int]
+    ) -> torch.Tensor:
+        """EAGLE3 drafts [N, K] (exports with --speculation-head) for the rows of the VF call
+        `verified` (`last_verify`, the latest call), in their order: `next_tokens` [N] follow each
+        row's `accepted` [N] drafts (the bonus or correction token)."""
+        rows = shifted_rows(verified.token_rows, next_tokens, accepted)
+        return self._draft(verified, rows, [int(a) for a in accepted])
+
+    def draft_after_chunk(
+        self, next_ids: torch.Tensor, start: int, blocks: Sequence[int], last: int | None = None
+    ) -> torch.Tensor:
+        """EAGLE3 drafts [K] after the latest prefill chunk (at `start`, in `blocks`): `next_ids`
+        are its tokens shifted left by one, the token after it last (the next chunk's first, or
+        the one sampled after the prompt); `last`: the index drafted from (default the last)."""
+        chunk = self.last_chunk
+        if chunk is None or chunk.starts != [start] or len(chunk.token_rows[0]) != len(next_ids):
+            raise ValueError(f"drafts after a chunk of {len(next_ids)} at {start} follow its prefill")
+        return self._draft(chunk, [next_ids], [len(next_ids) - 1 if last is None else last])[0]
+
+    def _draft(self, called: CalledRows, rows: list[torch.Tensor], last: list[int]) -> torch.Tensor:
+        """The DC / DV call after `called`, in the bucket holding every position it writes: its
+        rows' positions, then K - 1 past each row's `last` (those past the sequence are clamped in
+        the graph, modeling/eagle3.propose) -> drafts [N, K] in the caller's order."""
+        if not self.config.speculation_head or called.call != self.calls:
+            raise ValueError("EAGLE3 drafts (--speculation-head) follow the CP or VF call they draft from")
+        spec, tops = draft_graph(self.config, called, rows, last)
+        self._check_blocks(called.blocks, tops)  # the chain writes past the rows' tokens
+        (drafts,), unsort = self._call(
+            spec, rows, called.starts, called.blocks, adapters=called.adapters, last=last
+        )
+        assert torch.equal(unsort, called.unsort), "a draft call's rows are its CP or VF call's rows"
+        return drafts.cpu()[unsort].long()
 
     def copy_prefix(self, src_block: int, dst_block: int, length: int) -> int:
         """Copy positions [0, length) of every layer's K/V from one whole-sequence block to
@@ -269,7 +310,7 @@ class GraphRunner:
         return len(pieces)
 
     def _call(
-        self, spec: GraphSpec, token_rows, starts, blocks, sampling=None, chunk=None, adapters=None
+        self, spec: GraphSpec, token_rows, starts, blocks, sampling=None, chunk=None, adapters=None, last=None
     ) -> tuple:
         """The one path: rows (token ids [T_i] at positions starts[i].., KV blocks) checked
         against the pool, padded by the one rule to graph `spec`'s rows and width, its block
@@ -278,7 +319,8 @@ class GraphRunner:
         caller's row order). Decode rows go longest context first, so the padding repeats the
         shortest: where each row reads only its live context (the cpu backend's per_row_live),
         a padded row costs the least it can. LoRA exports: each row's adapter slot (`adapters`,
-        None: the base) joins its block table as one more column (modeling/lora.py)."""
+        None: the base) joins its block table as one more column (modeling/lora.py); `last`: draft calls'."""
+        self.calls += 1
         if spec.kind is GraphKind.COPY:  # a copy reads no token: its source row's positions, each row's block
             inputs, order = self._row_inputs(
                 2, spec.width, self.config.sequence_length, token_rows, starts, blocks
@@ -293,6 +335,8 @@ class GraphRunner:
             if sampling is None:
                 raise ValueError("this export samples on the device: pass sampling=(params, rand)")
             inputs += [pad_repeat_last(x[order].float(), spec.batch, dim=0) for x in sampling]
+        if last is not None:
+            inputs.append(pad_repeat_last(torch.tensor(last, dtype=INDEX_DTYPE)[order], spec.batch, dim=0))
         outputs = self.graphs[spec.name](*inputs)
         return tuple(outputs) if isinstance(outputs, tuple | list) else (outputs,), torch.argsort(order)
 

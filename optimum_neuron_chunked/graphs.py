@@ -11,6 +11,10 @@
   vf_w{W}  [B, K+1]  verify: each decode row's last token and up to K drafts (`speculation_length`),
                    padded by repeating the row's last position -> every position's argmax and logits
   vf_w{W}_r{N}  [N, K+1]  the same for steps of at most N < B rows (`decode_widths`)
+  dc_w{W}  [1, C]  EAGLE3 (`speculation_head`): after a chunk, the head's pass over its tokens
+                   shifted by one and K - 1 recurrent steps -> K drafts (dc_w{W}_c{N}: per CP width)
+  dv_w{W}  [B, K+1]  the same after a verify call, from each row's last accepted token
+                   (dv_w{W}_r{N}: per VF width)
   copy     [1, C]  copies C positions' K/V from one block to another, every layer (chunked
                    exports of whole-sequence blocks: prefix caching puts a cached prefix into a
                    new request's block; smaller blocks are shared instead)
@@ -35,13 +39,14 @@ on the path Neuron compiles. The decoder widens them once (DecoderModel.hidden_s
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import StrEnum
 
 import torch
 from torch import nn
 
 from .config import NeuronConfig
+from .modeling import eagle3
 from .modeling.decoder import DecoderModel, PartInputs
 from .modeling.kv_layout import KVPool
 from .modeling.lora import NO_ADAPTER, with_adapter_column
@@ -58,6 +63,8 @@ class GraphKind(StrEnum):
     TG = "tg"
     MX = "mx"
     VF = "vf"
+    DC = "dc"  # EAGLE3 drafts after a chunk (modeling/eagle3.py)
+    DV = "dv"  # EAGLE3 drafts after a verify call
     COPY = "copy"
 
 
@@ -79,7 +86,7 @@ class GraphSpec:
         name = f"{self.kind}_w{self.window}"
         if not self.narrow:
             return name
-        rows = self.kind in (GraphKind.TG, GraphKind.VF)
+        rows = self.kind in (GraphKind.TG, GraphKind.VF, GraphKind.DV)
         return name + (f"_r{self.batch}" if rows else f"_c{self.width}")
 
 
@@ -96,6 +103,16 @@ def tg_spec(config: NeuronConfig, rows: int, window: int) -> GraphSpec:
 
 def vf_spec(config: NeuronConfig, rows: int, window: int) -> GraphSpec:
     return GraphSpec(GraphKind.VF, rows, config.verify_width, window, narrow=rows < config.batch_size)
+
+
+def dc_spec(config: NeuronConfig, width: int, window: int) -> GraphSpec:
+    """Drafts after a CP call of `width` (the same rows: the aux states it left)."""
+    return replace(cp_spec(config, width, window), kind=GraphKind.DC)
+
+
+def dv_spec(config: NeuronConfig, rows: int, window: int) -> GraphSpec:
+    """Drafts after a VF call of `rows` rows (the same rows: the aux states it left)."""
+    return replace(vf_spec(config, rows, window), kind=GraphKind.DV)
 
 
 def mx_spec(config: NeuronConfig, window: int) -> GraphSpec:
@@ -118,6 +135,9 @@ def graph_specs(config: NeuronConfig) -> list[GraphSpec]:
             specs.append(mx_spec(config, window))
         if config.speculation_length:
             specs += [vf_spec(config, rows, window) for rows in config.decode_widths]
+        if config.speculation_head:
+            specs += [dc_spec(config, width, window) for width in config.prefill_widths]
+            specs += [dv_spec(config, rows, window) for rows in config.decode_widths]
     if KVPool.of(config).copy_graph:  # smaller blocks are shared, never copied
         specs.append(GraphSpec(GraphKind.COPY, 1, config.prefill_chunk_size, 0))
     return specs
@@ -209,6 +229,22 @@ class MixedGraph(nn.Module):
         return sample(decode_logits, sampling_params, rand, self.max_topk), decode_logits, chunk_logits
 
 
+class DraftGraph(nn.Module):
+    """DC / DV: rows [N, T] of the previous call's tokens shifted left by one, the next token at
+    each row's last accepted index `last` [N], at that call's positions -> the head's K drafts
+    [N, K] (target ids) from index `last` (modeling/eagle3.propose)."""
+
+    def __init__(self, model: DecoderModel, window: int, decode_rows: bool, steps: int):
+        super().__init__()
+        self.model, self.window, self.decode_rows, self.steps = model, window, decode_rows, steps
+
+    def forward(self, input_ids, position_ids, tables, last):
+        drafts = eagle3.propose(
+            self.model, input_ids, position_ids, tables, last, self.window, self.decode_rows, self.steps
+        )
+        return drafts.to(INDEX_DTYPE)
+
+
 class CopyGraph(nn.Module):
     """copy: positions [1, C] of block blocks[0] -> the same positions of block blocks[1]."""
 
@@ -231,6 +267,8 @@ def graph_module(model: DecoderModel, spec: GraphSpec, config: NeuronConfig) -> 
         return MixedGraph(model, spec.window, config.on_device_sampling, config.max_topk)
     if spec.kind == GraphKind.VF:
         return VerifyGraph(model, spec.window)
+    if spec.kind in (GraphKind.DC, GraphKind.DV):
+        return DraftGraph(model, spec.window, spec.kind == GraphKind.DV, config.speculation_length)
     return PrefillGraph(model, spec.window, config.prompt_logprobs)
 
 
@@ -248,6 +286,8 @@ def example_inputs(spec: GraphSpec, config: NeuronConfig) -> tuple[torch.Tensor,
         inputs = rows(spec.batch, spec.width)
     if spec.kind in (GraphKind.TG, GraphKind.MX) and config.on_device_sampling:
         inputs += (torch.zeros(spec.batch, 3), torch.zeros(spec.batch))
+    if spec.kind in (GraphKind.DC, GraphKind.DV):  # each row's last accepted index
+        inputs += (torch.zeros(spec.batch, dtype=INDEX_DTYPE),)
     return inputs
 
 

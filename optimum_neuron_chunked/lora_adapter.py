@@ -131,7 +131,7 @@ def _rank_alpha(config: dict, module: str) -> tuple[int, float]:
 
 def _split_packed(module: str, a: torch.Tensor, b: torch.Tensor, spec: FamilySpec):
     """(projection, a, b) of a module: phi3's fused qkv_proj / gate_up_proj split over the
-    projections this decoder holds (decoder.split_fused_projections), one A shared."""
+    projections this decoder holds (hf_state.split_fused_projections), one A shared."""
     prefix, _, name = module.rpartition(".")
     if name not in PACKED:
         return [(module, a, b)]

@@ -42,9 +42,11 @@ def get_backend(name: str) -> Backend:
 def export_files(config) -> list[str]:
     """Weight and graph files (relative to the folder) of a complete export of `config`."""
     from ..graphs import graph_specs
+    from ..head_checkpoint import HEAD_CONFIG
 
     impl = get_backend(config.backend)
-    return impl.weight_files(config) + impl.graph_files(graph_specs(config))
+    head = [HEAD_CONFIG] if config.speculation_head else []  # what vLLM's speculative_config names
+    return impl.weight_files(config) + impl.graph_files(graph_specs(config)) + head
 
 
 __all__ = [

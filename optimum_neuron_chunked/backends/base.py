@@ -14,7 +14,8 @@ from safetensors.torch import load_file, save_file
 from ..checkpoint_stream import WeightFile
 from ..config import NeuronConfig
 from ..graphs import GraphSpec
-from ..modeling import build_model
+from ..head_checkpoint import export_head_spec
+from ..modeling import build_model, family_spec
 from ..modeling.decoder import DecoderModel
 from ..modeling.kernels import Kernels
 
@@ -154,9 +155,11 @@ class Backend(ABC):
     def torch_model(
         self, hf_config, config: NeuronConfig, export_dir: Path, functional_cache: bool = False
     ) -> DecoderModel:
-        """The decoder with the export's weights and a zero KV cache, in eval mode (cpu, eager, xla)."""
+        """The decoder with the export's weights and a zero KV cache, in eval mode (cpu, eager, xla);
+        an EAGLE3 head shaped by the export's eagle3_head/config.json."""
+        eagle3 = export_head_spec(export_dir, config, family_spec(hf_config))
         model = build_model(
-            hf_config, config, functional_cache=functional_cache, kernels=self.kernels(config)
+            hf_config, config, functional_cache=functional_cache, kernels=self.kernels(config), eagle3=eagle3
         )
         model.load_weights(load_file(export_dir / WEIGHTS_NAME))
         return model.eval()

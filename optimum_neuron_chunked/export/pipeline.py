@@ -40,6 +40,13 @@ from optimum_neuron_chunked.checkpoint_stream import (
 )
 from optimum_neuron_chunked.config import BACKENDS, EXPORT_OPTIONS, NeuronConfig
 from optimum_neuron_chunked.graphs import graph_specs
+from optimum_neuron_chunked.head_checkpoint import (
+    fitting_spec,
+    head_fields,
+    head_weights,
+    load_head,
+    save_head,
+)
 from optimum_neuron_chunked.integrity import record_files
 from optimum_neuron_chunked.modeling import (
     DecoderModel,
@@ -99,11 +106,12 @@ def export(
     impl = get_backend(backend)
     impl.check_available()
     hf_config = _load_hf_config(model)
-    config = _checked_config(model, hf_config, impl, options, backend, instance_type, weights, console)
+    head = load_head(options["speculation_head"]) if options.get("speculation_head") else None
+    config = _checked_config(model, hf_config, impl, options, backend, instance_type, weights, console, head)
     staging = Path(tempfile.mkdtemp(prefix=f".{output.name}.partial-", dir=output.parent))
     try:
         started = time.perf_counter()
-        config, specs = _build(model, hf_config, config, impl, staging, weights, console)
+        config, specs = _build(model, hf_config, config, impl, staging, weights, console, head)
         if output.exists():
             shutil.rmtree(output)
         staging.rename(output)
@@ -118,7 +126,7 @@ def export(
 
 
 def _checked_config(
-    model, hf_config, impl, options: dict, backend: str, instance_type, weights: str, console
+    model, hf_config, impl, options: dict, backend: str, instance_type, weights: str, console, head=None
 ) -> NeuronConfig:
     """The export's NeuronConfig: the checkpoint's quantization, KV scales
     and shapes checked against the options before any work, with what the export drops and
@@ -128,12 +136,15 @@ def _checked_config(
     config = NeuronConfig(
         **options
         | _quantization_fields(model, source, spec, options, weights)
-        | _kv_scales(model, hf_config, options),
+        | _kv_scales(model, hf_config, options)
+        | (head_fields(head, checkpoint_folder(model) if weights == "stream" else None) if head else {}),
         backend=backend,
         **impl.host_fields(instance_type),
         model_type=spec.model_type,
     )
     _check_shapes(hf_config, config)
+    if head is not None:
+        fitting_spec(head.config, config, spec)  # refuses a head that does not fit, before any work
     for note in dropped_notes(source, config.dtype, config.kv_cache_dtype):
         console.print(f"[yellow]warning[/]: {note}")
     ShardLayout.of(spec, config.tp_degree)  # refuses a tp degree the heads cannot split by
@@ -146,12 +157,14 @@ def _checked_config(
     return config
 
 
-def _build(model, hf_config, config: NeuronConfig, impl, staging: Path, weights: str, console):
+def _build(model, hf_config, config: NeuronConfig, impl, staging: Path, weights: str, console, head=None):
     """Every export file into `staging`: tokenizer and HF files, weights, graphs, the config
     with the files' digests, the model card -> (the config as compiled, the graph specs)."""
     _save_hf_files(model, hf_config, staging)  # a source without a usable tokenizer stops here
+    if head is not None:
+        save_head(head, staging)
     with console.status(f"loading weights of {model}"):
-        decoder = _export_weights(model, hf_config, config, impl, staging, weights, console)
+        decoder = _export_weights(model, hf_config, config, impl, staging, weights, console, head)
     specs = graph_specs(config)
     if config.quantization:
         console.print(quantization_summary(decoder, config))
@@ -204,7 +217,7 @@ def quantization_summary(decoder: DecoderModel, config: NeuronConfig) -> str:
     saved, tp = (full - stored) / config.tp_degree, config.tp_degree
     blocks = ""
     if not decoder.kv.whole_sequence_blocks:
-        caches = [getattr(decoder, n) for n in decoder.cache_names()]
+        caches = [getattr(decoder, n) for n in decoder.cache_names() if "_cache" in n]  # KV, not aux states
         per_head = (
             sum(c.numel() * c.element_size() for c in caches)
             / decoder.kv.num_blocks
@@ -316,7 +329,14 @@ def _check_shapes(hf_config, config: NeuronConfig) -> None:
 
 
 def _export_weights(
-    model: str, hf_config, config: NeuronConfig, impl: Backend, out: Path, weights: str, console: Console
+    model: str,
+    hf_config,
+    config: NeuronConfig,
+    impl: Backend,
+    out: Path,
+    weights: str,
+    console: Console,
+    head=None,
 ) -> DecoderModel:
     """Write the export's weight files; returns the decoder the backend compiles from. Streamed,
     it holds real weights only where compiling needs them: eager and xla compile nothing; the
@@ -326,17 +346,14 @@ def _export_weights(
     the file written here before NxD traces."""
     folder = checkpoint_folder(model) if weights == "stream" else None
     source = source_quantization(hf_config)
+    family, kernels = family_spec(hf_config), impl.kernels(config)
+    eagle3 = fitting_spec(head.config, config, family) if head is not None else None
+    head_state = head_weights(head, eagle3) if head is not None else None
     if folder is not None:
-        decoder = model_from_spec(family_spec(hf_config), config, kernels=impl.kernels(config), device="meta")
+        decoder = model_from_spec(family, config, kernels=kernels, device="meta", eagle3=eagle3)
         try:
             stream_weights(
-                folder,
-                hf_config,
-                config,
-                decoder,
-                *impl.stream_targets(config),
-                out,
-                source,
+                folder, hf_config, config, decoder, *impl.stream_targets(config), out, source, head_state
             )
         except StreamUnsupportedError as e:
             if source is not None and source.fp8:
@@ -348,8 +365,8 @@ def _export_weights(
         console.print(
             "[yellow]warning[/]: no safetensors checkpoint: loading the whole model with transformers."
         )
-    decoder = build_model(hf_config, config, kernels=impl.kernels(config))
-    decoder.load_weights(decoder.weights_from_hf(_load_hf_model(model, hf_config, config)))
+    decoder = build_model(hf_config, config, kernels=kernels, eagle3=eagle3)
+    decoder.load_weights(decoder.weights_from_hf(_load_hf_model(model, hf_config, config), head=head_state))
     impl.save_weights(decoder, config, out)
     return decoder
 

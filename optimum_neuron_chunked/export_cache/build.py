@@ -55,7 +55,7 @@ def cached_export(
 
     options = resolved_options(options)
     backend = get_backend(options["backend"])
-    key = EntryKey(source_identity(model, revision), _jsonable(options), backend.toolchain())
+    key = EntryKey(sources(model, revision, options), _jsonable(options), backend.toolchain())
     instance = options.pop("instance_type", None)
     options.pop("cpu_isa", None)  # decided again by the exporting host: the same one
 
@@ -66,6 +66,15 @@ def cached_export(
         export(source, out, console=console, instance_type=instance, **options)
 
     return find_or_build(key, build, log)
+
+
+def sources(model: str, revision: str | None, options: dict) -> dict:
+    """The identity of what the export reads: the checkpoint, and an EAGLE3 head
+    (--speculation-head, a folder or Hub id) by its own content or commit - its path alone
+    would keep a stale entry when the head changes."""
+    source = source_identity(model, revision)
+    head = options.get("speculation_head")
+    return source | {"speculation_head": source_identity(head)} if head else source
 
 
 def _jsonable(options: dict) -> dict:

@@ -1,9 +1,12 @@
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from ..config import NeuronConfig
 from .decoder import DecoderModel
+from .eagle3 import Eagle3Spec, aux_rows
 from .family import SUPPORTED_ARCHITECTURES, FamilySpec, UnsupportedArchitectureError, family_spec
 from .kernels import Kernels
 from .kv_layout import KVLayout
@@ -17,12 +20,13 @@ def build_model(
     layers=None,
     functional_cache: bool = False,
     kernels: Kernels | None = None,
+    eagle3: Eagle3Spec | None = None,
 ) -> DecoderModel:
     """An empty decoder (zero KV cache, uninitialised weights) shaped by the export config.
 
     `layers` is the layer factory (parallel.py); plain torch layers by default.
     """
-    return model_from_spec(family_spec(hf_config), config, layers, functional_cache, kernels)
+    return model_from_spec(family_spec(hf_config), config, layers, functional_cache, kernels, eagle3=eagle3)
 
 
 def model_from_spec(
@@ -32,11 +36,16 @@ def model_from_spec(
     functional_cache: bool = False,
     kernels: Kernels | None = None,
     device: str = "cpu",
+    eagle3: Eagle3Spec | None = None,
 ) -> DecoderModel:
     """The one place an export config shapes a decoder: cache rings or blocks, dtype, and how it computes
     (`kernels`: the backend's strategy, Backend.kernels; the reference unless given). `device`
     "meta": the names, shapes and dtypes alone (a streamed export holds no weights it does not
-    need)."""
+    need). `eagle3`: the head of an export with --speculation-head (modeling/eagle3.py)."""
+    if bool(config.speculation_head) != (eagle3 is not None):
+        raise ValueError(f"speculation_head {config.speculation_head!r} and the head given {eagle3} disagree")
+    if eagle3 is not None:
+        eagle3 = replace(eagle3, aux_rows=aux_rows(config))
     with torch.device(device):
         return DecoderModel(
             spec,
@@ -46,6 +55,7 @@ def model_from_spec(
             kernels,
             QuantSpec.of(config),
             LoraSpec.of(config),
+            eagle3,
         )
 
 
@@ -56,6 +66,7 @@ def torch_dtype(config: NeuronConfig) -> torch.dtype:
 __all__ = [
     "SUPPORTED_ARCHITECTURES",
     "DecoderModel",
+    "Eagle3Spec",
     "FamilySpec",
     "KVLayout",
     "Kernels",

@@ -29,12 +29,14 @@ class Attention(nn.Module):
         use_rope: bool = True,
         local_rope: bool = False,
         lora: LoraSpec | None = None,
+        input_size: int | None = None,  # EAGLE3's head: 2 * hidden (modeling/eagle3.py)
     ):
         super().__init__()
         self.kernels = kernels
         self.use_rope = use_rope
         self.local_rope = local_rope  # gemma3's sliding layers: the local rotary (GraphPart.rotaries)
         d, hidden = spec.head_dim, spec.hidden_size
+        width = input_size or hidden
         self.spec = AttentionSpec(
             num_heads=layout.heads_per_rank,
             num_kv_heads=layout.kv_heads_per_rank,
@@ -43,18 +45,18 @@ class Attention(nn.Module):
             sliding_window=sliding_window,
             sinks=spec.attention_sinks,
         )
-        self.q_proj = layers.column(hidden, layout.num_heads * d, bias=spec.qkv_bias)
-        self.k_proj = layers.column(hidden, layout.kv_heads * d, bias=spec.qkv_bias)
-        self.v_proj = layers.column(hidden, layout.kv_heads * d, bias=spec.qkv_bias)
+        self.q_proj = layers.column(width, layout.num_heads * d, bias=spec.qkv_bias)
+        self.k_proj = layers.column(width, layout.kv_heads * d, bias=spec.qkv_bias)
+        self.v_proj = layers.column(width, layout.kv_heads * d, bias=spec.qkv_bias)
         self.o_proj = layers.row(layout.num_heads * d, hidden, bias=spec.o_bias)
         q_out, kv_out = layout.num_heads * d, layout.kv_heads * d
         self.lora = lora_slots(
             lora,
             layers,
             {
-                "q_proj": (hidden, q_out),
-                "k_proj": (hidden, kv_out),
-                "v_proj": (hidden, kv_out),
+                "q_proj": (width, q_out),
+                "k_proj": (width, kv_out),
+                "v_proj": (width, kv_out),
                 "o_proj": (q_out, hidden),
             },
         )

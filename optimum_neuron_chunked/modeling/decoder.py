@@ -8,8 +8,11 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
+from . import eagle3 as eagle3_head
 from .attention import Attention
+from .eagle3 import Eagle3Spec
 from .family import FamilySpec
+from .hf_state import rotary_buffer, split_fused_projections
 from .kernels import GraphPart, Kernels
 from .kv_cache import KVCache
 from .kv_layout import KVLayout
@@ -130,6 +133,9 @@ class DecoderModel(nn.Module):
 
     `quantization`: the projections stored quantized (quantization.py), built by the layer
     factory's `quantized`.
+
+    `eagle3`: an EAGLE3 head (modeling/eagle3.py) as submodule `draft`, built after quantization
+    (never quantized), with its KV pool and the aux states every graph call leaves behind.
     """
 
     def __init__(
@@ -141,6 +147,7 @@ class DecoderModel(nn.Module):
         kernels: Kernels | None = None,
         quantization: QuantSpec | None = None,
         lora: LoraSpec | None = None,
+        eagle3: Eagle3Spec | None = None,
     ):
         super().__init__()
         self.kernels = kernels or Kernels()
@@ -174,6 +181,9 @@ class DecoderModel(nn.Module):
         # after the cast to the model dtype, which would cast fp8 weights too
         self.quantization = quantization
         self.quantized_modules = quantize_modules(self, quantization, layers) if quantization else []
+        self.eagle3 = eagle3
+        if eagle3 is not None:
+            eagle3_head.attach_head(self, eagle3, layers)
 
     def weight_names(self) -> list[str]:
         """Names of the stored weights: every tensor once, under the first name it has (adapter
@@ -226,7 +236,8 @@ class DecoderModel(nn.Module):
         return {k: v.detach() for k, v in named.items()}
 
     def cache_names(self) -> list[str]:
-        return [f"{kv}_cache_{i}" for i in range(self.spec.num_layers) for kv in ("k", "v")]
+        layers = [f"{kv}_cache_{i}" for i in range(self.spec.num_layers) for kv in ("k", "v")]
+        return layers + eagle3_head.draft_cache_names(self)
 
     def hidden_states(
         self,
@@ -277,11 +288,18 @@ class DecoderModel(nn.Module):
             )
             for p in parts
         )
+        aux_ids, aux = self.eagle3.aux_layer_ids if self.eagle3 is not None else (), []
         for i, layer in enumerate(self.model.layers):
+            if i in aux_ids:  # EAGLE3's id k: the residual stream entering layer k
+                aux.append(x)
             x, cache = layer(x, graph_parts, self.layer_cache(i), lora_mask)
             if self.functional_cache:
                 setattr(self, f"k_cache_{i}", cache.keys)
                 setattr(self, f"v_cache_{i}", cache.values)
+        if len(self.model.layers) in aux_ids:  # id L: after the last layer, before the norm
+            aux.append(x)
+        if aux:
+            eagle3_head.keep_aux_states(self, torch.cat(aux, -1)[0])
         hidden = self.model.norm(x)[0]
         sizes = [p.tokens for p in graph_parts]
         return tuple(
@@ -312,6 +330,10 @@ class DecoderModel(nn.Module):
             if self.functional_cache:
                 setattr(self, f"k_cache_{i}", cache.keys)
                 setattr(self, f"v_cache_{i}", cache.values)
+        if self.eagle3 is not None:  # the head's K/V of a cached prefix too
+            eagle3_head.keep_draft_cache(
+                self, eagle3_head.draft_cache(self).copy(position_ids, blocks[:1], blocks[1:])
+            )
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head(hidden)[..., : self.spec.vocab_size]  # drop the vocabulary padding
@@ -324,8 +346,9 @@ class DecoderModel(nn.Module):
         state = self.state_dict()
         return {name: state[name] for name in [*self.weight_names(), *self._tied_names()]}
 
-    def full_weights_from_hf(self, hf_model: nn.Module) -> dict[str, torch.Tensor]:
-        """The unsharded checkpoint in this module's names, lm_head included even when tied."""
+    def full_weights_from_hf(self, hf_model: nn.Module, head: dict | None = None) -> dict[str, torch.Tensor]:
+        """The unsharded checkpoint in this module's names, lm_head included even when tied;
+        `head`: an EAGLE3 head's weights (eagle3.head_state)."""
         hf_state = hf_model.state_dict()
         if self.spec.fused_projections:
             hf_state = split_fused_projections(hf_state, self.spec)
@@ -337,7 +360,9 @@ class DecoderModel(nn.Module):
         for name in self.weight_names() + ["lm_head.weight"]:
             if name in quantized:
                 continue
-            if name.startswith("model.rotary_emb"):
+            if name.startswith(f"{eagle3_head.DRAFT}."):
+                state[name] = head[name]
+            elif name.startswith("model.rotary_emb"):
                 buffer = rotary_buffer(hf_model, *name.split(".")[1:])
                 state[name] = buffer if buffer is not None else self.state_dict()[name].clone()
             elif name == "lm_head.weight" and self.spec.tie_word_embeddings:
@@ -346,50 +371,11 @@ class DecoderModel(nn.Module):
                 state[name] = hf_state[name]
         return state
 
-    def weights_from_hf(self, hf_model: nn.Module, rank: int = 0) -> dict[str, torch.Tensor]:
+    def weights_from_hf(self, hf_model: nn.Module, rank: int = 0, head: dict | None = None) -> dict:
         """State dict for this module (rank `rank`'s shard) from a transformers model of its family."""
-        return self.rank_weights(self.full_weights_from_hf(hf_model), rank)
+        return self.rank_weights(self.full_weights_from_hf(hf_model, head), rank)
 
     def rank_weights(self, full: dict[str, torch.Tensor], rank: int = 0) -> dict[str, torch.Tensor]:
         """This rank's shard of an unsharded checkpoint (the checkpoint itself at tp 1)."""
         shard = rank_shard(tp_checkpoint(full, self.layout), self.layout.tp_degree, rank)
         return {name: shard[name] for name in self.weight_names()}
-
-
-def rotary_buffer(hf_model: nn.Module, module: str, which: str) -> torch.Tensor | None:
-    """inv_freq or attention_scaling of our rotary `module` (rotary_emb, or gemma3's
-    rotary_emb_local) from the HF model: gemma3 under transformers 5.x keeps one set per layer
-    type in `rotary_emb`; 4.57 has a second module `rotary_emb_local`."""
-    rotary = hf_model.model.rotary_emb
-    layer_type = "sliding_attention" if module == "rotary_emb_local" else "full_attention"
-    if layer_type not in getattr(rotary, "layer_types", [layer_type]):
-        return None  # 5.x: no layer of this type, so no layer reads this rotary
-    if hasattr(rotary, f"{layer_type}_inv_freq"):
-        inv_freq = getattr(rotary, f"{layer_type}_inv_freq")
-        scaling = getattr(rotary, f"{layer_type}_attention_scaling", 1.0)
-    else:
-        rotary = getattr(hf_model.model, module)
-        inv_freq, scaling = rotary.inv_freq, getattr(rotary, "attention_scaling", 1.0)
-    if which == "inv_freq":
-        return inv_freq.detach().clone()
-    return torch.tensor(float(scaling))
-
-
-def split_fused_projections(hf_state: dict[str, torch.Tensor], spec: FamilySpec) -> dict[str, torch.Tensor]:
-    """phi3's qkv_proj ([q; k; v] rows) and gate_up_proj ([gate; up] rows, Phi3MLP chunks the
-    output in two) as the separate projections this decoder holds (and shards)."""
-    q_rows, kv_rows = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
-    state = dict(hf_state)
-    for name in [n for n in hf_state if n.endswith(("qkv_proj.weight", "gate_up_proj.weight"))]:
-        fused, prefix = state.pop(name), name.rsplit(".", 2)[0]
-        if name.endswith("qkv_proj.weight"):
-            q, k, v = fused.split([q_rows, kv_rows, kv_rows])
-            state |= {
-                f"{prefix}.q_proj.weight": q,
-                f"{prefix}.k_proj.weight": k,
-                f"{prefix}.v_proj.weight": v,
-            }
-        else:
-            gate, up = fused.chunk(2)
-            state |= {f"{prefix}.gate_proj.weight": gate, f"{prefix}.up_proj.weight": up}
-    return state

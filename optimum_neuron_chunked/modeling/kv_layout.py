@@ -189,6 +189,7 @@ class KVLayout:
     dtype: torch.dtype  # the compute dtype
     fp8: bool = False  # --kv-cache-dtype fp8: the pool holds float8 e4m3 (KVStorage)
     scales: tuple[tuple[float, float], ...] = ()  # per layer (K, V); () = 1.0
+    eagle3: bool = False  # an EAGLE3 head's layer beside the target's (`draft`)
 
     @classmethod
     def of(cls, config: NeuronConfig, spec) -> KVLayout:
@@ -203,7 +204,10 @@ class KVLayout:
         )
         fp8 = config.kv_cache_dtype == "fp8"
         dtype = getattr(torch, config.dtype)
-        return cls(pool, lengths, spec.num_kv_heads, spec.head_dim, dtype, fp8, config.kv_cache_scales)
+        return cls(
+            pool, lengths, spec.num_kv_heads, spec.head_dim, dtype, fp8, config.kv_cache_scales,
+            bool(config.speculation_head),
+        )  # fmt: skip
 
     def storage(self, i: int) -> KVStorage:
         """Layer i's K / V storage."""
@@ -212,6 +216,17 @@ class KVLayout:
     @property
     def pool_dtype(self) -> torch.dtype:
         return self.storage(0).pool_dtype
+
+    @property
+    def draft(self) -> LayerKV:
+        """The EAGLE3 head's one layer (modeling/eagle3.py): full attention in the same blocks,
+        addressed by the target's tables (its KV heads and head_dim are the target's)."""
+        return LayerKV(self.block_size, None, self.whole_sequence_blocks)
+
+    @property
+    def draft_storage(self) -> KVStorage:
+        """The head's K / V storage: an fp8 pool stores them at scale 1 (no checkpoint scales)."""
+        return KVStorage(self.dtype, self.fp8)
 
     @property
     def num_blocks(self) -> int:
@@ -282,6 +297,7 @@ class KVLayout:
 
     @property
     def bytes_per_block(self) -> int:
-        """K and V of one block, every layer."""
+        """K and V of one block, every layer (an EAGLE3 head's too)."""
         positions = sum(self.layer(i).block_size for i in range(self.num_layers))
+        positions += self.draft.block_size if self.eagle3 else 0
         return 2 * positions * self.num_kv_heads * self.head_dim * self.pool_dtype.itemsize

@@ -157,10 +157,13 @@ def tp_checkpoint(full: dict[str, torch.Tensor], layout: ShardLayout) -> dict[st
         if replicated and name.endswith(kv_tensors):  # block-wise scales: head_dim / block rows a head
             per_head = tensor.view(layout.num_kv_heads, -1, *tensor.shape[1:])
             out[name] = per_head.index_select(0, source).reshape(-1, *tensor.shape[1:])  # float8 too
-    lm_head = out.get("lm_head.weight")  # absent when a streamed export converts other tensors
-    missing = 0 if lm_head is None else layout.padded_vocab - lm_head.shape[0]
-    if missing:
-        out["lm_head.weight"] = torch.cat([lm_head, lm_head.new_zeros(missing, lm_head.shape[1])])
+    # the target's lm_head (absent when a streamed export converts other tensors), and an EAGLE3
+    # head's over its draft vocabulary (draft.lm_head.weight)
+    for name in [n for n in out if n.endswith("lm_head.weight")]:
+        lm_head = out[name]
+        missing = ceil_div(lm_head.shape[0], layout.tp_degree) * layout.tp_degree - lm_head.shape[0]
+        if missing:
+            out[name] = torch.cat([lm_head, lm_head.new_zeros(missing, lm_head.shape[1])])
     return out
 
 

@@ -194,6 +194,12 @@ class BatchState:
             )
         return work
 
+    def token_at(self, req_id: str, position: int) -> int:
+        """The known token (prompt, then output) of a request at `position`."""
+        state = self.requests[req_id]
+        prompt = state.prompt_token_ids
+        return prompt[position] if position < len(prompt) else state.output_token_ids[position - len(prompt)]
+
     def append_tokens(self, tokens: dict[str, list[int]]) -> None:
         """Record the tokens each request emitted (output lists are mutated in place: InputBatch
         holds them)."""

@@ -158,3 +158,51 @@ def cap_scheduled_tokens(scheduler_config, budget: int) -> None:
     0.16.0 has no such field."""
     if getattr(scheduler_config, "max_num_scheduled_tokens", None) is not None:
         scheduler_config.max_num_scheduled_tokens = budget
+
+
+# vllm/config/speculative.py: drafting options that change what a proposer does, with their
+# defaults. 0.32 has draft_sample_method, rejection_sample_method and
+# num_speculative_tokens_per_batch_size; 0.16.0 has none of them; both have parallel_drafting and
+# disable_padded_drafter_batch.
+DRAFTING_DEFAULTS = {
+    "draft_sample_method": "greedy",
+    "rejection_sample_method": "standard",
+    "parallel_drafting": False,
+    "disable_padded_drafter_batch": False,
+    "num_speculative_tokens_per_batch_size": None,
+}
+
+
+def drafting_options(spec) -> tuple[str, ...]:
+    """`name=value` of each drafting option of vLLM's SpeculativeConfig `spec` away from its
+    default (DRAFTING_DEFAULTS). 0.16.0's `speculative_token_tree` is filled with the chain of
+    num_speculative_tokens when not given (config/speculative.py `__post_init__`): only another
+    tree counts; 0.32 has no trees."""
+    given = [
+        f"{name}={getattr(spec, name)!r}"
+        for name, default in DRAFTING_DEFAULTS.items()
+        if getattr(spec, name, default) != default
+    ]
+    tree = getattr(spec, "speculative_token_tree", None)
+    if tree is not None and tree != str([(i + 1) * (0,) for i in range(spec.num_speculative_tokens)]):
+        given.append(f"speculative_token_tree={tree!r}")
+    return tuple(given)
+
+
+def eagle_block_drop(spec) -> bool:
+    """Whether vLLM's prefix cache drops a request's trailing cached block for `spec`: 0.32's
+    `SpeculativeConfig.use_eagle_block_drop()` (eagle methods unless disable_eagle_block_drop,
+    v1/core/kv_cache_coordinator.py); 0.16.0 drops it for every eagle method
+    (v1/core/single_type_kv_cache_manager.py `use_eagle`)."""
+    if spec is None:
+        return False
+    if hasattr(spec, "use_eagle_block_drop"):
+        return bool(spec.use_eagle_block_drop())
+    return bool(spec.use_eagle())
+
+
+# vllm/v1/core/sched/scheduler.py: 0.16.0 reserves no lookahead slots for a request admitted
+# with nothing computed (`effective_lookahead_tokens = 0 if request.num_computed_tokens == 0`);
+# 0.32 does, unless its KV arrives asynchronously. The EAGLE3 chain after a first chunk writes
+# into those slots.
+FIRST_CHUNK_HAS_LOOKAHEAD = not VERSION.startswith("0.16.")

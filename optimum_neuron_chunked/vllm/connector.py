@@ -29,7 +29,7 @@ from vllm.logger import init_logger
 from vllm.v1.request import RequestStatus
 
 from .block_assignment import BlockAssignment
-from .compat import adapter_cache_key
+from .compat import adapter_cache_key, eagle_block_drop
 from .prefix_index import BlockCopy, PrefixHit, PrefixIndex, common_prefix_length, worth_waiting
 
 logger = init_logger(f"vllm.{__name__}")
@@ -93,7 +93,7 @@ class SchedulerSideConnector(KVConnectorBase_V1):
 class PrefixCopyConnector(SchedulerSideConnector):
     def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
-        self.index = PrefixIndex(min_hit=MIN_HIT_TOKENS)
+        self.index = PrefixIndex(MIN_HIT_TOKENS, drop=int(eagle_block_drop(vllm_config.speculative_config)))
         # a wait must save at least a chunk's worth of prefill (the per-request share of a step)
         self.min_wait_gain = vllm_config.scheduler_config.long_prefill_token_threshold or MIN_HIT_TOKENS
         self._promised: dict[str, PrefixHit] = {}  # request id -> hit, until allocation

@@ -10,7 +10,8 @@ flags against it.
                              one worker drives every NeuronCore of the export
   --quantization fp8         quantization fp8: weight-only, per output channel (not vLLM's W8A8);
                              one vLLM read from an FP8 checkpoint's config is the checkpoint's
-  --speculative-config       ngram with K tokens: speculation_length K
+  --speculative-config       ngram with K tokens: speculation_length K; eagle3 with a head
+                             `model` and K tokens: speculation_head HEAD, speculation_length K
   --kv-cache-dtype fp8       kv_cache_dtype fp8 (fp8_e4m3 the same; auto or the export's dtype:
                              no change; vLLM's other values refused by name)
   --enable-lora              max_loras, max_lora_rank, lora_target_modules from --max-loras,
@@ -34,6 +35,7 @@ FROM_FLAGS = {
     "dtype": "--dtype",
     "tp_degree": "--tensor-parallel-size",
     "speculation_length": "--speculative-config",
+    "speculation_head": "--speculative-config",
     "kv_cache_dtype": "--kv-cache-dtype",
 }
 # keys vLLM writes into additional_config itself (vllm/engine/arg_utils.py, 0.32)
@@ -88,8 +90,10 @@ def export_options(vllm_config, request: EngineRequest) -> tuple[dict, NeuronCon
             f"--tensor-parallel-size {options['tp_degree']} shards the export across NeuronCores: the "
             f"{options['backend']} backend runs on one process; drop the flag."
         )
-    check_speculative_method(request.speculative_method)
+    check_speculative_method(request.speculative_method, request.speculative_options)
     options["speculation_length"] = request.speculative_tokens if request.speculative_method else 0
+    if request.speculative_method == "eagle3":  # vLLM refuses eagle3 without a model itself
+        options["speculation_head"] = request.speculative_head
     kv_dtype = kv_cache_dtype_option(vllm_config.cache_config.cache_dtype, request.dtype)
     if kv_dtype is not None:
         options["kv_cache_dtype"] = kv_dtype

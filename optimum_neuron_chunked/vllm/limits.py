@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 from ..config import NeuronConfig, ceil_div
 from ..modeling.kv_layout import KVPool
+from .compat import FIRST_CHUNK_HAS_LOOKAHEAD
 from .kv_blocks import pool_blocks, vllm_num_blocks
 
 
@@ -38,6 +39,8 @@ class EngineRequest:
     num_gpu_blocks_override: int | None = None
     speculative_method: str | None = None  # --speculative-config's method (None: no speculation)
     speculative_tokens: int = 0  # its num_speculative_tokens
+    speculative_head: str | None = None  # its model: eagle3's head
+    speculative_options: tuple[str, ...] = ()  # its drafting options away from vLLM's defaults
 
 
 @dataclass(frozen=True)
@@ -62,28 +65,45 @@ def full_chunk_budget(chunk: int, max_num_seqs: int, tokens_per_decode: int = 1)
     return ceil_div(chunk + (max_num_seqs - 1) * tokens_per_decode, chunk) * chunk
 
 
-SPECULATIVE_METHODS = ("ngram",)
+SPECULATIVE_METHODS = ("ngram", "eagle3")
 # Scheduler settings --additional-config gives exactly: vLLM cannot tell them from its defaults
 # (platform._engine_request); they are not export options (export_options.py).
 EXACT_FLAGS = ("max_num_batched_tokens", "max_num_seqs")
+NGRAM = '{"method": "ngram", "num_speculative_tokens": K}'
+EAGLE3 = '{"method": "eagle3", "model": HEAD, "num_speculative_tokens": K}'
 
 
-def check_speculative_method(method: str | None) -> None:
-    """Refuse a --speculative-config method the runner cannot draft with (None: no speculation)."""
+def check_speculative_method(method: str | None, options: tuple[str, ...] = ()) -> None:
+    """Refuse a --speculative-config method the runner cannot draft with (None: no speculation),
+    or drafting options it does not follow (`options`: compat.drafting_options)."""
     if method not in (None, *SPECULATIVE_METHODS):
         raise ServingConfigError(
             f"--speculative-config method {method!r} is not supported: the runner drafts with vLLM's "
-            f'n-gram proposer only; pass \'{{"method": "ngram", "num_speculative_tokens": K}}\'.'
+            f"n-gram proposer ({NGRAM}) or an EAGLE3 head compiled into the export ({EAGLE3})."
+        )
+    if method is not None and options:
+        raise ServingConfigError(
+            f"--speculative-config {', '.join(options)} is not supported: drafts here are greedy "
+            "chains of num_speculative_tokens, verified by vLLM's standard rejection rule (its padded "
+            "drafter batch); drop it."
         )
 
 
 def check_speculation(config: NeuronConfig, request: EngineRequest) -> int:
     """Tokens a decode row carries: 1, or 1 + K when --speculative-config asks for a method the
-    runner serves (vLLM's model-free n-gram proposer) within the export's verify graphs."""
+    runner serves (vLLM's n-gram proposer, or the export's EAGLE3 head) within the export's
+    verify graphs."""
     method, k = request.speculative_method, request.speculative_tokens
-    check_speculative_method(method)
+    check_speculative_method(method, request.speculative_options)
     if method is None:
         return 1
+    if method == "eagle3" and not config.speculation_head:
+        raise ServingConfigError(
+            "--speculative-config method 'eagle3' drafts with the export's EAGLE3 head, and this "
+            "export has none: re-export with --speculation-head HEAD --speculation-length K (the export "
+            "keeps the head's config in eagle3_head/, the speculative_config model to pass), or serve "
+            "the source checkpoint with this --speculative-config: it is exported with the head."
+        )
     if not 1 <= k <= config.speculation_length:
         served = (
             f"num_speculative_tokens <= {config.speculation_length}"
@@ -96,6 +116,40 @@ def check_speculation(config: NeuronConfig, request: EngineRequest) -> int:
             f"or re-export with --speculation-length {max(k, 1)}."
         )
     return 1 + k
+
+
+def check_head_chain(config: NeuronConfig, k: int, max_model_len: int) -> None:
+    """Paged exports with an EAGLE3 head: the chain a draft call runs after a row writes the head's
+    K/V up to K - 1 positions past the row's last token (K compiled; modeling/eagle3.propose),
+    into blocks vLLM allocated for k lookahead slots past the scheduled tokens, capped at
+    max_model_len (v1/core/kv_cache_manager.py allocate_slots, 0.32), while a row's tokens end
+    at max_model_len - 2 (v1/core/sched/scheduler.py). Whole-sequence blocks hold every position."""
+    pool, compiled = KVPool.of(config), config.speculation_length
+    if pool.whole_sequence_blocks:
+        return
+    if not FIRST_CHUNK_HAS_LOOKAHEAD:
+        raise ServingConfigError(
+            f"--speculative-config method 'eagle3' on an export of {pool.block_size}-token KV blocks "
+            "(--kv-block-size) is not supported on vLLM 0.16.0: its scheduler reserves no lookahead "
+            "slots for a request's first chunk, where the head's chain writes; serve an export of "
+            "whole-sequence blocks (no --kv-block-size), or use vLLM 0.32."
+        )
+    if k < compiled - 1:
+        raise ServingConfigError(
+            f"--speculative-config num_speculative_tokens {k}: the export's head drafts a chain of "
+            f"{compiled} (--speculation-length), writing {compiled - 1} positions past a row into "
+            f"blocks vLLM reserves num_speculative_tokens lookahead slots for; with "
+            f"{pool.block_size}-token KV blocks pass {compiled - 1} or {compiled}."
+        )
+    last = min(config.sequence_length - 1, max_model_len + compiled - 3)
+    held = pool.blocks_holding(max_model_len) * pool.block_size
+    if last >= held:
+        raise ServingConfigError(
+            f"--max-model-len {max_model_len}: the head's chain writes up to position {last}, past "
+            f"the {pool.block_size}-token KV blocks vLLM allocates for {max_model_len} positions "
+            f"(positions < {held}); pass --max-model-len {config.sequence_length} (the export's), or "
+            f"one at most {held - compiled + 2}."
+        )
 
 
 def serving_limits(config: NeuronConfig, request: EngineRequest) -> ServingLimits:
@@ -118,6 +172,8 @@ def serving_limits(config: NeuronConfig, request: EngineRequest) -> ServingLimit
             f"pass --max-num-seqs {config.batch_size} or less, or re-export with --batch_size {max_num_seqs}."
         )
     chunk, per_decode = config.prefill_chunk_size, check_speculation(config, request)
+    if request.speculative_method == "eagle3":
+        check_head_chain(config, request.speculative_tokens, max_model_len)
     if request.max_num_batched_tokens is not None:
         budget = request.max_num_batched_tokens
     elif config.chunked:

@@ -19,11 +19,12 @@ from ..config import NeuronConfig
 from ..export_folder import ExportCapabilities, check_export
 from ..hub import is_export, resolve_export
 from ..modeling.kv_layout import KVPool, PrefixCache
-from .compat import cap_scheduled_tokens
+from .compat import cap_scheduled_tokens, drafting_options
 from .export_options import check_export_keys, describe_export, export_options
 from .features import refuse_unsupported
 from .limits import EXACT_FLAGS, EngineRequest, ServingConfigError, serving_limits
 from .lora_flags import fit_lora
+from .speculation_head import check_head
 
 logger = init_logger(f"vllm.{__name__}")  # under vLLM's configured logger
 
@@ -100,7 +101,8 @@ class NeuronChunkedPlatform(Platform):
         if model_config is None:
             return
         refuse_unsupported(vllm_config)  # before any work, an export included
-        export = check_export(_export_folder(vllm_config))
+        folder = _export_folder(vllm_config)
+        export = check_export(folder)
         check_export_keys(export, vllm_config)
         adapters = fit_lora(vllm_config, export)
         _one_worker_drives_every_core(vllm_config.parallel_config)
@@ -109,6 +111,8 @@ class NeuronChunkedPlatform(Platform):
         check_serving_host(export, vllm_config.parallel_config)  # each worker takes its devices
         request = _engine_request(vllm_config, export)
         limits = serving_limits(export, request)
+        if request.speculative_method == "eagle3":
+            check_head(folder, export, request.speculative_head)
         _warn_if_read_as_default(vllm_config, request, limits)
         _fit_engine(vllm_config, limits)
         caching = _set_prefix_caching(vllm_config, export)
@@ -243,6 +247,8 @@ def _engine_request(vllm_config, export: NeuronConfig | None) -> EngineRequest:
         num_gpu_blocks_override=vllm_config.cache_config.num_gpu_blocks_override,
         speculative_method=spec.method if spec is not None else None,
         speculative_tokens=spec.num_speculative_tokens if spec is not None else 0,
+        speculative_head=spec.model if spec is not None else None,
+        speculative_options=drafting_options(spec) if spec is not None else (),
     )
 
 

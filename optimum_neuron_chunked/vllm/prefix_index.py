@@ -62,10 +62,15 @@ class PrefixIndex:
     adapter is never a hit for another.
 
     `min_hit`: shorter common prefixes are not worth a copy call (a chat template's first
-    tokens); a hit always leaves the prompt's last token to compute, so that it samples."""
+    tokens); a hit always leaves the prompt's last token to compute, so that it samples.
+    `drop`: tokens a hit gives up after that cap - 1 with an EAGLE3 head, as vLLM's prefix cache
+    drops one hash unit of a hit for eagle (`hit_length -= min(alignment_tokens, block_size)`,
+    v1/core/single_type_kv_cache_manager.py, 0.32; hits here are token-granular): the head's K/V
+    at a hit's last position was written with the token that followed it in the source, which
+    may not follow it here, so that position is computed again."""
 
-    def __init__(self, min_hit: int):
-        self.min_hit = min_hit
+    def __init__(self, min_hit: int, drop: int = 0):
+        self.min_hit, self.drop = min_hit, drop
         self._held: dict[int, np.ndarray] = {}
         self._adapter: dict[int, Hashable] = {}
 
@@ -84,7 +89,7 @@ class PrefixIndex:
         prompt = np.asarray(prompt, dtype=np.int64)
         best = None
         for pool_block in self._held:
-            n = min(common_prefix_length(prompt, self.held(pool_block, adapter)), len(prompt) - 1)
+            n = min(common_prefix_length(prompt, self.held(pool_block, adapter)), len(prompt) - 1) - self.drop
             if n >= self.min_hit and (best is None or n > best.length):
                 best = PrefixHit(pool_block, n)
         return best

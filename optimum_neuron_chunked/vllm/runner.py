@@ -23,7 +23,7 @@ from .compat import host_sampler
 from .connector import PrefixCopies
 from .prompt_logprobs import add_chunk
 from .sampling import device_sampling_inputs, host_sample, on_device_eligible
-from .speculation import Drafter, RandomRow, accept_random, is_greedy, verifiable
+from .speculation import Drafter, HeadDrafter, RandomRow, accept_random, is_greedy, verifiable
 from .step_plan import StepPlan, describe, fuse_chunk, plan_step
 
 logger = init_logger(f"vllm.{__name__}")  # under vLLM's configured logger (VLLM_LOGGING_LEVEL)
@@ -65,13 +65,17 @@ class StepRunner:
         self.last_plan: StepPlan | None = None
         self._pending: tuple[SchedulerOutput, StepResult] | None = None
         spec = vllm_config.speculative_config
-        self.drafter = Drafter(vllm_config, spec.num_speculative_tokens) if spec is not None else None
+        eagle3 = spec is not None and spec.method == "eagle3"
+        self.head = HeadDrafter(graph_runner, spec.num_speculative_tokens) if eagle3 else None
+        self.drafter = Drafter(vllm_config, spec.num_speculative_tokens) if spec and not eagle3 else None
         self._drafts: dict[str, list[int]] = {}  # proposed after the last step, for the scheduler
         lora = vllm_config.lora_config
         self.adapters = AdapterManager(graph_runner, lora) if lora is not None else None
 
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput | None:
         self.batch.update(so)
+        if self.head is not None:  # the head drafts during the step's graph calls
+            self._drafts = {}
         if so.total_num_scheduled_tokens == 0:
             self.last_plan = None
             return EMPTY_MODEL_RUNNER_OUTPUT
@@ -153,7 +157,12 @@ class StepRunner:
         decodes = result.plan.decodes
         if not decodes:
             return
-        if any(d.drafts for d in decodes):  # else the TG graph: a step with no drafts costs no more
+        # With an EAGLE3 head every verifiable row verifies, drafts or not: the draft call after
+        # the VF call writes the head's K/V at the row's positions from the aux states the VF call
+        # leaves (draft calls follow CP or VF calls only); a TG step would leave a hole there that
+        # the head's later passes read. Else the TG graph: a step with no drafts costs no more.
+        head_rows = self.head is not None and any(self._verifiable(d.req_id) for d in decodes)
+        if head_rows or any(d.drafts for d in decodes):
             self._run_verify(result)
             return
         params = [self.batch.requests[d.req_id].sampling_params for d in decodes]
@@ -201,6 +210,26 @@ class StepRunner:
                 result.to_verify[d.req_id] = (list(d.drafts), logits[i, : len(d.drafts)])
             else:
                 result.host_logits[d.req_id] = logits[i, 0]
+        if self.head is not None:
+            self._sample_now(
+                result, [d.req_id for d, p in zip(decodes, params, strict=True) if verifiable(p)]
+            )
+            self._drafts |= self.head.after_verify(decodes, result.verified)
+
+    def _sample_now(self, result: StepResult, req_ids: list[str]) -> None:
+        """The tokens of the verifiable requests `req_ids` that the host samples (random rows:
+        the bonus token, then the rejection rule), sampled now rather than in sample_tokens: the
+        head's draft call must follow the graph call whose aux states it reads, and it drafts
+        from each row's next token. Verifiable requests have no structured output, so the
+        step's grammar bitmask is not needed."""
+        pending = {r: result.host_logits.pop(r) for r in req_ids if r in result.host_logits}
+        if not pending:
+            return
+        host, _ = host_sample(self.batch, self.sampler, pending)
+        result.verified |= {r: [t] for r, t in host.items() if r not in result.to_verify}
+        result.verified |= self._accept(host, result)
+        for r in pending:
+            result.to_verify.pop(r, None)
 
     def _run_chunks(self, result: StepResult) -> None:
         for chunk in result.plan.separate_chunks:
@@ -218,3 +247,21 @@ class StepRunner:
                     del self.batch.prompt_logprobs[chunk.req_id]
             if chunk.samples:
                 result.host_logits[chunk.req_id] = logits
+            if self.head is not None and self._verifiable(chunk.req_id):
+                self._draft_after_chunk(chunk, result)
+
+    def _draft_after_chunk(self, chunk, result: StepResult) -> None:
+        """The head's pass over a verifiable request's chunk, its tokens shifted by one: the next
+        prompt token last, or after the prompt's last chunk the token sampled from it (now: a
+        greedy row's argmax, as a verified row's, or _sample_now); only then are drafts kept
+        (vLLM ignores drafts for a prefill chunk: Scheduler.update_draft_token_ids)."""
+        req_id, end = chunk.req_id, chunk.start + len(chunk.token_ids)
+        if not chunk.samples:
+            self.head.after_chunk(chunk, self.batch.token_at(req_id, end))
+            return
+        if is_greedy(self.batch.requests[req_id].sampling_params):
+            logits = result.host_logits.pop(req_id)
+            result.verified[req_id] = [int(logits[: self.vocab_size].argmax())]
+        else:
+            self._sample_now(result, [req_id])
+        self._drafts[req_id] = self.head.after_chunk(chunk, result.verified[req_id][-1])

@@ -1,4 +1,5 @@
-"""Speculative decoding with vLLM's model-free n-gram proposer (prompt lookup) on verify graphs.
+"""Speculative decoding on verify graphs, drafted by vLLM's model-free n-gram proposer (prompt
+lookup) or by the export's EAGLE3 head on the device (HeadDrafter).
 
 A decode row carries its last token and up to K drafts; the verify graph scores all K + 1
 positions in one call (graphs.VerifyGraph), and this module turns its output into what each
@@ -92,4 +93,37 @@ class Drafter:
         )
         return {
             r: list(d) for r, d, s in zip(input_batch.req_ids, drafts, sampled, strict=True) if s and len(d)
+        }
+
+
+class HeadDrafter:
+    """The export's EAGLE3 head (vLLM's eagle3 method): each draft call runs right after the CP or
+    VF call whose aux states it reads (GraphRunner.draft_after_chunk / draft_after_verify),
+    so the runner knows the token that follows by then. `length`: num_speculative_tokens, at
+    most the compiled K the chain drafts."""
+
+    def __init__(self, graph_runner, length: int):
+        self.graph_runner, self.length = graph_runner, length
+
+    def after_chunk(self, chunk, next_token: int) -> list[int]:
+        """Drafts after prefill `chunk` (step_plan.PrefillChunk), `next_token` following it: the
+        next prompt token, or the one sampled after the prompt."""
+        shifted = torch.tensor([*chunk.token_ids[1:], next_token])
+        drafts = self.graph_runner.draft_after_chunk(shifted, chunk.start, chunk.blocks)
+        return drafts.tolist()[: self.length]
+
+    def after_verify(self, decodes, emitted: dict[str, list[int]]) -> dict[str, list[int]]:
+        """Drafts of the rows of the VF call just made (step_plan.DecodeRow) that `emitted` tokens
+        (accepted drafts, then the bonus or correction token). The call repeats every row of the
+        VF call: a row sampled later (not verifiable) passes its own token, its drafts unused."""
+        next_tokens, accepted = [], []
+        for d in decodes:
+            tokens = emitted.get(d.req_id, [d.token_id])
+            next_tokens.append(tokens[-1])
+            accepted.append(len(tokens) - 1)
+        drafts = self.graph_runner.draft_after_verify(self.graph_runner.last_verify, next_tokens, accepted)
+        return {
+            d.req_id: row[: self.length]
+            for d, row in zip(decodes, drafts.tolist(), strict=True)
+            if d.req_id in emitted
         }

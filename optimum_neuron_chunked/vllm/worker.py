@@ -60,10 +60,12 @@ class NeuronChunkedWorker(WorkerBase):
         # every position, or a ring in a whole-sequence block), so vLLM's block table is the export's.
         # A ring layer's block holds fewer positions than P: vLLM reads only the page size, and the
         # block count is the platform's (num_gpu_blocks_override), so no decision depends on it.
+        # An EAGLE3 head's layer is one more of the same KV heads and head_dim in the same blocks
+        # (kv_layout.KVLayout.draft; the core refuses heads of other shapes).
         kv = self.runner.capabilities.kv
         spec = FullAttentionSpec(
             block_size=self.cache_config.block_size,
-            num_kv_heads=kv.num_kv_heads * kv.num_layers,
+            num_kv_heads=kv.num_kv_heads * (kv.num_layers + kv.eagle3),
             head_size=kv.head_dim,
             dtype=kv.pool_dtype,  # what a block holds: fp8 exports count one byte a value
         )

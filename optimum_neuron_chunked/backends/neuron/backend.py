@@ -143,7 +143,12 @@ class NeuronBackend(Backend):
             if config.attention_kernel == "auto" and config.nki_attention:
                 config = self._without_refused_shapes(model.spec, config, target)
             sharded = model_from_spec(
-                model.spec, config, NxdLayers(tp), functional_cache=True, kernels=self.kernels(config)
+                model.spec,
+                config,
+                NxdLayers(tp),
+                functional_cache=True,
+                kernels=self.kernels(config),
+                eagle3=model.eagle3,
             )
             # rank 0's shard as save_weights wrote it: `model` may hold no weights (a streamed
             # export builds it on the meta device), and the shard is 1/tp of the model
