@@ -182,22 +182,27 @@ def recording_drafts(model) -> list:
     return seen
 
 
-@pytest.mark.slow
-def test_cpu_export_with_a_head_drafts_as_eager():
+def assert_drafts_as_eager(backend: str, shape: dict, seed: int, new_tokens: int) -> None:
+    """A head export on `backend` generates the tokens and drafts the drafts of the same export on eager."""
     head = head_folder(HEAD | {"draft_vocab_size": 128}, 8)
-    shape = SHAPE | dict(decode_widths=(2,), context_buckets=(SEQUENCE_LENGTH,))  # fewer graphs to compile
     models = [
         NeuronModelForCausalLM.from_pretrained(export_with("llama", b, **shape, speculation_head=str(head)))
-        for b in ("eager", "cpu")
+        for b in ("eager", backend)
     ]
     drafts = [recording_drafts(m) for m in models]
-    g = torch.Generator().manual_seed(9)
+    g = torch.Generator().manual_seed(seed)
     prompts = [torch.randint(4, 380, (CHUNK + 5,), generator=g), torch.randint(4, 380, (11,), generator=g)]
-    eager, cpu = (generate_rows(m, prompts, 20) for m in models)
-    assert cpu == eager
+    eager, other = (generate_rows(m, prompts, new_tokens) for m in models)
+    assert other == eager
     assert len(drafts[1]) == len(drafts[0]) > 3
     for got, want in zip(drafts[1], drafts[0], strict=True):
         assert got.tolist() == want.tolist()
+
+
+@pytest.mark.slow
+def test_cpu_export_with_a_head_drafts_as_eager():
+    shape = SHAPE | dict(decode_widths=(2,), context_buckets=(SEQUENCE_LENGTH,))  # fewer graphs to compile
+    assert_drafts_as_eager("cpu", shape, seed=9, new_tokens=20)
 
 
 @pytest.mark.xla
@@ -205,17 +210,4 @@ def test_xla_export_with_a_head_drafts_as_eager():
     """The draft graphs on torch-xla (the neuron backend's bundle, functional cache) lower to static
     device HLO (XlaRuntime raises otherwise) and draft what eager drafts."""
     pytest.importorskip("torch_xla")
-    head = head_folder(HEAD | {"draft_vocab_size": 128}, 8)
-    shape = SHAPE | dict(decode_widths=(2,))
-    models = [
-        NeuronModelForCausalLM.from_pretrained(export_with("llama", b, **shape, speculation_head=str(head)))
-        for b in ("eager", "xla")
-    ]
-    drafts = [recording_drafts(m) for m in models]
-    g = torch.Generator().manual_seed(17)
-    prompts = [torch.randint(4, 380, (CHUNK + 5,), generator=g), torch.randint(4, 380, (11,), generator=g)]
-    eager, xla = (generate_rows(m, prompts, 12) for m in models)
-    assert xla == eager
-    assert len(drafts[1]) == len(drafts[0]) > 3
-    for got, want in zip(drafts[1], drafts[0], strict=True):
-        assert got.tolist() == want.tolist()
+    assert_drafts_as_eager("xla", SHAPE | dict(decode_widths=(2,)), seed=17, new_tokens=12)
