@@ -3,7 +3,7 @@ reference our plugin's eagle3 path is compared with. Greedy; prints JSON: the ge
 per prompt, vLLM's spec-decode counters (vllm:spec_decode_*), its mean acceptance length, and
 whether its tokens equal transformers' greedy continuation on the taught target.
 
-    python benchmark/vllm_eagle3_reference.py [-k 3] [--max-tokens 32] [--cache-dir DIR]
+    python tools/vllm_eagle3_reference.py [-k 3] [--max-tokens 32] [--cache-dir DIR]
 
 vLLM runs in a subprocess of its own with our platform plugin deselected (VLLM_PLUGINS=), the
 engine core in that process, a 1 GiB KV cache and --dtype float32.
