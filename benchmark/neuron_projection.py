@@ -8,6 +8,10 @@ B decode rows + one C-token chunk per mixed step.
   (B rows) and a paged one (`--paged-rows`, same KV bytes); output tok/s only.
 - Verify step (`--speculation-length K`): B rows of K + 1 tokens; with `tau` tokens a row per
   call (engine_bench.py W5), decode tok/s on / off is tau x TG ms / VF ms.
+- EAGLE3 (`--speculation-head`): a decode step is VF (B rows of K + 1) then DV (the head's first
+  pass over those rows and K - 1 chained steps, every pass reading the head's weights), on trn1 and
+  trn2 (a rank an LNC=2 core); decode tok/s with / without is tau x TG ms / (VF + DV ms), tau the
+  head's acceptance length (`--acceptance-length`, default a published figure, cited at the flag).
 - 8-bit weights (`--quantization int8|fp8`): 1 byte a projection weight + a float32 scale a channel.
 - fp8 KV (`--kv-cache-dtype fp8`): 1 byte a K/V value. LoRA slots (`--max-loras 4 --max-lora-rank
   16`): a decode step reads every slot's A and B too.
@@ -69,6 +73,23 @@ class Hardware:  # trn1, per NeuronCore-v2: half a chip
     all_reduce_us: float = 15.0  # a small all-reduce on NeuronLink (assumption)
 
 
+# trn2, per logical core at LNC=2 (two NeuronCore-v3): a chip is 8 of them, 667 BF16 TFLOPS and
+# 2.9 TB/s of HBM for 4 logical cores (AWS Neuron docs, Trainium2 architecture).
+TRN2 = Hardware(tflops=667 / 4, gib_s=2.9e12 / 4 / GIB)
+
+
+@dataclass(frozen=True)
+class Head:  # yuhuili/EAGLE3-LLaMA3.1-Instruct-8B (its config.json): one layer, 32000 draft tokens
+    aux_layers: int = 3
+    draft_vocab: int = 32000
+
+    def params(self, m: Model, first_pass: bool) -> int:
+        """fc over the aux states (first pass only), layer 0 (q / k / v read 2H), its lm_head."""
+        fc = self.aux_layers * m.hidden * m.hidden if first_pass else 0
+        attn = 2 * m.hidden * m.head_dim * (m.heads + 2 * m.kv_heads) + m.heads * m.head_dim * m.hidden
+        return fc + attn + 3 * m.hidden * m.intermediate + m.hidden * self.draft_vocab
+
+
 def graph_ms(m: Model, hw: Hardware, tp: int, rows: int, lm_rows: int, attn_tokens: list[tuple[int, int]],
              mfu: float, bw_eff: float, kv_passes: int = 1) -> dict:  # fmt: skip
     """One graph call on one core of a TP group: `rows` tokens through every layer, the LM head
@@ -112,6 +133,37 @@ def project_w4(m: Model, hw: Hardware, tp: int, slots: int, rows: int, chunk: in
     paged_s = prefill_s + prompts * out_tokens / rows * paged_tg["ms"] / 1e3
     return dict(context=context, prefill_s=prefill_s, slot_tg_ms=slot_tg["ms"], paged_tg_ms=paged_tg["ms"],
                 slot_s=slot_s, paged_s=paged_s, tok_s_ratio=slot_s / paged_s)  # fmt: skip
+
+
+def draft_ms(m: Model, h: Head, hw: Hardware, tp: int, batch: int, k: int, context: int, mfu: float,
+             bw: float) -> float:  # fmt: skip
+    """DV on one core: the first pass over B rows of K + 1 tokens, then K - 1 steps of B tokens;
+    each pass reads the head's weights (bf16, sharded as the target's) and its KV (one layer)."""
+    passes = [(batch * (k + 1), True)] + [(batch, False)] * (k - 1)
+    kv_bytes = context * 2 * m.kv_heads * m.head_dim * m.kv_bytes * batch * k / tp
+    weight_bytes = sum(h.params(m, first) for _, first in passes) * m.dtype_bytes / tp
+    flops = sum(2 * rows * h.params(m, first) for rows, first in passes) / tp
+    memory_ms = (weight_bytes + kv_bytes) / (hw.gib_s * GIB * bw) * 1e3
+    return max(memory_ms, flops / (hw.tflops * 1e12 * mfu) * 1e3) + 2 * k * hw.all_reduce_us / 1e3
+
+
+def eagle3_lines(args: argparse.Namespace, contexts: list[int]) -> tuple[list[str], list[dict]]:
+    m, h, k, tau, rows = Model(), Head(), args.speculation_length, args.acceptance_length, []
+    lines = ["", f"EAGLE3, K={k}, acceptance length tau={tau} (tokens a row a verify call), B={args.batch}, "
+             f"TP={args.tp}; trn2 a rank per LNC=2 core:", "",
+             "| chip | context | TG ms | VF ms | DV ms | decode tok/s a row off / on | with / without |",
+             "|---|---|---|---|---|---|---|"]  # fmt: skip
+    for chip, hw in (("trn1", Hardware()), ("trn2", TRN2)):
+        for c in contexts:
+            tg = graph_ms(m, hw, args.tp, args.batch, args.batch, [(1, c)] * args.batch, args.mfu, args.bw)
+            n = args.batch * (k + 1)
+            vf = graph_ms(m, hw, args.tp, n, n, [(k + 1, c)] * args.batch, args.mfu, args.bw)
+            dv = draft_ms(m, h, hw, args.tp, args.batch, k, c, args.mfu, args.bw)
+            off, on = 1e3 / tg["ms"], tau * 1e3 / (vf["ms"] + dv)
+            rows.append(dict(chip=chip, context=c, tg_ms=tg["ms"], vf_ms=vf["ms"], dv_ms=dv, off=off, on=on))
+            lines.append(f"| {chip} | {c} | {tg['ms']:.2f} | {vf['ms']:.2f} | {dv:.2f} | {off:.0f} / {on:.0f} "
+                         f"| **{on / off:.2f}x** |")  # fmt: skip
+    return lines, rows
 
 
 def mixed_lines(args: argparse.Namespace, hw: Hardware, rows: list[dict], w4: dict) -> list[str]:
@@ -201,6 +253,11 @@ def main(argv: list[str] | None = None) -> int:
         help="tokens a row emits per verify call (W5's measured figure): projects decode tok/s on / off",
     )  # fmt: skip
     p.add_argument(
+        "--acceptance-length", type=float, default=2.77,
+        help="EAGLE3 tokens a row per verify call; default: yuhuili/EAGLE3-LLaMA3.1-Instruct-8B on MT-bench, "
+        "K=7, temperature 1 (the model card of nebius/EAGLE3-Llama-3.3-70B-Instruct, its comparison table)",
+    )  # fmt: skip
+    p.add_argument(
         "--mfu", type=float, default=0.5, help="fraction of peak FLOPs a compute-bound graph reaches"
     )
     p.add_argument(
@@ -215,7 +272,8 @@ def main(argv: list[str] | None = None) -> int:
     w4 = project_w4(m, hw, args.tp, args.batch, args.paged_rows, args.chunk, args.mfu, args.bw)
     q_lines, q_rows = variant_lines(args, hw, contexts, replace(m, projection_bytes=1), "8-bit projections")
     kv_lines, kv_rows = variant_lines(args, hw, [4096, 8192, 16384, 32768], replace(m, kv_bytes=1), "fp8 KV")
-    tables = [mixed_lines(args, hw, rows, w4), verify_lines(args, rows), q_lines, kv_lines]
+    e_lines, e_rows = eagle3_lines(args, contexts)
+    tables = [mixed_lines(args, hw, rows, w4), verify_lines(args, rows), q_lines, kv_lines, e_lines]
     lines = [line for table in tables for line in table] + lora_lines(args, hw, contexts)
     data = {
         "args": vars(args),
@@ -224,6 +282,7 @@ def main(argv: list[str] | None = None) -> int:
         "w4": w4,
         "quantized": q_rows,
         "fp8_kv": kv_rows,
+        "eagle3": e_rows,
     }
     save(results_folder(args.results, smoke=False), f"neuron-projection-{datetime.date.today()}", data, lines)
     return 0
