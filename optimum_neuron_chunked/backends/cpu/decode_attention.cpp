@@ -289,12 +289,7 @@ at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& k_cache, 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(optimum_neuron_chunked, m) {
-  // `slots` is the block tables: the argument's name when the op read whole-sequence blocks only.
-  // Kept: AOTInductor packages store the schema they call (its argument names included), so a
-  // rename would make every cpu export compiled before it fail at its first decode, while the
-  // loader accepts exports of the same package version (config.package_version) - rename it
-  // with a version bump.
-  m.def("decode_attention(Tensor query, Tensor k_cache, Tensor v_cache, Tensor slots, Tensor lengths, float scale) -> Tensor");
+  m.def("decode_attention(Tensor query, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor lengths, float scale) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(optimum_neuron_chunked, CPU, m) {
