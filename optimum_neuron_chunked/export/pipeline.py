@@ -215,22 +215,16 @@ def quantization_summary(decoder: DecoderModel, config: NeuronConfig) -> str:
     full = sum(state[n].numel() * torch_dtype(config).itemsize for n in weights)
     stored = sum(state[n].numel() * state[n].element_size() for n in quantized)
     saved, tp = (full - stored) / config.tp_degree, config.tp_degree
-    blocks = ""
+    more_blocks = ""
     if not decoder.kv.whole_sequence_blocks:
-        caches = [getattr(decoder, n) for n in decoder.cache_names() if "_cache" in n]  # KV, not aux states
-        per_head = (
-            sum(c.numel() * c.element_size() for c in caches)
-            / decoder.kv.num_blocks
-            / decoder.layout.kv_heads
-        )
-        block_bytes = per_head * ShardLayout.of(decoder.spec, tp).kv_heads_per_rank
-        blocks = (
+        block_bytes = decoder.kv.block_bytes(ShardLayout.of(decoder.spec, tp).kv_heads_per_rank)
+        more_blocks = (
             f", the HBM of {int(saved // block_bytes)} more KV blocks of {decoder.kv.block_size} positions"
         )
     where = "" if tp == 1 else " per rank"
     return (
         f"quantization {config.quantization}: {len(weights)} weights {_size(full / tp)} -> {_size(stored / tp)}"
-        f"{where} (scales included), {_size(saved)} saved{blocks}"
+        f"{where} (scales included), {_size(saved)} saved{more_blocks}"
     )
 
 

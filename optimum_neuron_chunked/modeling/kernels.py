@@ -50,7 +50,7 @@ class CacheRead:
     live: positions read from each row: the window, or fewer where a backend reads the live
       context only (backends/cpu/kernels.py).
     pool_order: decode rows read every block of the pool in block order, as views, instead of
-      gathering each row's window (KVLayout.decode_reads_pool_order).
+      gathering each row's window (KVLayout.reads_pool_order).
     """
 
     window: int
@@ -95,7 +95,7 @@ class Kernels:
     ) -> CacheRead:
         """What every layer reads of its cache in one call: the whole context bucket, decode
         rows in pool order where the layout allows it (no gather)."""
-        return CacheRead(window, window, decode_rows and kv.decode_reads_pool_order)
+        return CacheRead(window, window, kv.reads_pool_order(decode_rows))
 
     def attend(
         self,

@@ -18,8 +18,8 @@ Every cache is a pool of `num_blocks` blocks of `block_size` positions. Whole-se
 Smaller blocks are vLLM's shared blocks: no rings, gathered reads, vLLM's prefix cache.
 
 Storage (`KVStorage`): the pool holds the compute dtype, or float8 e4m3 (--kv-cache-dtype fp8):
-every write divides by the layer's scale and saturates to Neuron's +-240 (quantization.QMAX, the
-FP8 weights' range), every read multiplies back in the compute dtype.
+every write divides by the layer's scale and saturates to Neuron's +-240 (quantization.store_scaled,
+the FP8 weights' rule), every read multiplies back in the compute dtype.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from enum import Enum
 import torch
 
 from ..config import NeuronConfig, ceil_div
-from .quantization import QMAX, STORAGE
+from .quantization import STORAGE, store_scaled
 
 
 class PrefixCache(Enum):
@@ -168,7 +168,7 @@ class KVStorage:
         """K (which 0) or V (1) as the pool holds them."""
         if not self.fp8:
             return x.to(self.dtype)
-        return (x.float() / self.scales[which]).clamp(-QMAX["fp8"], QMAX["fp8"]).to(self.pool_dtype)
+        return store_scaled(x, self.scales[which], "fp8")
 
     def load(self, x: torch.Tensor, which: int) -> torch.Tensor:
         """What the pool holds as K (0) or V (1) in the compute dtype."""
@@ -248,6 +248,11 @@ class KVLayout:
     def decode_reads_pool_order(self) -> bool:
         return self.pool.decode_reads_pool_order
 
+    def reads_pool_order(self, decode_rows: bool) -> bool:
+        """A call's rows read the pool in block order (kernels.CacheRead.pool_order): decode
+        rows, where the pool allows it."""
+        return decode_rows and self.decode_reads_pool_order
+
     @property
     def prefix_cache(self) -> PrefixCache:
         return self.pool.prefix_cache
@@ -297,7 +302,19 @@ class KVLayout:
 
     @property
     def bytes_per_block(self) -> int:
-        """K and V of one block, every layer (an EAGLE3 head's too)."""
+        """K and V of one block, every layer (an EAGLE3 head's too), every KV head."""
+        return self.block_bytes(self.num_kv_heads)
+
+    def block_bytes(self, kv_heads: int) -> int:
+        """K and V of one block, every layer (an EAGLE3 head's too), of `kv_heads` KV heads
+        (a rank's: parallel.ShardLayout.kv_heads_per_rank)."""
         positions = sum(self.layer(i).block_size for i in range(self.num_layers))
         positions += self.draft.block_size if self.eagle3 else 0
-        return 2 * positions * self.num_kv_heads * self.head_dim * self.pool_dtype.itemsize
+        return 2 * positions * kv_heads * self.head_dim * self.pool_dtype.itemsize
+
+    @property
+    def page_kv_heads(self) -> int:
+        """vLLM's page of one block, as one full-attention layer of P positions: every layer's
+        KV heads (an EAGLE3 head's too). Its bytes are `bytes_per_block` where no layer keeps a
+        ring; a ring layer's block holds fewer positions than P (vllm/worker.py)."""
+        return self.num_kv_heads * (self.num_layers + self.eagle3)

@@ -89,8 +89,15 @@ def quantize(weight: torch.Tensor, dtype: str) -> tuple[torch.Tensor, torch.Tens
     w = weight.float()
     scale = w.abs().amax(-1, keepdim=True) / QMAX[dtype]
     scale = torch.where(scale == 0, torch.ones_like(scale), scale)
-    q = (w / scale).clamp(-QMAX[dtype], QMAX[dtype])  # e4m3fn: the cast rounds to nearest even
-    return (torch.round(q) if dtype == "int8" else q).to(STORAGE[dtype]), scale
+    return store_scaled(w, scale, dtype), scale
+
+
+def store_scaled(x: torch.Tensor, scale: torch.Tensor | float, dtype: str) -> torch.Tensor:
+    """x / scale as `dtype` stores it: saturated to +-QMAX, rounded to nearest (int8: an
+    integer; fp8: the e4m3fn cast, ties to even). Weights (`quantize`) and an fp8 KV pool
+    (kv_layout.KVStorage) store by this one rule."""
+    q = (x.float() / scale).clamp(-QMAX[dtype], QMAX[dtype])
+    return (torch.round(q) if dtype == "int8" else q).to(STORAGE[dtype])
 
 
 def block_expand(scale: torch.Tensor, weight_shape: tuple[int, ...]) -> torch.Tensor:

@@ -63,13 +63,13 @@ class NeuronChunkedWorker(WorkerBase):
         # An EAGLE3 head's layer is one more of the same KV heads and head_dim in the same blocks
         # (kv_layout.KVLayout.draft; the core refuses heads of other shapes).
         kv = self.runner.capabilities.kv
-        spec = FullAttentionSpec(
+        kv_spec = FullAttentionSpec(
             block_size=self.cache_config.block_size,
-            num_kv_heads=kv.num_kv_heads * (kv.num_layers + kv.eagle3),
+            num_kv_heads=kv.page_kv_heads,
             head_size=kv.head_dim,
             dtype=kv.pool_dtype,  # what a block holds: fp8 exports count one byte a value
         )
-        return {KV_LAYER: spec}
+        return {KV_LAYER: kv_spec}
 
     def get_supported_kv_cache_layouts(self) -> list[str]:
         return ["LBNHC"]
@@ -77,8 +77,8 @@ class NeuronChunkedWorker(WorkerBase):
     def determine_available_memory(self) -> int:
         # The cache is allocated by the export; vLLM's block count comes from the platform's
         # num_gpu_blocks_override. Report exactly what that many blocks take.
-        spec = self.get_kv_cache_spec()[KV_LAYER]
-        return spec.page_size_bytes * self.cache_config.num_gpu_blocks_override
+        kv_spec = self.get_kv_cache_spec()[KV_LAYER]
+        return kv_spec.page_size_bytes * self.cache_config.num_gpu_blocks_override
 
     def initialize_from_config(self, kv_cache_config: KVCacheConfig) -> None:
         # Nothing to allocate: the export owns its pool, addressed through kv_blocks.pool_block.

@@ -146,7 +146,7 @@ class CpuKernels(Kernels):
             torch._check(block >= 0)
         if self.choices.per_row_live and decode_rows:
             rows = tuple(_row_read(blocks[i], position_ids[i], window) for i in range(tables.shape[0]))
-        return CpuCacheRead(window, live, decode_rows and kv.decode_reads_pool_order, block, rows)
+        return CpuCacheRead(window, live, kv.reads_pool_order(decode_rows), block, rows)
 
     def attend(
         self,
