@@ -304,3 +304,9 @@ def _token_inputs(rows: int, width: int, tables: torch.Tensor) -> tuple[torch.Te
     """(token ids, positions [rows, width], block tables [rows, ceil(W / P)])"""
     positions = torch.arange(width, dtype=INDEX_DTYPE)[None].expand(rows, -1).contiguous()
     return torch.zeros(rows, width, dtype=INDEX_DTYPE), positions, tables
+
+
+def samples_on_device(spec: GraphSpec, config: NeuronConfig) -> bool:
+    """The graph samples its rows' tokens on the device (its inputs end with the sampling
+    params and random numbers): TG and MX graphs of an export with on-device sampling."""
+    return spec.kind in (GraphKind.TG, GraphKind.MX) and config.on_device_sampling

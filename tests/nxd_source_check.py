@@ -160,7 +160,8 @@ def check_family(family: str, tp: int, quantization: str = "", lora: bool = Fals
     from safetensors.torch import load_file
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from optimum_neuron_chunked.backends.neuron.backend import GraphBundle, NeuronBackend
+    from optimum_neuron_chunked.backends.graph_bundle import GraphBundle
+    from optimum_neuron_chunked.backends.neuron.backend import NeuronBackend
     from optimum_neuron_chunked.backends.neuron.layers import NxdLayers
     from optimum_neuron_chunked.config import NeuronConfig
     from optimum_neuron_chunked.graphs import graph_specs

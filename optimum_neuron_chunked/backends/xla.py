@@ -1,8 +1,8 @@
 """The neuron backend's graphs on torch-xla's device, without neuronx-cc or the Neuron runtime.
 
 torch-neuronx is built on torch-xla: `ModelBuilder.trace` runs the neuron backend's
-`GraphBundle` (the decoder built with `functional_cache=True`) on the XLA device with the
-graphs' example input types and hands the HLO to neuronx-cc. This backend runs that same
+`GraphBundle` (graph_bundle.py: the decoder built with `functional_cache=True`) on the XLA device
+with the graphs' example input types and hands the HLO to neuronx-cc. This backend runs that same
 bundle on the device torch-xla's `PJRT_DEVICE` names (CPU by default), one XLA execution per
 graph call, the KV cache kept on the device between calls: a graph that lowers to static HLO
 and computes the right tokens here is what the Neuron compiler receives. Only the parallel
@@ -29,6 +29,7 @@ from ..config import NeuronConfig
 from ..graphs import GraphSpec, example_inputs
 from ..modeling.decoder import DecoderModel
 from .base import Backend, BackendUnavailableError, LoadedGraphs, OnGraph
+from .graph_bundle import GraphBundle
 
 # HLO that neuronx-cc cannot take as a static graph, or that would leave the device per call.
 FORBIDDEN_HLO = ("custom-call", "while(", "infeed(", "outfeed(", "send(", "recv(", "host", "callback")
@@ -81,8 +82,6 @@ class XlaRuntime:
     cache buffers, which stay on the device."""
 
     def __init__(self, model: DecoderModel, config: NeuronConfig, specs: list[GraphSpec]):
-        from .neuron.backend import GraphBundle
-
         if not model.functional_cache:
             raise ValueError(
                 "the xla backend runs the decoder the neuron backend traces: functional_cache=True"

@@ -17,11 +17,10 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
-from torch import nn
 
 from ...checkpoint_stream import WeightFile
 from ...config import NeuronConfig
-from ...graphs import GraphSpec, example_inputs, graph_module, graph_specs
+from ...graphs import GraphKind, GraphSpec, example_inputs, graph_specs, samples_on_device
 from ...lora_adapter import empty_slots
 from ...modeling import model_from_spec
 from ...modeling.decoder import DecoderModel
@@ -30,6 +29,8 @@ from ...modeling.kernels import Kernels
 from ...modeling.lora import LoraSpec
 from ...modeling.parallel import ShardLayout, rank_shard, tp_checkpoint
 from ..base import GRAPHS_DIR, Backend, KernelCompileError, LoadedGraphs, OnGraph
+from ..graph_bundle import BUNDLE_INPUTS as BUNDLE_INPUTS  # tests import it from here
+from ..graph_bundle import GraphBundle
 from .attention_choice import choose_nki_graphs, installed_limits
 from .kernel_probe import KernelProbe, kernel_specs
 from .nki_kernels import NkiKernels
@@ -78,8 +79,8 @@ class NeuronBackend(Backend):
         shapes = frozenset(kernel_shapes(config).values())
         return NkiKernels(shapes, grid=TARGETS[config.instance_type].logical_nc_config)
 
-    def attention_kernels(self, config: NeuronConfig, spec, specs: list[GraphSpec]):
-        chosen, reasons, limits = choose_nki_graphs(config, spec, specs)
+    def attention_kernels(self, config: NeuronConfig, family, specs: list[GraphSpec]):
+        chosen, reasons, limits = choose_nki_graphs(config, family, specs)
         return chosen, reasons, limits.to_dict() if limits else {}
 
     def check_serving_host(self, config: NeuronConfig, dp_size: int = 1) -> None:
@@ -167,13 +168,13 @@ class NeuronBackend(Backend):
         nxd_model.save(str(out_dir / BUNDLE))
         return config
 
-    def _without_refused_shapes(self, spec, config: NeuronConfig, target) -> NeuronConfig:
+    def _without_refused_shapes(self, family, config: NeuronConfig, target) -> NeuronConfig:
         """`config` less the kernel graphs whose (chunk, window) shape the compiler refuses."""
         shapes = kernel_shapes(config)
         kernels = self.kernels(config)
         refused = {}
         for shape in sorted(set(shapes.values())):
-            for attention in kernel_specs(config, spec):
+            for attention in kernel_specs(config, family):
                 probe = KernelProbe(kernels, attention, *shape, dtype=getattr(torch, config.dtype))
                 try:
                     _compile_probe(probe, target)
@@ -211,8 +212,7 @@ class NeuronBackend(Backend):
         nxd_model.to_neuron()
         # decode graphs sampling on device and verify graphs: fetch the tokens, leave the
         # logits on the device unless wanted
-        sampled = ("tg", "mx") if config.on_device_sampling else ()
-        lazy = {spec.name for spec in specs if spec.kind in (*sampled, "vf")}
+        lazy = {s.name for s in specs if samples_on_device(s, config) or s.kind is GraphKind.VF}
         graphs = {spec.name: NeuronGraph(nxd_model, spec.name, spec.name in lazy) for spec in specs}
         return LoadedGraphs(graphs, functools.partial(write_device_slot, nxd_model, dtype) if lora else None)
 
@@ -266,11 +266,7 @@ def unshared(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 def priority_graph(specs: list[GraphSpec]) -> str:
     """The widest TG graph (bucket, then rows): decode is the hot path, its weight layout is
     imposed on the rest."""
-    return max((s for s in specs if s.kind == "tg"), key=lambda s: (s.window, s.batch)).name
-
-
-# The most inputs a graph takes: MX with on-device sampling (graphs.example_inputs).
-BUNDLE_INPUTS = 8
+    return max((s for s in specs if s.kind is GraphKind.TG), key=lambda s: (s.window, s.batch)).name
 
 
 def _trace_and_compile(bundle, config: NeuronConfig, specs: list[GraphSpec], target, on_graph: OnGraph):
@@ -288,56 +284,6 @@ def _trace_and_compile(bundle, config: NeuronConfig, specs: list[GraphSpec], tar
             compiler_workdir=workdir,
             compiler_args=compiler_args(target, installed_compiler_version()),
         )
-
-
-class GraphBundle(nn.Module):
-    """One module for the whole graph set: ModelBuilder traces a module's forward once per
-    tag, so the graph to trace is selected before each trace. The graph modules are kept
-    out of the module tree: weights are registered once, under `model.`.
-
-    Called with the selected graph's inputs in its own order (graphs.example_inputs), by
-    position or as `input0=..., input1=...`. ModelBuilder.trace (NxD 0.18,
-    trace/functions.py `_process_example_inputs`) reads forward's signature: no *args or
-    **kwargs, defaults only None, every parameter without a default given at each trace. It
-    names each example input after the parameter at its position and generate_hlo calls the
-    module with them as keywords (`treat_inputs_as_kwargs=True`); NxDModel requires every
-    tag to share one signature (trace/nxd_model/nxd_model.py `add`). The graphs' inputs
-    differ in number and meaning (copy: positions and blocks first; TG: sampling inputs in
-    MX's chunk places), so the parameters are named by position: any other name would be
-    wrong for some graph. Positional calls to the loaded NxDModel route by these names too
-    (`convert_dict_to_ordered_list`: parameters in order, as traced)."""
-
-    def __init__(self, model: DecoderModel, config: NeuronConfig, specs: list[GraphSpec]):
-        super().__init__()
-        self.model = model
-        self._graphs = {spec.name: graph_module(model, spec, config) for spec in specs}
-        self._arity = {spec.name: len(example_inputs(spec, config)) for spec in specs}
-        too_many = {name: n for name, n in self._arity.items() if n > BUNDLE_INPUTS}
-        if too_many:
-            raise ValueError(f"graphs {too_many} take more than the bundle's {BUNDLE_INPUTS} inputs")
-        self._selected = specs[0].name
-
-    def select(self, name: str) -> None:
-        self._selected = name
-
-    def forward(
-        self,
-        # without a default: the fewest inputs a graph takes (copy), NxD requires them at every trace
-        input0: torch.Tensor,
-        input1: torch.Tensor,
-        input2: torch.Tensor | None = None,
-        input3: torch.Tensor | None = None,
-        input4: torch.Tensor | None = None,
-        input5: torch.Tensor | None = None,
-        input6: torch.Tensor | None = None,
-        input7: torch.Tensor | None = None,
-    ) -> torch.Tensor | tuple[torch.Tensor, ...]:
-        inputs = (input0, input1, input2, input3, input4, input5, input6, input7)
-        arity = self._arity[self._selected]
-        if any(x is None for x in inputs[:arity]) or any(x is not None for x in inputs[arity:]):
-            given = [i for i, x in enumerate(inputs) if x is not None]
-            raise TypeError(f"graph {self._selected} takes inputs 0..{arity - 1}, got {given}")
-        return self._graphs[self._selected](*inputs[:arity])
 
 
 class NeuronGraph:
