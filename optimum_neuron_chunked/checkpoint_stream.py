@@ -249,7 +249,7 @@ def stream_weights(
     checkpoint = CheckpointFiles(folder)
     source = ConvertedCheckpoint(checkpoint, hf_config, decoder, quantized, head)
     layout = ShardLayout.of(decoder.spec, config.tp_degree)
-    names = decoder.weight_names() + (sorted(decoder._tied_names()) if tied else [])
+    names = list(decoder.unsharded_weights()) if tied else decoder.weight_names()  # + a tied lm_head
     shapes = _rank_shapes(decoder, names, layout)
     writers = []
     try:

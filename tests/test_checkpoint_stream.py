@@ -52,10 +52,10 @@ def test_streamed_neuron_shards_equal_save_weights_at_tp2(family, tmp_path):
     from transformers import AutoModelForCausalLM
 
     from optimum_neuron_chunked.backends.neuron import NeuronBackend
-    from optimum_neuron_chunked.export.pipeline import _load_hf_config
+    from optimum_neuron_chunked.export.pipeline import load_hf_config
 
     checkpoint = checkpoint_path(family)
-    hf_config = _load_hf_config(str(checkpoint))
+    hf_config = load_hf_config(str(checkpoint))
     try:
         config = NeuronConfig(
             backend="neuron", instance_type="trn1", tp_degree=2, model_type=hf_config.model_type, **SHAPE
@@ -198,7 +198,7 @@ def test_the_cpu_decoder_holds_the_tensors_aotinductor_inlines(tmp_path):
 
 
 def build_model_meta(checkpoint: Path, config: NeuronConfig):
-    from optimum_neuron_chunked.export.pipeline import _load_hf_config
+    from optimum_neuron_chunked.export.pipeline import load_hf_config
     from optimum_neuron_chunked.modeling import family_spec
 
-    return model_from_spec(family_spec(_load_hf_config(str(checkpoint))), config, device="meta")
+    return model_from_spec(family_spec(load_hf_config(str(checkpoint))), config, device="meta")

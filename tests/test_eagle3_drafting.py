@@ -55,7 +55,7 @@ def test_head_weights_stream_as_transformers_loads_them_and_shard_at_tp2(tmp_pat
 
     from optimum_neuron_chunked.backends.neuron import NeuronBackend
     from optimum_neuron_chunked.checkpoint_stream import stream_weights
-    from optimum_neuron_chunked.export.pipeline import _load_hf_config, export
+    from optimum_neuron_chunked.export.pipeline import export, load_hf_config
     from optimum_neuron_chunked.head_checkpoint import fitting_spec, head_weights, load_head
 
     config = HEAD | {"draft_vocab_size": 127}
@@ -74,7 +74,7 @@ def test_head_weights_stream_as_transformers_loads_them_and_shard_at_tp2(tmp_pat
     assert json.loads((folders[0] / "eagle3_head" / "config.json").read_text()) == config
 
     checkpoint = checkpoint_path("llama")
-    hf_config = _load_hf_config(str(checkpoint))
+    hf_config = load_hf_config(str(checkpoint))
     neuron = NeuronConfig(backend="neuron", instance_type="trn1", tp_degree=2, model_type="llama",
                           **SHAPE, speculation_head="h", speculation_head_shares=("embed_tokens",))  # fmt: skip
     head = load_head(str(tmp_path / "head"))

@@ -268,11 +268,11 @@ def test_what_cannot_be_exported_as_asked_is_refused_by_name(tmp_path):
 
 
 def test_blockwise_scales_shard_in_whole_blocks_only():
-    from optimum_neuron_chunked.export.pipeline import _load_hf_config
+    from optimum_neuron_chunked.export.pipeline import load_hf_config
     from optimum_neuron_chunked.modeling import family_spec
     from optimum_neuron_chunked.modeling.parallel import check_block_shards
 
-    spec = family_spec(_load_hf_config(str(checkpoint_path("llama"))))  # 4 heads of 16, 2 KV heads
+    spec = family_spec(load_hf_config(str(checkpoint_path("llama"))))  # 4 heads of 16, 2 KV heads
     check_block_shards(spec, (32, 32), 1)
     with pytest.raises(NeuronConfigError, match="not a whole number of the checkpoint's 32x32 scale blocks"):
         check_block_shards(spec, (32, 32), 4)

@@ -18,15 +18,25 @@ HOSTS = {
 
 
 def model_card(model: str, config: NeuronConfig) -> str:
+    """The export's README.md: Hub front matter, then the body around the table."""
     import torch
 
     host = HOSTS[config.backend].format(
         instance_type=config.instance_type, torch=torch.__version__, isa=config.cpu_isa
     )
+    front = ["---", "library_name: optimum-neuron-chunked", "tags: [neuron, chunked-prefill]"]
+    if is_repo_id(model):
+        front.append(f"base_model: {model}")
+    table = "\n".join(f"| {k} | {v} |" for k, v in _rows(model, config, host).items())
+    return "\n".join(front) + _body(model, config, host, table)
+
+
+def _rows(model: str, config: NeuronConfig, host: str) -> dict[str, object]:
+    """The card's table: what was compiled, for which host."""
     prefill = (
         f"chunks of {config.prefill_chunk_size} tokens" if config.chunked else "whole prompts (standard)"
     )
-    rows = {
+    return {
         "source model": model,
         "runs on": host,
         "backend": config.backend + (f" ({config.instance_type})" if config.instance_type else ""),
@@ -46,13 +56,10 @@ def model_card(model: str, config: NeuronConfig) -> str:
         "on-device sampling": f"top-k <= {config.max_topk}" if config.on_device_sampling else "off",
         "optimum-neuron-chunked": config.package_version,
     }
-    front = ["---", "library_name: optimum-neuron-chunked", "tags: [neuron, chunked-prefill]"]
-    if is_repo_id(model):
-        front.append(f"base_model: {model}")
-    table = "\n".join(f"| {k} | {v} |" for k, v in rows.items())
-    return (
-        "\n".join(front)
-        + f"""
+
+
+def _body(model: str, config: NeuronConfig, host: str, table: str) -> str:
+    return f"""
 ---
 
 # {Path(model).name}, compiled for {config.backend}
@@ -78,7 +85,6 @@ model = NeuronModelForCausalLM.from_pretrained("<this repo id>")
 
 Graph packages are native code that runs when loaded: load exports only from sources you trust.
 """
-    )
 
 
 def write_model_card(out: Path, model: str, config: NeuronConfig) -> None:

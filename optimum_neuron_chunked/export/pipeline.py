@@ -14,6 +14,7 @@ from contextlib import contextmanager
 from dataclasses import MISSING, replace
 from difflib import get_close_matches
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from rich.console import Console
 from rich.progress import (
@@ -71,6 +72,9 @@ from .errors import ExportError
 from .model_card import write_model_card
 from .tokenizer import check_loads, copy_tokenizer
 
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
 WEIGHT_PATHS = ("stream", "transformers")
 GIB = 2**30
 
@@ -105,7 +109,7 @@ def export(
     _check_output(output, overwrite)
     impl = get_backend(backend)
     impl.check_available()
-    hf_config = _load_hf_config(model)
+    hf_config = load_hf_config(model)
     head = load_head(options["speculation_head"]) if options.get("speculation_head") else None
     config = _checked_config(model, hf_config, impl, options, backend, instance_type, weights, console, head)
     staging = Path(tempfile.mkdtemp(prefix=f".{output.name}.partial-", dir=output.parent))
@@ -131,29 +135,29 @@ def _checked_config(
     """The export's NeuronConfig: the checkpoint's quantization, KV scales
     and shapes checked against the options before any work, with what the export drops and
     its KV pool said."""
-    spec = family_spec(hf_config)
+    family = family_spec(hf_config)
     source = source_quantization(hf_config)  # refuses a checkpoint it cannot serve, before any work
     config = NeuronConfig(
         **options
-        | _quantization_fields(model, source, spec, options, weights)
+        | _quantization_fields(model, source, family, options, weights)
         | _kv_scales(model, hf_config, options)
         | (head_fields(head, checkpoint_folder(model) if weights == "stream" else None) if head else {}),
         backend=backend,
         **impl.host_fields(instance_type),
-        model_type=spec.model_type,
+        model_type=family.model_type,
     )
     _check_shapes(hf_config, config)
     if head is not None:
-        fitting_spec(head.config, config, spec)  # refuses a head that does not fit, before any work
+        fitting_spec(head.config, config, family)  # refuses a head that does not fit, before any work
     for note in dropped_notes(source, config.dtype, config.kv_cache_dtype):
         console.print(f"[yellow]warning[/]: {note}")
-    ShardLayout.of(spec, config.tp_degree)  # refuses a tp degree the heads cannot split by
+    ShardLayout.of(family, config.tp_degree)  # refuses a tp degree the heads cannot split by
     if config.quantization_block:
-        check_block_shards(spec, config.quantization_block, config.tp_degree)
-    config = _choose_attention(impl, config, spec, console)
-    console.print(KVLayout.of(config, spec).summary(config.tp_degree))
+        check_block_shards(family, config.quantization_block, config.tp_degree)
+    config = _choose_attention(impl, config, family, console)
+    console.print(KVLayout.of(config, family).summary(config.tp_degree))
     if config.max_loras:
-        console.print(LoraSpec.of(config).summary(spec))  # refuses targets no layer has
+        console.print(LoraSpec.of(config).summary(family))  # refuses targets no layer has
     return config
 
 
@@ -183,15 +187,15 @@ def _kv_scales(model: str, hf_config, options: dict) -> dict:
     return {"kv_cache_scales": checkpoint_kv_scales(hf_config, CheckpointFiles(folder), layers)}
 
 
-def _quantization_fields(model: str, source, spec, options: dict, weights: str) -> dict:
+def _quantization_fields(model: str, source, family, options: dict, weights: str) -> dict:
     """--quantization as exported (quantized_checkpoint.export_quantization) and, for an FP8
     checkpoint, its block-wise scales and the projections it keeps unquantized."""
     fields = {"quantization": export_quantization(options.get("quantization"), source)}
     if source is None or not source.fp8:
         return fields
-    if spec.fused_projections or (spec.moe is not None and spec.moe.expert_bias):
+    if family.fused_projections or (family.moe is not None and family.moe.expert_bias):
         raise ExportError(
-            f"FP8 checkpoints of {spec.model_type} (fused projections, or experts in gpt-oss's layout) are "
+            f"FP8 checkpoints of {family.model_type} (fused projections, or experts in gpt-oss's layout) are "
             "not exported as FP8 yet: export the unquantized original with --quantization fp8."
         )
     folder = checkpoint_folder(model) if weights == "stream" else None
@@ -232,10 +236,10 @@ def _size(n: float) -> str:
     return f"{n / GIB:.2f} GiB" if n >= GIB / 10 else f"{n / 2**20:.2f} MiB"
 
 
-def _choose_attention(impl, config: NeuronConfig, spec, console: Console) -> NeuronConfig:
+def _choose_attention(impl, config: NeuronConfig, family, console: Console) -> NeuronConfig:
     """The graphs whose prefill chunks run an NKI attention kernel, recorded in the config and
     said in the export's first lines (Backend.attention_kernels)."""
-    chosen, reasons, limits = impl.attention_kernels(config, spec, graph_specs(config))
+    chosen, reasons, limits = impl.attention_kernels(config, family, graph_specs(config))
     if chosen or config.attention_kernel != "auto" or config.backend == "neuron":
         console.print(describe_attention(chosen, reasons, config.kv_cache_dtype == "fp8"))
     if limits:
@@ -301,7 +305,8 @@ def _check_output(output: Path, overwrite: bool) -> None:
         raise ExportError(f"cannot write beside {output}: {e.strerror}. Choose a writable OUT.") from e
 
 
-def _load_hf_config(model: str):
+def load_hf_config(model: str) -> PretrainedConfig:
+    """The transformers config of `model` (a folder or a hub id), or ExportError saying what to pass."""
     from transformers import AutoConfig
 
     try:
@@ -409,13 +414,13 @@ def _progress(console: Console, total: int):
         started, done = time.perf_counter(), 0
 
         @contextmanager
-        def on_graph_line(spec):
+        def on_graph_line(graph):
             nonlocal done
             yield
             done += 1
             elapsed = time.perf_counter() - started
             console.print(
-                f"compiled {spec.name} [{spec.batch}x{spec.width}, window {spec.window}]: {done}/{total} "
+                f"compiled {graph.name} [{graph.batch}x{graph.width}, window {graph.window}]: {done}/{total} "
                 f"graphs, {elapsed:.0f}s elapsed, about {elapsed / done * (total - done):.0f}s left"
             )
 
@@ -433,10 +438,10 @@ def _progress(console: Console, total: int):
         overall = progress.add_task("compiling graphs", total=total)
 
         @contextmanager
-        def on_graph(spec):
+        def on_graph(graph):
             progress.update(
                 overall,
-                description=f"compiling {spec.name} [{spec.batch}x{spec.width}, window {spec.window}]",
+                description=f"compiling {graph.name} [{graph.batch}x{graph.width}, window {graph.window}]",
             )
             yield
             progress.advance(overall)
