@@ -139,11 +139,11 @@ def stall_table(runs: list[Run], same: dict[str, bool], long_tokens: int) -> Tab
 def timeline(run: Run, scale: float) -> Table:
     """The steps around the long prompt's prefill, one row each, with a bar of its duration
     (`scale` characters per ms, the same for every export)."""
-    window = run.steps[run.arrival - 1 : run.first_long_token() + 2]
+    around = run.steps[run.arrival - 1 : run.first_long_token() + 2]
     table = Table(title=f"{run.export}: steps around the long prompt's prefill", show_edge=False)
     for column in ("step", "ms", "ran", "stream tokens", ""):
         table.add_column(column, no_wrap=True)
-    for i, s in enumerate(window, start=run.arrival - 1):
+    for i, s in enumerate(around, start=run.arrival - 1):
         streams = sum(n for r, n in s.tokens.items() if r != "long")
         what = re.sub(r"-[0-9a-f]{8}\[", "[", s.ran)  # vLLM's internal suffix of request ids
         what += " <- first token" if i == run.first_long_token() else ""

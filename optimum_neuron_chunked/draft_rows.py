@@ -50,7 +50,7 @@ def draft_graph(
             for s, r, a in zip(called.starts, rows, last, strict=True)
         ]
     )
-    window, spec = config.bucket_for(int(tops.max()) + 1), called.spec
+    bucket, spec = config.bucket_for(int(tops.max()) + 1), called.spec
     if spec.kind is GraphKind.VF:
-        return dv_spec(config, spec.batch, window), tops
-    return dc_spec(config, spec.width, window), tops
+        return dv_spec(config, spec.batch, bucket), tops
+    return dc_spec(config, spec.width, bucket), tops

@@ -17,6 +17,7 @@ from ..graphs import GraphSpec
 from ..head_checkpoint import export_head_spec
 from ..modeling import build_model, family_spec
 from ..modeling.decoder import DecoderModel
+from ..modeling.family import FamilySpec
 from ..modeling.kernels import Kernels
 
 GRAPHS_DIR = "graphs"
@@ -95,7 +96,7 @@ class Backend(ABC):
         return Kernels()
 
     def attention_kernels(
-        self, config: NeuronConfig, spec, specs: list[GraphSpec]
+        self, config: NeuronConfig, family: FamilySpec, specs: list[GraphSpec]
     ) -> tuple[tuple[str, ...], dict[str, str], dict]:
         """(graphs whose prefill chunks run an NKI attention kernel, why the others do not, the
         kernel limits that decided), at export (NeuronConfig.nki_attention, nki_limits): none

@@ -96,9 +96,9 @@ class KVCache:
             copied.append(scatter_cache(cache, dst[:, None], index, values.transpose(1, 2), self.functional))
         return replace(self, keys=copied[0], values=copied[1])
 
-    def extent(self, window: int, live):
-        """(window, live) read of each row (LayerKV.extent)."""
-        return self.layer.extent(window, live)
+    def extent(self, bucket: int, live):
+        """(width, live) read of each row (LayerKV.extent)."""
+        return self.layer.extent(bucket, live)
 
     # Three reads, each returning keys, values [R, Hkv, W, D] of each row's positions from 0 up
     # to `live` (a ring: its whole ring) and their absolute positions [R or 1, W], for rows at

@@ -120,9 +120,10 @@ class LayerKV:
         column = torch.div(position_ids, self.block_size, rounding_mode="floor")
         return torch.gather(tables, 1, column), torch.remainder(position_ids, self.block_size)
 
-    def extent(self, window: int, live):
-        """(window, live) read of each row from position 0: a ring layer reads its whole ring."""
-        return (window, live) if self.ring is None else (self.ring, self.ring)
+    def extent(self, bucket: int, live):
+        """(width, live) read of each row from position 0: the context bucket, or a ring layer's
+        whole ring."""
+        return (bucket, live) if self.ring is None else (self.ring, self.ring)
 
     def blocks_holding(self, positions):
         """The table columns holding a row's first `positions` positions of this layer."""

@@ -173,32 +173,32 @@ DRAFTING_DEFAULTS = {
 }
 
 
-def drafting_options(spec) -> tuple[str, ...]:
-    """`name=value` of each drafting option of vLLM's SpeculativeConfig `spec` away from its
+def drafting_options(speculative) -> tuple[str, ...]:
+    """`name=value` of each drafting option of vLLM's SpeculativeConfig `speculative` away from its
     default (DRAFTING_DEFAULTS). 0.16.0's `speculative_token_tree` is filled with the chain of
     num_speculative_tokens when not given (config/speculative.py `__post_init__`): only another
     tree counts; 0.32 has no trees."""
     given = [
-        f"{name}={getattr(spec, name)!r}"
+        f"{name}={getattr(speculative, name)!r}"
         for name, default in DRAFTING_DEFAULTS.items()
-        if getattr(spec, name, default) != default
+        if getattr(speculative, name, default) != default
     ]
-    tree = getattr(spec, "speculative_token_tree", None)
-    if tree is not None and tree != str([(i + 1) * (0,) for i in range(spec.num_speculative_tokens)]):
+    tree = getattr(speculative, "speculative_token_tree", None)
+    if tree is not None and tree != str([(i + 1) * (0,) for i in range(speculative.num_speculative_tokens)]):
         given.append(f"speculative_token_tree={tree!r}")
     return tuple(given)
 
 
-def eagle_block_drop(spec) -> bool:
-    """Whether vLLM's prefix cache drops a request's trailing cached block for `spec`: 0.32's
+def eagle_block_drop(speculative) -> bool:
+    """Whether vLLM's prefix cache drops a request's trailing cached block for `speculative`: 0.32's
     `SpeculativeConfig.use_eagle_block_drop()` (eagle methods unless disable_eagle_block_drop,
     v1/core/kv_cache_coordinator.py); 0.16.0 drops it for every eagle method
     (v1/core/single_type_kv_cache_manager.py `use_eagle`)."""
-    if spec is None:
+    if speculative is None:
         return False
-    if hasattr(spec, "use_eagle_block_drop"):
-        return bool(spec.use_eagle_block_drop())
-    return bool(spec.use_eagle())
+    if hasattr(speculative, "use_eagle_block_drop"):
+        return bool(speculative.use_eagle_block_drop())
+    return bool(speculative.use_eagle())
 
 
 # vllm/v1/core/sched/scheduler.py: 0.16.0 reserves no lookahead slots for a request admitted

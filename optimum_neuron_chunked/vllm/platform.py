@@ -237,7 +237,7 @@ def _engine_request(vllm_config, export: NeuronConfig | None) -> EngineRequest:
     if "max_num_batched_tokens" not in exact and tokens in default_tokens:
         tokens = None
     given_len = model_config.original_max_model_len
-    spec = vllm_config.speculative_config
+    speculative = vllm_config.speculative_config
     return EngineRequest(
         max_model_len=None if given_len in (None, -1) else given_len,
         max_num_seqs=seqs,
@@ -245,10 +245,10 @@ def _engine_request(vllm_config, export: NeuronConfig | None) -> EngineRequest:
         long_prefill_token_threshold=sched.long_prefill_token_threshold,
         dtype=DTYPE_NAMES.get(model_config.dtype, str(model_config.dtype)),
         num_gpu_blocks_override=vllm_config.cache_config.num_gpu_blocks_override,
-        speculative_method=spec.method if spec is not None else None,
-        speculative_tokens=spec.num_speculative_tokens if spec is not None else 0,
-        speculative_head=spec.model if spec is not None else None,
-        speculative_options=drafting_options(spec) if spec is not None else (),
+        speculative_method=speculative.method if speculative is not None else None,
+        speculative_tokens=speculative.num_speculative_tokens if speculative is not None else 0,
+        speculative_head=speculative.model if speculative is not None else None,
+        speculative_options=drafting_options(speculative) if speculative is not None else (),
     )
 
 

@@ -64,10 +64,12 @@ class StepRunner:
         # long-running server holds no per-step state.
         self.last_plan: StepPlan | None = None
         self._pending: tuple[SchedulerOutput, StepResult] | None = None
-        spec = vllm_config.speculative_config
-        eagle3 = spec is not None and spec.method == "eagle3"
-        self.head = HeadDrafter(graph_runner, spec.num_speculative_tokens) if eagle3 else None
-        self.drafter = Drafter(vllm_config, spec.num_speculative_tokens) if spec and not eagle3 else None
+        speculative = vllm_config.speculative_config
+        eagle3 = speculative is not None and speculative.method == "eagle3"
+        self.head = HeadDrafter(graph_runner, speculative.num_speculative_tokens) if eagle3 else None
+        self.drafter = (
+            Drafter(vllm_config, speculative.num_speculative_tokens) if speculative and not eagle3 else None
+        )
         self._drafts: dict[str, list[int]] = {}  # proposed after the last step, for the scheduler
         lora = vllm_config.lora_config
         self.adapters = AdapterManager(graph_runner, lora) if lora is not None else None

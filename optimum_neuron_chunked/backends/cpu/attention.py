@@ -49,8 +49,8 @@ def layer_plan(
     read = part.read
     if decode_op and part.decode_rows and part.position_ids.shape[1] == 1:
         # What the op reads: position p at index p of a row's blocks (the layout: no ring). What it
-        # computes: causal attention without window or sinks (the mask), fp32 queries over an fp32
-        # pool (never an fp8 one: the op reads it raw).
+        # computes: causal attention without a sliding window or sinks (the mask), fp32 queries over
+        # an fp32 pool (never an fp8 one: the op reads it raw).
         reads = cache.layer.position_ordered
         if reads and spec.plain_causal and dtype == torch.float32 and cache.keys.dtype == dtype:
             return LayerPlan(Read.IN_PLACE, Core.DECODE_OP)
@@ -58,19 +58,19 @@ def layer_plan(
         where = Read.PER_ROW if read.rows is not None else Read.POOL
     else:
         where = Read.BLOCK if read.block is not None else Read.LIVE_BLOCKS
-    window = cache.extent(read.window, read.live)[0]
+    width = cache.extent(read.window, read.live)[0]  # the bucket, or a ring
     onednn_from = choices.onednn_chunk_attention_from_window if spec.plain_causal else None
     one_chunk = not part.decode_rows and part.position_ids.shape[0] == 1
     if (
         where in (Read.BLOCK, Read.LIVE_BLOCKS)
         and one_chunk
         and onednn_from is not None
-        and window >= onednn_from
+        and width >= onednn_from
     ):
         return LayerPlan(where, Core.ONEDNN_CHUNK)
-    # SDPA from the choice's window on (not for sinks: SDPA has no place for them)
+    # SDPA from the choice's width on (not for sinks: SDPA has no place for them)
     sdpa_from = choices.sdpa_decode_from_window if part.decode_rows else choices.sdpa_prefill_from_window
-    use_sdpa = not spec.sinks and sdpa_from is not None and window >= sdpa_from
+    use_sdpa = not spec.sinks and sdpa_from is not None and width >= sdpa_from
     return LayerPlan(where, Core.SDPA if use_sdpa else Core.MASKED_SOFTMAX)
 
 

@@ -150,15 +150,15 @@ def kernel_prior(window: int, tokens: int, start: int | torch.Tensor = 0) -> tup
     return prior, base
 
 
-def kernel_layers(config: NeuronConfig, spec: FamilySpec) -> list[int]:
+def kernel_layers(config: NeuronConfig, family: FamilySpec) -> list[int]:
     """The layers that can run the kernel: those whose cache is position-ordered (a ring's
     positions wrap: it keeps the reference, and its window is never the kernel's)."""
-    rings = set(KVLayout.of(config, spec).ring_layers)
-    return [i for i in range(len(spec.sliding_windows)) if i not in rings]
+    rings = set(KVLayout.of(config, family).ring_layers)
+    return [i for i in range(len(family.sliding_windows)) if i not in rings]
 
 
 def graph_misfit(
-    config: NeuronConfig, spec: FamilySpec, graph: GraphSpec, limits: KernelLimits
+    config: NeuronConfig, family: FamilySpec, graph: GraphSpec, limits: KernelLimits
 ) -> str | None:
     """Why `graph` cannot run its prefill chunk through attention_cte, or None."""
     if graph.kind is GraphKind.COPY:
@@ -167,23 +167,23 @@ def graph_misfit(
         return "decode rows keep the reference attention"
     if config.dtype != "bfloat16":
         return f"the export is {config.dtype} and the kernel computes in bf16 (pass --dtype bfloat16)"
-    layout = ShardLayout.of(spec, config.tp_degree)
+    layout = ShardLayout.of(family, config.tp_degree)
     heads, kv_heads = layout.heads_per_rank, layout.kv_heads_per_rank
-    if not 0 < spec.head_dim <= limits.max_head_dim:
-        return f"head_dim {spec.head_dim} is above the kernel's {limits.max_head_dim}"
+    if not 0 < family.head_dim <= limits.max_head_dim:
+        return f"head_dim {family.head_dim} is above the kernel's {limits.max_head_dim}"
     if heads > limits.max_batch or heads % kv_heads:
         return f"{heads} query heads over {kv_heads} KV heads a core: the kernel takes at most {limits.max_batch}, a multiple"
     prior, _ = kernel_prior(graph.window, graph.width)
     if prior + graph.width > limits.max_positions:
         return f"a window of {graph.window} positions exceeds the kernel's {limits.max_positions}"
-    windows = [w for i in kernel_layers(config, spec) if (w := spec.sliding_windows[i]) is not None]
-    if windows and max(windows) > limits.max_positions:
-        return f"a sliding window of {max(windows)} exceeds the kernel's {limits.max_positions}"
+    sliding = [w for i in kernel_layers(config, family) if (w := family.sliding_windows[i]) is not None]
+    if sliding and max(sliding) > limits.max_positions:
+        return f"a sliding window of {max(sliding)} exceeds the kernel's {limits.max_positions}"
     return None
 
 
 def choose_nki_graphs(
-    config: NeuronConfig, spec: FamilySpec, graphs: list[GraphSpec]
+    config: NeuronConfig, family: FamilySpec, graphs: list[GraphSpec]
 ) -> tuple[tuple[str, ...], dict[str, str], KernelLimits | None]:
     """(the graphs whose prefill chunks run attention_cte, why each other graph does not, the
     kernel limits that decided). `--attention-kernel nki` refuses, by graph, what cannot run it."""
@@ -197,7 +197,7 @@ def choose_nki_graphs(
         return (), {g.name: misfit for g in graphs}, None
     missing = nkilib_missing()
     limits = installed_limits()
-    reasons = {g.name: missing or graph_misfit(config, spec, g, limits) for g in graphs}
+    reasons = {g.name: missing or graph_misfit(config, family, g, limits) for g in graphs}
     chosen = tuple(name for name, reason in reasons.items() if reason is None)
     refused = {
         g.name: reasons[g.name] for g in graphs if g.kind in CHUNK_KINDS and reasons[g.name] is not None

@@ -24,7 +24,7 @@ from ...graphs import GraphKind, GraphSpec, example_inputs, graph_specs, samples
 from ...lora_adapter import empty_slots
 from ...modeling import model_from_spec
 from ...modeling.decoder import DecoderModel
-from ...modeling.family import family_spec
+from ...modeling.family import FamilySpec, family_spec
 from ...modeling.kernels import Kernels
 from ...modeling.lora import LoraSpec
 from ...modeling.parallel import ShardLayout, rank_shard, tp_checkpoint
@@ -79,7 +79,7 @@ class NeuronBackend(Backend):
         shapes = frozenset(kernel_shapes(config).values())
         return NkiKernels(shapes, grid=TARGETS[config.instance_type].logical_nc_config)
 
-    def attention_kernels(self, config: NeuronConfig, family, specs: list[GraphSpec]):
+    def attention_kernels(self, config: NeuronConfig, family: FamilySpec, specs: list[GraphSpec]):
         chosen, reasons, limits = choose_nki_graphs(config, family, specs)
         return chosen, reasons, limits.to_dict() if limits else {}
 
@@ -168,7 +168,7 @@ class NeuronBackend(Backend):
         nxd_model.save(str(out_dir / BUNDLE))
         return config
 
-    def _without_refused_shapes(self, family, config: NeuronConfig, target) -> NeuronConfig:
+    def _without_refused_shapes(self, family: FamilySpec, config: NeuronConfig, target) -> NeuronConfig:
         """`config` less the kernel graphs whose (chunk, window) shape the compiler refuses."""
         shapes = kernel_shapes(config)
         kernels = self.kernels(config)

@@ -21,19 +21,19 @@ from .attention_choice import kernel_layers, kernel_prior
 from .nki_kernels import NkiKernels
 
 
-def kernel_specs(config: NeuronConfig, spec: FamilySpec) -> list[AttentionSpec]:
+def kernel_specs(config: NeuronConfig, family: FamilySpec) -> list[AttentionSpec]:
     """The distinct attention specs (per rank) of the layers that can run the kernel."""
-    shard = ShardLayout.of(spec, config.tp_degree)
+    shard = ShardLayout.of(family, config.tp_degree)
     specs = {
         AttentionSpec(
             shard.heads_per_rank,
             shard.kv_heads_per_rank,
-            spec.head_dim,
-            spec.scale,
-            spec.sliding_windows[i],
-            spec.attention_sinks,
+            family.head_dim,
+            family.scale,
+            family.sliding_windows[i],
+            family.attention_sinks,
         )  # fmt: skip
-        for i in kernel_layers(config, spec)
+        for i in kernel_layers(config, family)
     }
     return sorted(specs, key=repr)
 
