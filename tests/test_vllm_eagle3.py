@@ -19,6 +19,7 @@ from vllm_stepper import Engine
 
 from optimum_neuron_chunked.testing.eagle3_heads import trained_pair
 from optimum_neuron_chunked.testing.reference import hf_greedy
+from optimum_neuron_chunked.testing.vllm_native import native_eagle3
 from optimum_neuron_chunked.vllm.compat import LONE_PREFILL_TAKES_BUDGET
 
 K = 3
@@ -113,6 +114,41 @@ def test_greedy_tokens_equal_transformers_and_drafts_are_accepted(pair, backend)
     assert engine.tokens == {r: hf_greedy(hf, ids, 24) for r, ids in requests.items()}
     assert all(accepted(engine, r) > 0 for r in requests), engine.verified
     assert engine.free_blocks == 2
+
+
+def native_reference(prompts: list[list[int]], max_tokens: int) -> dict:
+    """vLLM's own CPU engine on the pair (testing/vllm_native.py), kept in the test cache under
+    the pair's file digests and vLLM's version: it changes only with them."""
+    import vllm
+
+    target, head = trained_pair(cache_root())
+    manifest = (target.parent / "manifest.json").read_text()
+    key = hashlib.sha256(repr((manifest, vllm.__version__, K, max_tokens, prompts)).encode())
+    path = cache_root() / "references" / f"vllm-eagle3-{key.hexdigest()[:16]}.json"
+    if not path.is_file():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        staged = path.with_suffix(".staged")
+        staged.write_text(json.dumps(native_eagle3(target, head, K, prompts, max_tokens)))
+        staged.rename(path)
+    return json.loads(path.read_text())
+
+
+def test_drafts_are_accepted_per_position_as_vllms_own_engine_accepts_them(pair):
+    """Both are lossless: the same tokens. The drafts may differ where the head's top two logits
+    nearly tie (the kernels differ), so each position's accepted count is held to vLLM's within
+    5 % of its verify calls."""
+    export_dir, _, prompts = pair
+    native = native_reference([p.tolist() for p in prompts], 32)
+    engine = engine_for(export_dir, eagle3(export_dir))
+    for i, ids in enumerate(prompts):
+        engine.add(str(i), ids, max_tokens=32)
+    run(engine)
+    assert [engine.tokens[str(i)] for i in range(len(prompts))] == native["tokens"]
+    theirs, calls = native["spec_decode"]["num_accepted_tokens_per_pos"], native["spec_decode"]["num_drafts"]
+    verified = [accepted for _, drafts, accepted in engine.verified if drafts]  # vLLM counts these
+    ours = [sum(a > position for a in verified) for position in range(K)]
+    assert abs(len(verified) - calls) <= 0.05 * calls
+    assert all(abs(a - b) <= 0.05 * calls for a, b in zip(ours, theirs, strict=True)), (ours, theirs, calls)
 
 
 def test_seeded_sampling_is_reproducible_through_the_rejection_rule(pair):
@@ -274,9 +310,10 @@ def test_fp8_kv_with_a_head_speculates_as_it_decodes_plainly(pair):
     assert accepted(engines["eagle3"]) > 0
 
 
-def test_a_checkpoint_is_exported_with_the_head_it_is_served_with(tmp_path, monkeypatch):
+@pytest.mark.parametrize("backend", ["eager", pytest.param("xla", marks=pytest.mark.xla)])
+def test_a_checkpoint_is_exported_with_the_head_it_is_served_with(pair, backend, tmp_path, monkeypatch):
     """`vllm serve CHECKPOINT --speculative-config eagle3`: exported on the fly with the head,
-    whose content joins the export cache's key."""
+    whose content joins the export cache's key; it drafts, and decodes as transformers does."""
     from pathlib import Path
 
     from vllm.engine.arg_utils import EngineArgs
@@ -293,7 +330,7 @@ def test_a_checkpoint_is_exported_with_the_head_it_is_served_with(tmp_path, monk
         config = EngineArgs(
             model=str(target), seed=0, max_model_len=128, max_num_seqs=2,
             speculative_config={"method": "eagle3", "model": str(copy), "num_speculative_tokens": K},
-            additional_config={"backend": "eager", "prefill_chunk_size": 32, "context_buckets": [64, 128]},
+            additional_config={"backend": backend, "prefill_chunk_size": 32, "context_buckets": [64, 128]},
         ).create_engine_config()  # fmt: skip
         return Path(config.model_config.model)
 
@@ -304,6 +341,11 @@ def test_a_checkpoint_is_exported_with_the_head_it_is_served_with(tmp_path, monk
         exported.speculation_head_digest == head_digest(copy)
         and (entry / "eagle3_head/config.json").is_file()
     )
+    _, hf, prompts = pair
+    engine = engine_for(entry, eagle3(entry))
+    engine.add("a", torch.cat(prompts[:3]), max_tokens=16)
+    run(engine)
+    assert engine.tokens["a"] == hf_greedy(hf, torch.cat(prompts[:3]), 16) and accepted(engine) > 0
     config = json.loads((copy / "config.json").read_text())
     (copy / "config.json").write_text(json.dumps(config | {"rms_norm_eps": config["rms_norm_eps"] * 2}))
     assert served() != entry  # the same path, another head: another export
