@@ -9,6 +9,7 @@ process of its own per repeat, contenders rotated between repeats; 8 prompts of 
 decode call (compute-bound), unlike Neuron's weight-bound decode: neuron_projection.py projects.
 
     python benchmark/eagle3_bench.py [--repeats 3] [--max-tokens 64] [--contenders none,eagle3-3]
+        [--backend cpu] [--work DIR]
 """
 
 from __future__ import annotations
@@ -42,13 +43,16 @@ def speculative_config(contender: str, export: Path) -> dict | None:
     return dict(method="eagle3", model=str(export / "eagle3_head"), num_speculative_tokens=int(k))
 
 
-def pair_export(backend: str) -> tuple[Path, list[list[int]]]:
-    """The trained pair exported with its head (once; kept under WORK), and the pair's prompts."""
+def pair_export(backend: str, work: Path) -> tuple[Path, list[list[int]]]:
+    """The trained pair exported with its head (once; kept under `work`), and the pair's prompts."""
     from optimum_neuron_chunked.export.pipeline import export
     from optimum_neuron_chunked.testing.eagle3_heads import trained_pair
+    from optimum_neuron_chunked.testing.export_cache import code_key
 
-    target, head = trained_pair(WORK / "eagle3-pair")
-    out = WORK / f"eagle3-bench-{backend}"
+    target, head = trained_pair(work)
+    out = (
+        work / f"eagle3-bench-{backend}-{target.parent.name}-{code_key(backend)[:16]}"
+    )  # new code: new export
     if not (out / "neuron_config.json").is_file():
         export(str(target), out, backend=backend, overwrite=True, speculation_head=str(head), **SHAPE)
     return out, json.loads((target.parent / "manifest.json").read_text())["prompts"]
@@ -93,17 +97,18 @@ def table(runs: dict[str, list[dict]], args: argparse.Namespace) -> list[str]:
     return lines
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--contenders", default=",".join(CONTENDERS))
     p.add_argument("--backend", default="cpu")
+    p.add_argument("--work", type=Path, default=WORK, help="where the pair and its export are kept")
     p.add_argument("--results", type=Path, help="folder of the results files (default benchmark/results)")
     p.add_argument("--run", help=argparse.SUPPRESS)  # a contender's own process
     p.add_argument("--out", type=Path, help=argparse.SUPPRESS)
-    args = p.parse_args()
-    export, prompts = pair_export(args.backend)
+    args = p.parse_args(argv)
+    export, prompts = pair_export(args.backend, args.work)
     if args.run:
         args.out.write_text(json.dumps(run_contender(args.run, export, prompts, args.max_tokens)))
         return 0
@@ -112,7 +117,8 @@ def main() -> int:
     folder = results_folder(args.results, smoke=False)
     for r in range(args.repeats):
         for name in names[r % len(names) :] + names[: r % len(names)]:
-            argv = [__file__, "--run", name, "--max-tokens", str(args.max_tokens), "--backend", args.backend]
+            argv = [__file__, "--run", name, "--max-tokens", str(args.max_tokens), "--backend", args.backend,
+                    "--work", str(args.work)]  # fmt: skip
             result = in_own_process(name, argv, folder / f".eagle3-{name}.json")
             if "error" in result:
                 print(f"{name}: {result['error']}", file=sys.stderr)

@@ -78,6 +78,18 @@ def test_engine_quick_w5_reports_speculation_off_and_on(tmp_path):
 
 
 @pytest.mark.slow
+def test_eagle3_bench_reports_tok_s_and_acceptance(tmp_path):
+    from eagle3_bench import main
+    from fixtures.export_models import cache_root  # the trained pair the EAGLE3 tests keep
+
+    argv = ["--repeats", "1", "--max-tokens", "8", "--contenders", "eagle3-2", "--backend", "eager"]
+    assert main([*argv, "--work", str(cache_root()), "--results", str(tmp_path)]) == 0
+    (report,) = tmp_path.glob("eagle3-*.json")
+    (run,) = json.loads(report.read_text())["runs"]["eagle3-2"]
+    assert all(run[c]["tok_s"] > 0 and run[c]["acceptance_length"] > 1 for c in ("1", "4"))
+
+
+@pytest.mark.slow
 def test_prefix_cache_quick_mode_reports_hits_and_the_copy_graph(tmp_path):
     from prefix_cache import main
 
