@@ -51,7 +51,7 @@ def load_op() -> None:
     torch.library.register_fake("optimum_neuron_chunked::decode_attention")(_shape)
 
 
-def _shape(query, k_cache, v_cache, tables, lengths, scale):
+def _shape(query, k_cache, v_cache, block_tables, lengths, scale):
     return query.new_empty(query.shape)
 
 
