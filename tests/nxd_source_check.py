@@ -1,7 +1,7 @@
 """Manual check for a Neuron developer: our decoder built with neuronx-distributed's own
 parallel layers, from NxD's public source, without the closed SDK.
 
-    PJRT_DEVICE=CPU .venv-sdk/bin/python tests/nxd_source_check.py PATH_TO_NXD_SOURCE
+    PJRT_DEVICE=CPU .venv-sdk/bin/python tests/nxd_source_check.py PATH_TO_NXD_SOURCE [--eagle3]
 
 PATH_TO_NXD_SOURCE is a checkout of aws-neuron/neuronx-distributed (its `src/` folder holds
 the package; checked with Release 2.29 = 0.18.0, commit fbac349b61a3). The closed SDK
@@ -14,14 +14,24 @@ the neuron backend builds it, the script checks that
     inputs, equals the eager graph on the unsharded model.
 Then it runs the real `NeuronBackend.compile` on llama exports holding every graph kind
 (helpers.every_graph_kind: CP narrow and full, TG narrow and full, MX, copy,
-prompt logits; CE; with and without on-device sampling) at tp 1 and 2, up to the first
-closed call of each trace: the stub of `torch_neuronx.xla_impl.trace.generate_hlo` records
+prompt logits; CE; with and without on-device sampling; an EAGLE3 head's DC and DV) at tp 1
+and 2, up to the first closed call of each trace: the stub of `torch_neuronx.xla_impl.trace.generate_hlo` records
 what NxD's `ModelBuilder.trace` hands it and stops that graph's trace. Per graph it prints
 which of NxD's input checks ran before generate_hlo was reached, whether NxDModel's router
 sends a positional call with the graph's inputs to its tag, and at tp 1 whether the bundle
 called by keyword, as generate_hlo is asked to (`treat_inputs_as_kwargs=True`), equals the
 eager graph. The compile then reaches `ModelBuilder.compile`, which finds no trace (every
 one stopped at the stub) and refuses: the expected end.
+EAGLE3 (--speculation-head): a random head for the tiny llama (testing/random_heads.py, a draft
+vocabulary of 127 that tp 2 does not divide) gets the same checks at tp 1 and 2: its `draft.*`
+parameters and buffers against the shard files, every graph of the export on XLA at tp 1 (DC /
+DV drafts exactly, and after each graph the head's K/V and aux states) and a drafting run
+through GraphRunner (chunks, drafts after each, a verify step, drafts after it); its DC / DV
+graphs traced through `NeuronBackend.compile` to generate_hlo from a streamed export (tp 1: the
+keyword call's drafts and head caches == eager), and again with the NKI attention stand-in in
+the CP graphs (tp 1: which graphs call the kernel; a DC graph runs its first pass through it
+where the CP graph of its (width, bucket) does: backends/neuron/nki_kernels.py dispatches by
+shape). `--eagle3`: these checks alone.
 Not in CI: NxD's source is not on the package registry.
 """
 
@@ -58,6 +68,10 @@ CLOSED = ("torch_neuronx", "neuronxcc", "libneuronxla", "nki", "nkilib")
 STUB_VALUES = {"get_platform_target": lambda: "trn1"}
 # ModelBuilder.__init__ requires torch-neuronx 2.x (NxD 0.18, trace/model_builder_v2.py).
 TORCH_NEURONX_VERSION = "2.9.0+stub"
+# EAGLE3: drafts a step, the random head's draft vocabulary (tp 2 pads its lm_head) and seed
+K, HEAD_VOCAB, HEAD_SEED = 3, 127, 21
+HEAD_NAME = "random-head"  # --speculation-head as the config records it (nothing reads the folder)
+EAGLE3 = "eagle3"  # check_compile's name of the head export (eagle3_config)
 
 
 class _Placeholder(type):
@@ -125,10 +139,13 @@ def install_stubs(nxd_source: Path) -> None:
 class ClosedCallReached(Exception):
     """Raised by the stub of the first closed call of a trace, with what the call received."""
 
-    def __init__(self, model, inputs: dict[str, torch.Tensor], flags: dict, chain: list[str], outputs):
+    def __init__(
+        self, model, inputs: dict[str, torch.Tensor], flags: dict, chain: list[str], outputs, caches
+    ):
         super().__init__(f"generate_hlo reached for graph {model._selected}")
         self.graph, self.signature = model._selected, inspect.signature(model.forward)
         self.inputs, self.flags, self.chain, self.outputs = inputs, flags, chain, outputs
+        self.caches = caches  # an EAGLE3 head's K/V and aux states after the call (RUN_TRACED_MODULE)
 
 
 # Whether the stub also calls the module as generate_hlo is asked to: NxD layers run eagerly
@@ -146,14 +163,62 @@ def _generate_hlo(model, example_inputs, **flags):
         if "neuronx_distributed" in frame.f_code.co_filename
         or "optimum_neuron_chunked" in frame.f_code.co_filename
     ][::-1]
-    outputs = None
+    outputs = caches = None
     if RUN_TRACED_MODULE:
         with torch.no_grad():
             outputs = model(**example_inputs)
-    raise ClosedCallReached(model, dict(example_inputs), flags, chain, outputs)
+        decoder = getattr(model, "model", None)  # GraphBundle's decoder
+        caches = head_caches(decoder) if getattr(decoder, "eagle3", None) is not None else {}
+    raise ClosedCallReached(model, dict(example_inputs), flags, chain, outputs, caches)
 
 
-def check_family(family: str, tp: int, quantization: str = "", lora: bool = False) -> list[str]:
+def head_caches(decoder) -> dict[str, torch.Tensor]:
+    """An EAGLE3 decoder's head K/V and aux states (host copies); {} without a head."""
+    from optimum_neuron_chunked.modeling.eagle3 import draft_cache_names
+
+    return {n: getattr(decoder, n).detach().cpu().clone() for n in draft_cache_names(decoder)}
+
+
+def head_tensors() -> tuple[dict, dict[str, torch.Tensor]]:
+    """(config.json, tensors) of the random head, as yuhuili ships one (no embed_tokens)."""
+    from optimum_neuron_chunked.testing.random_heads import TINY_LLAMA_HEAD, random_head
+
+    config = TINY_LLAMA_HEAD | {"draft_vocab_size": HEAD_VOCAB}
+    return config, random_head(config, HEAD_SEED)
+
+
+def head_fields() -> dict:
+    """The NeuronConfig fields of an export with the random head (export/pipeline.py's)."""
+    from optimum_neuron_chunked.modeling.eagle3 import shared_weights
+
+    return dict(
+        speculation_length=K,
+        speculation_head=HEAD_NAME,
+        speculation_head_shares=shared_weights(head_tensors()[1]),
+    )
+
+
+def head_of(hf_config, config):
+    """(Eagle3Spec, `draft.*` weights) of the random head in export `config`, as export/pipeline.py
+    gets them (head_checkpoint.fitting_spec, head_weights)."""
+    from optimum_neuron_chunked.head_checkpoint import HeadCheckpoint, fitting_spec, head_weights
+    from optimum_neuron_chunked.modeling.family import family_spec
+
+    head_config, tensors = head_tensors()
+    spec = fitting_spec(head_config, config, family_spec(hf_config))
+    return spec, head_weights(HeadCheckpoint(Path(HEAD_NAME), head_config, tensors), spec)
+
+
+def eagle3_config(tp: int):
+    """A llama export with the head: CP and DC narrow and full, TG, VF and DV narrow and full."""
+    from helpers import small_neuron_config
+
+    return small_neuron_config(tp, prefill_widths=(4, 16), decode_widths=(1, 2), **head_fields())
+
+
+def check_family(
+    family: str, tp: int, quantization: str = "", lora: bool = False, head: bool = False
+) -> list[str]:
     from fixtures.export_models import checkpoint_path
     from helpers import small_neuron_config
     from neuronx_distributed import NxDParallelState
@@ -173,15 +238,19 @@ def check_family(family: str, tp: int, quantization: str = "", lora: bool = Fals
     path = checkpoint_path(family)
     hf_config = AutoConfig.from_pretrained(path)
     slots = dict(max_loras=2, max_lora_rank=8) if lora else {}
-    config = small_neuron_config(tp, quantization=quantization, **slots)
-    full = build_model(
-        hf_config, NeuronConfig(batch_size=2, sequence_length=64, quantization=quantization, **slots)
-    )
-    full.load_weights(full.weights_from_hf(AutoModelForCausalLM.from_pretrained(path)))
+    config = small_neuron_config(tp, quantization=quantization, **slots, **(head_fields() if head else {}))
+    # an EAGLE3 head: its spec and `draft.*` weights; the unsharded model of its export's shapes
+    eagle3, head_state = head_of(hf_config, config) if head else (None, None)
+    if head:
+        shapes = small_neuron_config(1, **head_fields())
+    else:
+        shapes = NeuronConfig(batch_size=2, sequence_length=64, quantization=quantization, **slots)
+    full = build_model(hf_config, shapes, eagle3=eagle3)
+    full.load_weights(full.weights_from_hf(AutoModelForCausalLM.from_pretrained(path), head=head_state))
     problems = []
     with tempfile.TemporaryDirectory() as out, NxDParallelState(world_size=tp, tensor_model_parallel_size=tp):
         NeuronBackend().save_weights(full, config, Path(out))
-        sharded = build_model(hf_config, config, NxdLayers(tp), functional_cache=True)
+        sharded = build_model(hf_config, config, NxdLayers(tp), functional_cache=True, eagle3=eagle3)
         bundle = GraphBundle(sharded, config, graph_specs(config))
         aliases = [n for n in bundle.state_dict() if n.endswith("master_weight")]
         # NxD's view: shard_children walks named_parameters() (each Parameter once), and
@@ -198,9 +267,24 @@ def check_family(family: str, tp: int, quantization: str = "", lora: bool = Fals
                 problems.append(
                     f"{family} tp{tp} rank {rank}: shard {sorted(shard.items() ^ expected.items())}"
                 )
-        family = " ".join(x for x in (family, quantization, "lora" if lora else "") if x)
+        family = " ".join(
+            x for x in (family, quantization, "lora" if lora else "", EAGLE3 if head else "") if x
+        )
+        drafts = {n: s for n, s in expected.items() if n.startswith("model.draft.")}
+        said = ""
+        if head:  # the head's share of them, and what tp does to it
+            shown = (
+                "model.draft.lm_head.weight",
+                "model.draft.layers.0.self_attn.q_proj.weight",
+                "model.draft.fc.weight",
+            )
+            said = (
+                f" ({len(drafts)} of the head: "
+                + ", ".join(f"{n[12:]} {list(drafts.get(n, ()))}" for n in shown)
+                + ")"
+            )
         print(
-            f"{family} tp{tp}: {len(expected)} weights per rank, {len(aliases)} master_weight aliases skipped"
+            f"{family} tp{tp}: {len(expected)} weights per rank{said}, {len(aliases)} master_weight aliases skipped"
         )
         if tp == 1 and not problems:
             problems += check_forward(family, full, sharded, config)
@@ -221,10 +305,63 @@ def check_forward(family, full, sharded, config) -> list[str]:
         with torch.no_grad():
             want = graph_module(full, spec, config)(*inputs)
         for a, b in zip(_tuple(got), _tuple(want), strict=True):
-            if not torch.allclose(a.to(b.dtype), b, atol=1e-4, rtol=0):
-                problems.append(f"{family} {spec.name}: max diff {(a.to(b.dtype) - b).abs().max()}")
-    print(f"{family} tp1: {len(graph_specs(config))} graphs on XLA == eager" if not problems else problems)
+            if not _same(a, b):
+                problems.append(f"{family} {spec.name}: {_diff(a, b)}")
+        # an EAGLE3 head: what DC / DV leave on the device (its K/V) and CP / VF (aux states)
+        caches = xla.caches() if full.eagle3 is not None else {}
+        for name, want_cache in head_caches(full).items():
+            if not _same(caches[name], want_cache):
+                problems.append(f"{family} {spec.name}: {name} {_diff(caches[name], want_cache)}")
+    said = f"{len(graph_specs(config))} graphs on XLA == eager"
+    if full.eagle3 is not None:
+        kinds = ("dc", "dv")
+        said += f" (DC / DV: {sum(s.kind in kinds for s in graph_specs(config))} graphs, drafts exact; head K/V and aux states after each graph)"
+        problems += check_drafting(family, xla, full, config)
+    print(f"{family} tp1: {said}" if not problems else problems)
     return problems
+
+
+def check_drafting(family, xla, full, config) -> list[str]:
+    """tp 1, an EAGLE3 export: a fixed run through GraphRunner (two prompts in chunks, drafts after
+    each chunk, one verify step, drafts after it) on the bundle's graphs on XLA and on the eager
+    graphs: the same drafts."""
+    from optimum_neuron_chunked.graph_runner import GraphRunner
+    from optimum_neuron_chunked.graphs import graph_module, graph_specs
+
+    eager = {s.name: graph_module(full, s, config) for s in graph_specs(config)}
+    runs = []
+    for graphs in (xla.graphs(), eager):
+        runner, g, drafts, rows = GraphRunner(config, graphs), torch.Generator().manual_seed(16), [], []
+        with torch.no_grad():
+            for block, n in enumerate((21, 9)):
+                prompt = torch.randint(4, 380, (n + 1,), generator=g)
+                for start in range(0, n, config.prefill_chunk_size):
+                    stop = min(start + config.prefill_chunk_size, n)
+                    runner.prefill(prompt[start:stop], start, (block,))
+                    drafts.append(runner.draft_after_chunk(prompt[start + 1 : stop + 1], start, (block,)))
+                rows.append(torch.cat([prompt[n:], drafts[-1]]))
+            runner.verify(rows, torch.tensor([21, 9]), [(0,), (1,)], False)
+            drafts.append(runner.draft_after_verify(runner.last_verify, [5, 6], [1, K]))
+        runs.append([d.tolist() for d in drafts])
+    if runs[0] != runs[1]:
+        return [f"{family} drafting run: XLA drafts {runs[0]}, eager {runs[1]}"]
+    print(
+        f"{family} tp1: a drafting run through GraphRunner on XLA drafts as eager ({len(runs[0])} draft calls)"
+    )
+    return []
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Floats within 1e-4; integers (tokens, drafts) exactly."""
+    if not b.is_floating_point():
+        return torch.equal(a.to(b.dtype), b)
+    return torch.allclose(a.to(b.dtype), b, atol=1e-4, rtol=0)
+
+
+def _diff(a: torch.Tensor, b: torch.Tensor) -> str:
+    if not b.is_floating_point():
+        return f"{int((a.to(b.dtype) != b).sum())} of {b.numel()} integers differ"
+    return f"max diff {(a.to(b.dtype) - b).abs().max()}"
 
 
 @dataclass
@@ -235,6 +372,7 @@ class Reached:
     stop: ClosedCallReached | None = None
     refusal: str = ""
     checks: list[str] = field(default_factory=list)  # NxD's input checks that ran (trace/functions.py)
+    kernel_calls: int = 0  # calls of the NKI attention stand-in while tracing it (tp 1: it runs)
 
 
 def _watch_checks(checks: list[str]):
@@ -257,10 +395,12 @@ class _QuietStops(logging.Filter):
         return "generate_hlo reached for graph" not in record.getMessage()
 
 
-def check_compile(name: str, tp: int, nki: bool = False, quantization: str = "") -> list[str]:
-    """The real NeuronBackend.compile on a llama export, each trace up to generate_hlo; `nki`:
-    with nkilib's attention_cte (testing/nki_stand_in.py) in every CP and MX graph;
-    `quantization`: int8 / fp8 per channel, or "fp8-blocks" (a block-wise FP8 checkpoint)."""
+def check_compile(name: str, tp: int, nki: bool = False, quantization: str = "", kernel=None) -> list[str]:
+    """The real NeuronBackend.compile on a llama export, each trace up to generate_hlo; `name`:
+    one of helpers.every_graph_kind, or EAGLE3 (eagle3_config: the random head's DC / DV graphs);
+    `nki`: with nkilib's attention_cte (testing/nki_stand_in.py) in every CP and MX graph,
+    `kernel`: the stand-in, whose calls are counted per graph; `quantization`: int8 / fp8 per
+    channel, or "fp8-blocks" (a block-wise FP8 checkpoint)."""
     global RUN_TRACED_MODULE
     from fixtures.export_models import checkpoint_path
     from helpers import every_graph_kind
@@ -273,7 +413,7 @@ def check_compile(name: str, tp: int, nki: bool = False, quantization: str = "")
     from optimum_neuron_chunked.modeling import build_model, model_from_spec
     from optimum_neuron_chunked.quantized_checkpoint import source_quantization
 
-    config = every_graph_kind(tp)[name]
+    config = eagle3_config(tp) if name == EAGLE3 else every_graph_kind(tp)[name]
     path = checkpoint_path("llama")
     if quantization == "fp8-blocks":
         path = fp8_blocks_checkpoint()
@@ -290,14 +430,17 @@ def check_compile(name: str, tp: int, nki: bool = False, quantization: str = "")
         config = replace(config, attention_kernel="nki", nki_attention=chosen)
         name += "-nki"
     hf_config = AutoConfig.from_pretrained(path)
+    eagle3, head_state = head_of(hf_config, config) if config.speculation_head else (None, None)
     # the eager reference graphs below: unsharded, plain layers, HF weights (an FP8
     # checkpoint's: rank 0's streamed file at tp 1)
-    decoder = build_model(hf_config, config)
+    decoder = build_model(hf_config, config, eagle3=eagle3)
     if not quantization.endswith("blocks"):
-        decoder.load_weights(decoder.weights_from_hf(AutoModelForCausalLM.from_pretrained(path)))
+        hf = AutoModelForCausalLM.from_pretrained(path)
+        decoder.load_weights(decoder.weights_from_hf(hf, head=head_state))
     # as export/pipeline.py hands it to the backend: the shard files streamed from the
-    # checkpoint, a decoder on the meta device (compile loads rank 0's shard from its file)
-    meta = model_from_spec(decoder.spec, config, device="meta")
+    # checkpoint (the head's too), a decoder on the meta device (compile loads rank 0's shard
+    # from its file)
+    meta = model_from_spec(decoder.spec, config, device="meta", eagle3=eagle3)
     specs = graph_specs(config)
     reached: dict[str, Reached] = {}
 
@@ -305,6 +448,7 @@ def check_compile(name: str, tp: int, nki: bool = False, quantization: str = "")
     def on_graph(spec) -> Iterator[None]:
         # a graph's trace ends in an exception here; suppressing it lets compile trace the next
         reached[spec.name] = Reached(spec.name)
+        calls = len(kernel.calls) if kernel is not None else 0
         sys.setprofile(_watch_checks(reached[spec.name].checks))
         try:
             yield
@@ -319,6 +463,7 @@ def check_compile(name: str, tp: int, nki: bool = False, quantization: str = "")
             reached[spec.name].refusal = "trace returned without reaching the stubbed generate_hlo"
         finally:
             sys.setprofile(None)
+            reached[spec.name].kernel_calls = len(kernel.calls) - calls if kernel is not None else 0
 
     RUN_TRACED_MODULE = tp == 1
     source = source_quantization(hf_config)
@@ -327,7 +472,14 @@ def check_compile(name: str, tp: int, nki: bool = False, quantization: str = "")
     logging.getLogger("Neuron").addFilter(quiet)
     with tempfile.TemporaryDirectory() as out:
         stream_weights(
-            path, hf_config, config, meta, *NeuronBackend().stream_targets(config), Path(out), source
+            path,
+            hf_config,
+            config,
+            meta,
+            *NeuronBackend().stream_targets(config),
+            Path(out),
+            source,
+            head_state,
         )
         if quantization.endswith("blocks") and tp == 1:
             from optimum_neuron_chunked.backends.neuron.backend import written_shard
@@ -375,9 +527,25 @@ def check_compile(name: str, tp: int, nki: bool = False, quantization: str = "")
             if not same:
                 problems.append(f"{name} tp{tp} {spec.name}: keyword call differs from the eager graph")
             line += f"; keyword call == eager: {same}"
+            if spec.kind in (GraphKind.DC, GraphKind.DV):  # drafts are integers: exact
+                exact = all(_same(a, b) for a, b in zip(_tuple(r.stop.outputs), _tuple(want), strict=True))
+                caches = all(_same(r.stop.caches[n], c) for n, c in head_caches(decoder).items())
+                if not (exact and caches):
+                    problems.append(f"{name} tp{tp} {spec.name}: drafts exact {exact}, head caches {caches}")
+                line += f" (drafts exactly: {exact}; head K/V and aux states: {caches})"
+        if kernel is not None and tp == 1:
+            line += f"; NKI kernel calls: {r.kernel_calls}"
         print(line)
     chains = {" > ".join(r.stop.chain) for r in reached.values() if r.stop is not None}
     print(f"{name} tp{tp}: generate_hlo reached from {' | '.join(sorted(chains))}; then {end}")
+    if kernel is not None and tp == 1:  # the module runs at tp 1 only: the kernel is called there
+        ran = sorted(n for n, r in reached.items() if r.kernel_calls)
+        print(
+            f"{name} tp{tp}: the NKI kernel ran in {', '.join(ran) or 'no graph'} (chosen: {', '.join(config.nki_attention)})"
+        )
+        missing = set(config.nki_attention) - set(ran)
+        if missing:
+            problems.append(f"{name} tp{tp}: chosen graphs {sorted(missing)} never called the NKI kernel")
     return problems
 
 
@@ -435,10 +603,14 @@ def _tuple(x):
 
 
 def main() -> int:
-    if len(sys.argv) != 2 or not (Path(sys.argv[1]) / "src" / "neuronx_distributed").is_dir():
+    args = sys.argv[1:]
+    only_head = args[1:] == ["--eagle3"]  # the EAGLE3 head's checks alone
+    if not (len(args) == 1 or only_head) or not (Path(args[0]) / "src" / "neuronx_distributed").is_dir():
         print(__doc__)
         return 2
-    install_stubs(Path(sys.argv[1]))
+    install_stubs(Path(args[0]))
+    if only_head:
+        return eagle3_main()
     quantized = ("", "int8", "fp8")
     problems = [
         p
@@ -448,7 +620,12 @@ def main() -> int:
         for p in check_family(family, tp, q)
     ]
     problems += [p for tp in (1, 2) for p in check_family("llama", tp, lora=True)]
-    print("\n".join(problems) if problems else "OK: bundle names == shard files; tp 1 forward == eager")
+    problems += [p for tp in (1, 2) for p in check_family("llama", tp, head=True)]
+    print(
+        "\n".join(problems)
+        if problems
+        else "OK: bundle names == shard files (an EAGLE3 head's too); tp 1 forward == eager (DC / DV drafts exactly)"
+    )
     from helpers import every_graph_kind
 
     traced = [p for tp in (1, 2) for name in every_graph_kind(tp) for p in check_compile(name, tp)]
@@ -458,22 +635,36 @@ def main() -> int:
         for q in ("int8", "fp8", "fp8-blocks")
         for p in check_compile("chunked", tp, quantization=q)
     ]
+    traced += [p for tp in (1, 2) for p in check_compile(EAGLE3, tp)]
     from optimum_neuron_chunked.testing.nki_stand_in import installed
 
     with installed() as kernel:
         traced += [
             p for tp in (1, 2) for name in ("chunked", "paged") for p in check_compile(name, tp, nki=True)
         ]
+        traced += [p for tp in (1, 2) for p in check_compile(EAGLE3, tp, nki=True, kernel=kernel)]
     if not kernel.calls:
         traced.append("the NKI attention kernel was never called")
     print(
         "\n".join(traced)
         if traced
         else "OK: NeuronBackend.compile traced every graph (CP and MX with the NKI attention kernel too; "
-        "int8, fp8 and block-wise fp8 weights through NxD's quantized layers) to generate_hlo; positional "
-        "calls route to its tag"
+        "int8, fp8 and block-wise fp8 weights through NxD's quantized layers; an EAGLE3 head's DC and DV, "
+        "with the kernel too) to generate_hlo; positional calls route to its tag"
     )
     return 1 if problems or traced else 0
+
+
+def eagle3_main() -> int:
+    """`PATH_TO_NXD_SOURCE --eagle3`: the EAGLE3 head's checks alone."""
+    from optimum_neuron_chunked.testing.nki_stand_in import installed
+
+    problems = [p for tp in (1, 2) for p in check_family("llama", tp, head=True)]
+    problems += [p for tp in (1, 2) for p in check_compile(EAGLE3, tp)]
+    with installed() as kernel:
+        problems += [p for tp in (1, 2) for p in check_compile(EAGLE3, tp, nki=True, kernel=kernel)]
+    print("\n".join(problems) if problems else "OK: the EAGLE3 head's shards, graphs on XLA and traces")
+    return 1 if problems else 0
 
 
 if __name__ == "__main__":
