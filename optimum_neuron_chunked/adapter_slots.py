@@ -2,15 +2,18 @@
 
 Adapters are keyed by what the caller names them with (the loader: a name; vLLM: the request's
 adapter id). A step places the adapters its rows name; one that has no slot takes a free one,
-else the least recently used slot whose adapter is neither pinned nor needed by the step. The
-caller writes each placed adapter into its slot before the step's graphs run (GraphRunner.
-write_adapter): slots change between steps by a write, never by a recompile.
+else the least recently used slot whose adapter is neither pinned nor needed by the step. Each
+placed adapter is written into its slot before the step's graphs run (`place_rows`: the loader's
+and vLLM's one path; GraphRunner.write_adapter): slots change between steps by a write, never by
+a recompile.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Hashable, Iterable
+from collections.abc import Callable, Hashable, Iterable, Sequence
+
+from .modeling.lora import NO_ADAPTER
 
 
 class SlotsExhausted(RuntimeError):
@@ -38,6 +41,15 @@ class SlotTable:
             self._holder[key] = slot
             writes.append((slot, key))
         return writes
+
+    def place_rows(
+        self, keys: Sequence[Hashable | None], write: Callable[[int, Hashable], None]
+    ) -> list[int]:
+        """Each row's slot for the adapter key it names (None: the base, NO_ADAPTER), the adapters
+        that enter a slot written first by `write(slot, key)`."""
+        for slot, key in self.place(k for k in keys if k is not None):
+            write(slot, key)
+        return [NO_ADAPTER if k is None else self._holder[k] for k in keys]
 
     def release(self, key: Hashable) -> None:
         """`key`'s slot is free (its tensors stay until another adapter is written); a pin stays:

@@ -73,9 +73,10 @@ class NeuronModelForCausalLM:
                 f"{len(set(wanted))} adapters in one generate call, the export has {self._slots.slots} "
                 "slots (--max-loras): split the batch"
             )
-        for slot, name in self._slots.place(wanted):
-            self.runner.write_adapter(slot, self.adapters[name])
-        return [NO_ADAPTER if n == BASE else self._slots.slot_of(n) for n in adapter_names]
+        keys = [None if n == BASE else n for n in adapter_names]
+        return self._slots.place_rows(
+            keys, lambda slot, name: self.runner.write_adapter(slot, self.adapters[name])
+        )
 
     @classmethod
     def from_pretrained(

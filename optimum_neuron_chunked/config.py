@@ -22,6 +22,7 @@ QUANTIZATIONS = ("int8", "fp8")  # weight-only, symmetric (modeling/quantization
 KV_CACHE_DTYPES = ("auto", "fp8")  # fp8: float8_e4m3fn within Neuron's +-240 (modeling/kv_cache.py)
 # Smallest context bucket chosen by default: below this a smaller graph saves little.
 MIN_DEFAULT_BUCKET = 512
+DEFAULT_LORA_RANK = 16  # --max-lora-rank when not given
 # Keys of neuron_config.json renamed since: exports written before keep the old ones.
 RENAMED_KEYS = {"prompt_logits": "prompt_logprobs"}
 
@@ -235,7 +236,7 @@ class NeuronConfig:
     max_lora_rank: int = option(
         "--max-lora-rank",
         "--max_lora_rank",
-        default=16,
+        default=DEFAULT_LORA_RANK,
         help="With --max-loras: the largest adapter rank a slot holds (smaller ranks are zero-padded).",
     )
     lora_target_modules: tuple[str, ...] = option(
@@ -273,7 +274,7 @@ class NeuronConfig:
         for name in ("quantization_skip", "quantization_block", "speculation_head_shares"):  # lists given
             object.__setattr__(self, name, tuple(getattr(self, name)))
         object.__setattr__(self, "kv_cache_scales", tuple(tuple(map(float, s)) for s in self.kv_cache_scales))
-        if self.max_loras:  # as typed -> the projections, in the decoder's order (modeling/lora.py)
+        if self.has_lora_slots:  # as typed -> the projections, in the decoder's order (modeling/lora.py)
             try:
                 object.__setattr__(self, "lora_target_modules", resolve_targets(self.lora_target_modules))
             except ValueError as e:
@@ -389,7 +390,7 @@ class NeuronConfig:
                 f"--max-loras {slots} --max-lora-rank {rank}: pass --max-loras N >= 1 with --max-lora-rank r >= 1 "
                 "(adapter slots), or --max-loras 0 for none."
             )
-        if (self.lora_target_modules or rank != 16) and not slots:
+        if (self.lora_target_modules or rank != DEFAULT_LORA_RANK) and not self.has_lora_slots:
             raise NeuronConfigError(
                 "--max-lora-rank and --lora-target-modules shape adapter slots: pass --max-loras N too."
             )
@@ -467,6 +468,12 @@ class NeuronConfig:
     @property
     def chunked(self) -> bool:
         return self.prefill_chunk_size > 0
+
+    @property
+    def has_lora_slots(self) -> bool:
+        """A LoRA export (--max-loras N): adapter slots beside its projections, and each row's
+        slot as one more column of its block tables (modeling/lora.py)."""
+        return bool(self.max_loras)
 
     @property
     def verify_width(self) -> int:

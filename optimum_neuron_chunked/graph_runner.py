@@ -5,7 +5,7 @@ Every operation takes rows as tokens, positions and KV blocks: a request's KV ad
 pool blocks in position order (at least one block per P positions it writes; longer is fine;
 one whole-sequence block). One internal path (GraphRunner._call)
 checks them, pads them, builds the block tables once at the graph's ceil(W / P) columns
-(block_table, modeling/kv_cache.py), calls the graph and returns the real rows' outputs in the
+(graph_inputs.py, modeling/kv_cache.py), calls the graph and returns the real rows' outputs in the
 caller's order. Nothing is sampled here beyond what a graph samples on the device: sampling is
 the callers' (the vLLM runner, generation.py)."""
 
@@ -23,49 +23,25 @@ from .backends.base import SlotWriter
 from .config import NeuronConfig, prefill_slices
 from .draft_rows import CalledRows, draft_graph, shifted_rows
 from .export_folder import ExportCapabilities, check_export
+from .graph_inputs import INDEX_DTYPE, pad_repeat_last, row_inputs
 from .graphs import (
     COPY,
-    INDEX_DTYPE,
     GraphKind,
     GraphSpec,
     ce_spec,
     cp_spec,
     graph_specs,
     mx_spec,
+    samples_on_device,
     tg_spec,
     vf_spec,
 )
 from .lora_adapter import LoraAdapter, read_adapter, slot_tensors
 from .modeling.family import family_spec
 from .modeling.kv_layout import KVPool, row_blocks
-from .modeling.lora import NO_ADAPTER, LoraSpec, with_adapter_column
+from .modeling.lora import NO_ADAPTER, LoraSpec, row_slots
 
 logger = logging.getLogger(__name__)
-
-
-def pad_repeat_last(x: torch.Tensor, length: int, dim: int) -> torch.Tensor:
-    """The padding rule, the only one: repeat the last entry along `dim` up to `length`.
-
-    Applied to a chunk's tokens and positions, padded copies are exact duplicates of the last
-    real token (see modeling/kv_cache.py); applied to decode rows, padded rows repeat the
-    last real row and so rewrite exactly what it writes.
-    """
-    missing = length - x.shape[dim]
-    if missing < 0:
-        raise ValueError(f"{x.shape[dim]} entries do not fit a graph dimension of {length}")
-    if missing == 0:
-        return x
-    last = x.narrow(dim, x.shape[dim] - 1, 1)
-    return torch.cat([x, last.expand(*[missing if d == dim else -1 for d in range(x.dim())])], dim=dim)
-
-
-def block_table(rows: Sequence[Sequence[int]], columns: int) -> torch.Tensor:
-    """THE block-table builder: [N, columns] int32 block ids of N requests, each row its blocks
-    in position order cut to `columns`, or padded by the one rule (its last block repeated:
-    modeling/kv_cache.py) - once, at the width of the graph that reads it."""
-    return torch.stack(
-        [pad_repeat_last(torch.tensor(r[:columns], dtype=INDEX_DTYPE)[None], columns, dim=1)[0] for r in rows]
-    )
 
 
 class GraphRunner:
@@ -128,21 +104,21 @@ class GraphRunner:
     def read_adapter(self, path) -> LoraAdapter:
         """The PEFT adapter in folder `path` as this export's slots hold it (lora_adapter.read_adapter:
         LoraConfigError names what they cannot hold)."""
-        lora = LoraSpec.of(self.config)
-        if lora is None:
+        lora_spec = LoraSpec.of(self.config)
+        if lora_spec is None:
             raise ValueError("this export has no LoRA adapter slots: export it again with --max-loras N")
-        return read_adapter(path, family_spec(self.hf_config), lora, getattr(torch, self.config.dtype))
+        return read_adapter(path, family_spec(self.hf_config), lora_spec, getattr(torch, self.config.dtype))
 
     def write_adapter(self, slot: int, adapter: LoraAdapter) -> None:
         """Put `adapter` (lora_adapter.read_adapter) into LoRA slot `slot` of every graph: a write
         of that slot's tensors, never a recompile; rows naming the slot run it from the next call."""
-        lora = LoraSpec.of(self.config)
-        if lora is None or self.write_slot is None:
+        lora_spec = LoraSpec.of(self.config)
+        if lora_spec is None or self.write_slot is None:
             raise ValueError("this export has no adapter slots: export again with --max-loras N")
-        if not 0 <= slot < lora.slots:
-            raise ValueError(f"slot {slot} is not one of the export's {lora.slots} adapter slots")
-        spec = family_spec(self.hf_config)
-        self.write_slot(slot, lambda rank: slot_tensors(adapter, spec, lora, self.config.tp_degree, rank))
+        if not 0 <= slot < lora_spec.slots:
+            raise ValueError(f"slot {slot} is not one of the export's {lora_spec.slots} adapter slots")
+        spec, tp = family_spec(self.hf_config), self.config.tp_degree
+        self.write_slot(slot, lambda tp_rank: slot_tensors(adapter, spec, lora_spec, tp, tp_rank))
 
     def prefill(
         self,
@@ -319,19 +295,23 @@ class GraphRunner:
         caller's row order). Decode rows go longest context first, so the padding repeats the
         shortest: where each row reads only its live context (the cpu backend's per_row_live),
         a padded row costs the least it can. LoRA exports: each row's adapter slot (`adapters`,
-        None: the base) joins its block table as one more column (modeling/lora.py); `last`: draft calls'."""
+        None: the base) joins its block table as one more column (lora.row_slots); `last`: draft calls'."""
         self.calls += 1
-        if spec.kind is GraphKind.COPY:  # a copy reads no token: its source row's positions, each row's block
+        if spec.kind is GraphKind.COPY:  # no token read, no adapter run (no adapter column): the
+            # positions of its source row, each row's one block
             inputs, order = self._row_inputs(
                 2, spec.width, self.config.sequence_length, token_rows, starts, blocks
             )
             return (self.graphs[spec.name](inputs[1][:1], row_blocks(inputs[2])),), order
+        slots = row_slots(self.config, adapters, len(token_rows))
         inputs, order = self._row_inputs(
-            spec.batch, spec.width if chunk is None else 1, spec.window, token_rows, starts, blocks, adapters
+            spec.batch, spec.width if chunk is None else 1, spec.window, token_rows, starts, blocks, slots
         )
         if chunk is not None:
-            inputs += self._row_inputs(1, spec.width, spec.window, *chunk)[0]
-        if spec.kind in (GraphKind.TG, GraphKind.MX) and self.config.on_device_sampling:
+            *chunk_rows, chunk_adapters = chunk
+            chunk_slots = row_slots(self.config, chunk_adapters, 1)
+            inputs += self._row_inputs(1, spec.width, spec.window, *chunk_rows, chunk_slots)[0]
+        if samples_on_device(spec, self.config):
             if sampling is None:
                 raise ValueError("this export samples on the device: pass sampling=(params, rand)")
             inputs += [pad_repeat_last(x[order].float(), spec.batch, dim=0) for x in sampling]
@@ -341,24 +321,12 @@ class GraphRunner:
         return tuple(outputs) if isinstance(outputs, tuple | list) else (outputs,), torch.argsort(order)
 
     def _row_inputs(
-        self, rows: int, width: int, window: int, token_rows, starts, blocks, adapters=None
+        self, rows: int, width: int, window: int, token_rows, starts, blocks, slots=None
     ) -> tuple[list, torch.Tensor]:
-        """[rows, width] token ids and positions and [rows, ceil(window / P)] block tables, real
-        rows longest context first -> (inputs, that order), integers INDEX_DTYPE."""
-        ends = torch.tensor([s + len(t) for s, t in zip(starts, token_rows, strict=True)])
-        blocks = self._check_blocks(blocks, ends - 1)
-        order = torch.argsort(ends, descending=True, stable=True)
-        ids, pos, table_rows = [], [], []
-        for i in order.tolist():
-            span = torch.arange(starts[i], int(ends[i]), dtype=INDEX_DTYPE)
-            ids.append(pad_repeat_last(token_rows[i].to(INDEX_DTYPE)[None], width, dim=1)[0])
-            pos.append(pad_repeat_last(span[None], width, dim=1)[0])
-            table_rows.append(blocks[i])
-        tables = block_table(table_rows, self.pool.blocks_holding(window))
-        if self.config.max_loras:
-            slots = [NO_ADAPTER] * len(token_rows) if adapters is None else list(adapters)
-            tables = with_adapter_column(tables, torch.tensor(slots, dtype=INDEX_DTYPE)[order])
-        return [pad_repeat_last(x, rows, dim=0) for x in (torch.stack(ids), torch.stack(pos), tables)], order
+        """graph_inputs.row_inputs over context bucket `window`, each row's blocks checked first."""
+        last = torch.tensor([s + len(t) - 1 for s, t in zip(starts, token_rows, strict=True)])
+        blocks = self._check_blocks(blocks, last)
+        return row_inputs(rows, width, self.pool.blocks_holding(window), token_rows, starts, blocks, slots)
 
     def _decode_outputs(self, outputs: tuple, unsort: torch.Tensor, need_logits: bool) -> tuple:
         """(tokens, logits) or (logits,) of a decode graph -> (tokens [N] or None, logits [N, V]

@@ -46,13 +46,12 @@ import torch
 from torch import nn
 
 from .config import NeuronConfig
+from .graph_inputs import INDEX_DTYPE, row_inputs
 from .modeling import eagle3
 from .modeling.decoder import DecoderModel, PartInputs
 from .modeling.kv_layout import KVPool
-from .modeling.lora import NO_ADAPTER, with_adapter_column
+from .modeling.lora import row_slots
 from .modeling.sampler import sample
-
-INDEX_DTYPE = torch.int32
 
 
 class GraphKind(StrEnum):
@@ -151,8 +150,8 @@ class PrefillGraph(nn.Module):
         super().__init__()
         self.model, self.window, self.all_positions = model, window, all_positions
 
-    def forward(self, input_ids, position_ids, tables):
-        hidden = self.model.hidden_states(input_ids, position_ids, tables, self.window)
+    def forward(self, input_ids, position_ids, tables_and_slot):
+        hidden = self.model.hidden_states(input_ids, position_ids, tables_and_slot, self.window)
         if self.all_positions:
             return self.model.logits(hidden)
         # Padding repeats the last real position, so the first argmax is the last real token.
@@ -169,8 +168,10 @@ class DecodeGraph(nn.Module):
         self.model, self.window = model, window
         self.on_device_sampling, self.max_topk = on_device_sampling, max_topk
 
-    def forward(self, input_ids, position_ids, tables, sampling_params=None, rand=None):
-        hidden = self.model.hidden_states(input_ids, position_ids, tables, self.window, decode_rows=True)
+    def forward(self, input_ids, position_ids, tables_and_slot, sampling_params=None, rand=None):
+        hidden = self.model.hidden_states(
+            input_ids, position_ids, tables_and_slot, self.window, decode_rows=True
+        )
         logits = self.model.logits(hidden[:, 0])
         if not self.on_device_sampling:
             return logits
@@ -187,8 +188,10 @@ class VerifyGraph(nn.Module):
         super().__init__()
         self.model, self.window = model, window
 
-    def forward(self, input_ids, position_ids, tables):
-        hidden = self.model.hidden_states(input_ids, position_ids, tables, self.window, decode_rows=True)
+    def forward(self, input_ids, position_ids, tables_and_slot):
+        hidden = self.model.hidden_states(
+            input_ids, position_ids, tables_and_slot, self.window, decode_rows=True
+        )
         logits = self.model.logits(hidden)
         return torch.argmax(logits, dim=-1).to(INDEX_DTYPE), logits
 
@@ -207,17 +210,17 @@ class MixedGraph(nn.Module):
         self,
         input_ids,
         position_ids,
-        tables,
+        tables_and_slot,
         chunk_ids,
         chunk_positions,
-        chunk_tables,
+        chunk_tables_and_slot,
         sampling_params=None,
         rand=None,
     ):
         decode, chunk = self.model.parts_hidden_states(
             (
-                PartInputs(input_ids, position_ids, tables, decode_rows=True),
-                PartInputs(chunk_ids, chunk_positions, chunk_tables, decode_rows=False),
+                PartInputs(input_ids, position_ids, tables_and_slot, decode_rows=True),
+                PartInputs(chunk_ids, chunk_positions, chunk_tables_and_slot, decode_rows=False),
             ),
             self.window,
         )
@@ -238,9 +241,16 @@ class DraftGraph(nn.Module):
         super().__init__()
         self.model, self.window, self.decode_rows, self.steps = model, window, decode_rows, steps
 
-    def forward(self, input_ids, position_ids, tables, last):
+    def forward(self, input_ids, position_ids, tables_and_slot, last):
         drafts = eagle3.propose(
-            self.model, input_ids, position_ids, tables, last, self.window, self.decode_rows, self.steps
+            self.model,
+            input_ids,
+            position_ids,
+            tables_and_slot,
+            last,
+            self.window,
+            self.decode_rows,
+            self.steps,
         )
         return drafts.to(INDEX_DTYPE)
 
@@ -277,33 +287,27 @@ def example_inputs(spec: GraphSpec, config: NeuronConfig) -> tuple[torch.Tensor,
     if spec.kind == GraphKind.COPY:
         return torch.arange(spec.width, dtype=INDEX_DTYPE)[None], torch.arange(2, dtype=INDEX_DTYPE)
 
-    def rows(n: int, width: int) -> tuple[torch.Tensor, ...]:
-        return _token_inputs(n, width, example_block_tables(config, n, spec.window))
-
-    if spec.kind == GraphKind.MX:  # decode rows and the chunk in blocks of their own (shapes only)
-        inputs = rows(spec.batch, 1) + rows(1, spec.width)
+    if spec.kind == GraphKind.MX:  # decode rows and the chunk (shapes only)
+        decode = example_rows(config, spec.batch, 1, spec.window)
+        inputs = decode + example_rows(config, 1, spec.width, spec.window)
     else:
-        inputs = rows(spec.batch, spec.width)
-    if spec.kind in (GraphKind.TG, GraphKind.MX) and config.on_device_sampling:
+        inputs = example_rows(config, spec.batch, spec.width, spec.window)
+    if samples_on_device(spec, config):
         inputs += (torch.zeros(spec.batch, 3), torch.zeros(spec.batch))
     if spec.kind in (GraphKind.DC, GraphKind.DV):  # each row's last accepted index
         inputs += (torch.zeros(spec.batch, dtype=INDEX_DTYPE),)
     return inputs
 
 
-def example_block_tables(config: NeuronConfig, rows: int, window: int) -> torch.Tensor:
-    """[rows, ceil(window / P)] block tables of distinct pool blocks (shapes only), and the
-    adapter column of LoRA exports (modeling/lora.py)."""
+def example_rows(config: NeuronConfig, rows: int, width: int, window: int) -> tuple[torch.Tensor, ...]:
+    """The row inputs (graph_inputs.row_inputs) of `rows` base rows of `width` tokens at positions
+    0.., each in pool blocks of its own where the pool has them (shapes only)."""
     pool = KVPool.of(config)
     columns = pool.blocks_holding(window)
-    blocks = (torch.arange(rows * columns, dtype=INDEX_DTYPE) % pool.num_blocks).view(rows, columns)
-    return with_adapter_column(blocks, torch.full((rows,), NO_ADAPTER)) if config.max_loras else blocks
-
-
-def _token_inputs(rows: int, width: int, tables: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """(token ids, positions [rows, width], block tables [rows, ceil(W / P)])"""
-    positions = torch.arange(width, dtype=INDEX_DTYPE)[None].expand(rows, -1).contiguous()
-    return torch.zeros(rows, width, dtype=INDEX_DTYPE), positions, tables
+    blocks = (torch.arange(rows * columns) % pool.num_blocks).view(rows, columns).tolist()
+    tokens = [torch.zeros(width, dtype=INDEX_DTYPE)] * rows
+    slots = row_slots(config, None, rows)
+    return tuple(row_inputs(rows, width, columns, tokens, [0] * rows, blocks, slots)[0])
 
 
 def samples_on_device(spec: GraphSpec, config: NeuronConfig) -> bool:

@@ -20,9 +20,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from .lora_targets import ATTENTION_TARGETS, MLP_TARGETS, PACKED, ROW_PARALLEL, TARGETS
+from .lora_targets import ATTENTION_TARGETS, MLP_TARGETS, PACKED, TARGETS, slot_name
 from .modeling.family import FamilySpec
-from .modeling.lora import LoraSpec
+from .modeling.lora import LoraSpec, full_shapes, rank_share
 from .modeling.parallel import ShardLayout
 
 CONFIG_FILE = "adapter_config.json"
@@ -42,11 +42,11 @@ class LoraAdapter:
     a [R, in] and b [R, out] (lora_B transposed, scaling folded in), zero-padded to rank R."""
 
     path: str
-    rank: int
+    rank: int  # the largest LoRA rank of its projections
     weights: dict[str, tuple[torch.Tensor, torch.Tensor]]
 
 
-def read_adapter(path: str | Path, spec: FamilySpec, lora: LoraSpec, dtype: torch.dtype) -> LoraAdapter:
+def read_adapter(path: str | Path, spec: FamilySpec, lora_spec: LoraSpec, dtype: torch.dtype) -> LoraAdapter:
     """The adapter in folder `path`, checked against the export's base and slots; LoraConfigError
     names what cannot be served."""
     folder = Path(path)
@@ -55,7 +55,7 @@ def read_adapter(path: str | Path, spec: FamilySpec, lora: LoraSpec, dtype: torc
     pairs: dict[str, dict[str, torch.Tensor]] = {}
     for key, tensor in tensors.items():
         match = _KEY.match(key)
-        for module in ("embed_tokens", "lm_head"):
+        for module in ("embed_tokens", "lm_head"):  # refused by name, before the key's form is checked
             if f".{module}." in key:
                 raise LoraConfigError(
                     f"{folder}: {key}: LoRA on {module} is not served (attention and dense MLP projections are)"
@@ -67,11 +67,11 @@ def read_adapter(path: str | Path, spec: FamilySpec, lora: LoraSpec, dtype: torc
     for module, pair in pairs.items():
         if set(pair) != {"lora_A", "lora_B"}:
             raise LoraConfigError(f"{folder}: {module} has {sorted(pair)} but not both lora_A and lora_B")
-        rank, alpha = _rank_alpha(config, module)
-        scale = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
+        lora_rank, alpha = _rank_alpha(config, module)
+        scale = alpha / math.sqrt(lora_rank) if config.get("use_rslora") else alpha / lora_rank
         for name, a, b in _split_packed(module, pair["lora_A"], pair["lora_B"], spec):
-            _check_module(folder, name, a, b, spec, lora)
-            weights[name] = _padded(a, b * scale, lora.rank, dtype)
+            _check_module(folder, name, a, b, spec, lora_spec)
+            weights[name] = _padded(a, b * scale, lora_spec.rank, dtype)
             most = max(most, a.shape[0])
     if not weights:
         raise LoraConfigError(f"{folder}: the adapter holds no LoRA weights")
@@ -125,8 +125,8 @@ def _pattern_value(patterns: dict, module: str, default):
 
 
 def _rank_alpha(config: dict, module: str) -> tuple[int, float]:
-    rank = _pattern_value(config.get("rank_pattern"), module, config.get("r", 8))
-    return rank, _pattern_value(config.get("alpha_pattern"), module, config.get("lora_alpha", 8))
+    lora_rank = _pattern_value(config.get("rank_pattern"), module, config.get("r", 8))
+    return lora_rank, _pattern_value(config.get("alpha_pattern"), module, config.get("lora_alpha", 8))
 
 
 def _split_packed(module: str, a: torch.Tensor, b: torch.Tensor, spec: FamilySpec):
@@ -145,29 +145,13 @@ def _split_packed(module: str, a: torch.Tensor, b: torch.Tensor, spec: FamilySpe
     return [(f"{prefix}.{part}", a, rows) for part, rows in zip(PACKED[name], b.split(sizes), strict=True)]
 
 
-def full_shapes(spec: FamilySpec) -> dict[str, tuple[int, int]]:
-    """(in, out) of each projection adapters may target, unsharded."""
-    hidden, q, kv = spec.hidden_size, spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
-    inter = spec.intermediate_size
-    return {
-        "q_proj": (hidden, q),
-        "k_proj": (hidden, kv),
-        "v_proj": (hidden, kv),
-        "o_proj": (q, hidden),
-        "gate_proj": (hidden, inter),
-        "up_proj": (hidden, inter),
-        "down_proj": (inter, hidden),
-    }
-
-
-def _check_module(folder: Path, module: str, a, b, spec: FamilySpec, lora: LoraSpec) -> None:
+def _check_module(folder: Path, module: str, a, b, spec: FamilySpec, lora_spec: LoraSpec) -> None:
     parts = module.split(".")
     projection = parts[-1]
     where = f"{folder}: {module}"
-    if projection in ("embed_tokens", "lm_head") or "experts" in parts:
-        kind = "expert (MoE) projections" if "experts" in parts else f"{projection}"
+    if "experts" in parts:  # embed_tokens and lm_head: refused by key (read_adapter)
         raise LoraConfigError(
-            f"{where}: LoRA on {kind} is not served (attention and dense MLP projections are)"
+            f"{where}: LoRA on expert (MoE) projections is not served (attention and dense MLP projections are)"
         )
     layer = int(parts[2]) if parts[:2] == ["model", "layers"] and parts[2].isdigit() else None
     if projection not in TARGETS or layer is None or layer >= spec.num_layers:
@@ -175,17 +159,19 @@ def _check_module(folder: Path, module: str, a, b, spec: FamilySpec, lora: LoraS
             f"{where}: not an attention or dense MLP projection of this base model ({spec.model_type}, "
             f"{spec.num_layers} layers); adapters may target {', '.join(TARGETS)}"
         )
-    if projection not in lora.targets:
+    if projection not in lora_spec.targets:
         raise LoraConfigError(
             f"{where}: the export has no slots on {projection} (its --lora-target-modules: "
-            f"{', '.join(lora.targets)}); export again with {projection} among them"
+            f"{', '.join(lora_spec.targets)}); export again with {projection} among them"
         )
-    if spec.moe is not None and projection in MLP_TARGETS and spec.moe.sparse_layers[layer]:
+    if projection in MLP_TARGETS and not spec.dense_mlp(layer):
         raise LoraConfigError(
             f"{where}: layer {layer}'s MLP is a mixture of experts; expert projections take no adapters"
         )
-    if a.shape[0] > lora.rank:
-        raise LoraConfigError(f"{where}: rank {a.shape[0]} exceeds the export's --max-lora-rank {lora.rank}")
+    if a.shape[0] > lora_spec.rank:
+        raise LoraConfigError(
+            f"{where}: rank {a.shape[0]} exceeds the export's --max-lora-rank {lora_spec.rank}"
+        )
     inner, outer = full_shapes(spec)[projection]
     if a.shape != (a.shape[0], inner) or b.shape != (outer, a.shape[0]):
         raise LoraConfigError(
@@ -194,54 +180,40 @@ def _check_module(folder: Path, module: str, a, b, spec: FamilySpec, lora: LoraS
         )
 
 
-def _padded(a: torch.Tensor, b: torch.Tensor, rank: int, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def _padded(a: torch.Tensor, b: torch.Tensor, slot_rank: int, dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """a [r, in], b [out, r] -> a [R, in], b.T [R, out], zero rows r..R, in `dtype`."""
     r = a.shape[0]
-    a_slot = torch.zeros(rank, a.shape[1], dtype=torch.float32)
-    b_slot = torch.zeros(rank, b.shape[0], dtype=torch.float32)
+    a_slot = torch.zeros(slot_rank, a.shape[1], dtype=torch.float32)
+    b_slot = torch.zeros(slot_rank, b.shape[0], dtype=torch.float32)
     a_slot[:r], b_slot[:r] = a.float(), b.float().t()
     return a_slot.to(dtype), b_slot.to(dtype)
 
 
 def slot_tensors(
-    adapter: LoraAdapter, spec: FamilySpec, lora: LoraSpec, tp_degree: int = 1, rank: int = 0
+    adapter: LoraAdapter, spec: FamilySpec, lora_spec: LoraSpec, tp_degree: int = 1, tp_rank: int = 0
 ) -> dict:
-    """The adapter as rank `rank`'s slot parameters (lora.LoraSlots names -> [R, in] / [R, out]
-    one slot's share): column-parallel b split on its output, row-parallel a on its input (KV heads
-    replicated as the weights are: parallel.tp_checkpoint). Targets the adapter lacks are zero."""
+    """The adapter as rank `tp_rank`'s slot parameters (lora_targets.slot_name -> [R, in] / [R, out]
+    one slot's share, lora.rank_share). Targets the adapter lacks are zero."""
     layout = ShardLayout.of(spec, tp_degree)
     shapes = full_shapes(spec)
     out = {}
     for i in range(spec.num_layers):
-        for projection in lora.targets:
+        for projection in lora_spec.targets:
             block = "self_attn" if projection in ATTENTION_TARGETS else "mlp"
-            if block == "mlp" and spec.moe is not None and spec.moe.sparse_layers[i]:
+            if block == "mlp" and not spec.dense_mlp(i):
                 continue
-            module = f"model.layers.{i}.{block}.{projection}"
+            module = f"model.layers.{i}.{block}"
             inner, outer = shapes[projection]
-            a, b = adapter.weights.get(module, (None, None))
+            a, b = adapter.weights.get(f"{module}.{projection}", (None, None))
             if a is None:
-                a, b = torch.zeros(lora.rank, inner), torch.zeros(lora.rank, outer)
-            a, b = _rank_share(projection, a, b, layout, rank)
-            prefix = f"model.layers.{i}.{block}.lora.{projection}"
-            out[f"{prefix}.a"], out[f"{prefix}.b"] = a, b
+                a, b = torch.zeros(lora_spec.rank, inner), torch.zeros(lora_spec.rank, outer)
+            a, b = rank_share(projection, a, b, layout, tp_rank)
+            out[slot_name(module, projection, "a")], out[slot_name(module, projection, "b")] = a, b
     return out
 
 
-def empty_slots(spec: FamilySpec, lora: LoraSpec, dtype, tp_degree: int = 1, rank: int = 0) -> dict:
-    """Rank `rank`'s slot parameters, every slot zero (lora.LoraSlots names -> [S, R, in] / [S, R, out]):
-    what a backend that loads weights by name binds before any adapter is written."""
-    one = slot_tensors(LoraAdapter("", 0, {}), spec, lora, tp_degree, rank)
-    return {name: torch.zeros(lora.slots, *t.shape, dtype=dtype) for name, t in one.items()}
-
-
-def _rank_share(projection: str, a, b, layout: ShardLayout, rank: int):
-    tp = layout.tp_degree
-    if tp == 1:
-        return a, b
-    if projection in ROW_PARALLEL:
-        return a.chunk(tp, dim=1)[rank].contiguous(), b
-    if projection in ("k_proj", "v_proj") and layout.kv_heads != layout.num_kv_heads:
-        heads = b.view(b.shape[0], layout.num_kv_heads, -1).index_select(1, layout.kv_source())
-        b = heads.reshape(b.shape[0], -1)
-    return a, b.chunk(tp, dim=1)[rank].contiguous()
+def empty_slots(spec: FamilySpec, lora_spec: LoraSpec, dtype, tp_degree: int = 1, tp_rank: int = 0) -> dict:
+    """Rank `tp_rank`'s slot parameters, every slot zero (lora_targets.slot_name -> [S, R, in] /
+    [S, R, out]): what a backend that loads weights by name binds before any adapter is written."""
+    one = slot_tensors(LoraAdapter("", 0, {}), spec, lora_spec, tp_degree, tp_rank)
+    return {name: torch.zeros(lora_spec.slots, *t.shape, dtype=dtype) for name, t in one.items()}

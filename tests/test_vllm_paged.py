@@ -13,7 +13,7 @@ from fixtures.export_models import BUCKETS, export_with
 from helpers import generate, greedy, prompt
 from vllm_stepper import Engine
 
-from optimum_neuron_chunked.graph_runner import block_table
+from optimum_neuron_chunked.graph_inputs import block_table
 from optimum_neuron_chunked.testing.reference import hf_greedy
 from optimum_neuron_chunked.vllm.kv_blocks import dropped, next_block_ids, request_blocks
 

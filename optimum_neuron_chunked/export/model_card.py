@@ -99,7 +99,7 @@ def _kv_cache(config: NeuronConfig) -> str:
 
 
 def _lora(config: NeuronConfig) -> str:
-    if not config.max_loras:
+    if not config.has_lora_slots:
         return "none"
     return f"{config.max_loras} of rank <= {config.max_lora_rank} on {', '.join(config.lora_target_modules)}"
 

@@ -11,7 +11,7 @@ from .family import FamilySpec
 from .kernels import AttentionSpec, GraphPart, Kernels
 from .kv_cache import KVCache
 from .layers import apply_rotary, rms_norm
-from .lora import LoraSpec, lora_slots, project
+from .lora import LoraSpec, attention_shapes, project, slot_modules
 from .parallel import ShardLayout
 
 
@@ -28,7 +28,7 @@ class Attention(nn.Module):
         kernels: Kernels,
         use_rope: bool = True,
         local_rope: bool = False,
-        lora: LoraSpec | None = None,
+        lora_spec: LoraSpec | None = None,
         input_size: int | None = None,  # EAGLE3's head: 2 * hidden (modeling/eagle3.py)
     ):
         super().__init__()
@@ -45,21 +45,12 @@ class Attention(nn.Module):
             sliding_window=sliding_window,
             sinks=spec.attention_sinks,
         )
-        self.q_proj = layers.column(width, layout.num_heads * d, bias=spec.qkv_bias)
-        self.k_proj = layers.column(width, layout.kv_heads * d, bias=spec.qkv_bias)
-        self.v_proj = layers.column(width, layout.kv_heads * d, bias=spec.qkv_bias)
-        self.o_proj = layers.row(layout.num_heads * d, hidden, bias=spec.o_bias)
-        q_out, kv_out = layout.num_heads * d, layout.kv_heads * d
-        self.lora = lora_slots(
-            lora,
-            layers,
-            {
-                "q_proj": (width, q_out),
-                "k_proj": (width, kv_out),
-                "v_proj": (width, kv_out),
-                "o_proj": (q_out, hidden),
-            },
-        )
+        shapes = attention_shapes(width, layout.num_heads * d, layout.kv_heads * d, hidden)
+        self.q_proj = layers.column(*shapes["q_proj"], bias=spec.qkv_bias)
+        self.k_proj = layers.column(*shapes["k_proj"], bias=spec.qkv_bias)
+        self.v_proj = layers.column(*shapes["v_proj"], bias=spec.qkv_bias)
+        self.o_proj = layers.row(*shapes["o_proj"], bias=spec.o_bias)
+        self.lora = slot_modules(lora_spec, layers, shapes)  # lora_targets.SLOTS
         if spec.qk_norm:
             self.q_norm = rms_norm(d, spec.rms_norm_eps, spec.gemma_norms)
             self.k_norm = rms_norm(d, spec.rms_norm_eps, spec.gemma_norms)

@@ -8,6 +8,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
+from ..lora_targets import is_slot
 from . import eagle3 as eagle3_head
 from .attention import Attention
 from .eagle3 import Eagle3Spec
@@ -28,7 +29,9 @@ class PartInputs(NamedTuple):
 
     input_ids: torch.Tensor  # [N, T]
     position_ids: torch.Tensor  # [N, T]
-    tables: torch.Tensor  # [N, ceil(window / P)] block tables (kv_cache.py), + 1 column with LoRA (lora.py)
+    # [N, ceil(window / P)] block tables (kv_cache.py); LoRA exports: + the rows' adapter slots
+    # as one more column (lora.with_adapter_column)
+    tables_and_slot: torch.Tensor
     decode_rows: bool  # TG, VF, MX's decode part: the graph kind's choice
 
 
@@ -40,7 +43,7 @@ class DecoderLayer(nn.Module):
         layout: ShardLayout,
         layers,
         kernels: Kernels,
-        lora: LoraSpec | None = None,
+        lora_spec: LoraSpec | None = None,
     ):
         super().__init__()
         window = spec.sliding_windows[layer_idx]
@@ -52,14 +55,14 @@ class DecoderLayer(nn.Module):
             kernels=kernels,
             use_rope=spec.uses_rope(layer_idx),
             local_rope=spec.local_rope and window is not None,
-            lora=lora,
+            lora_spec=lora_spec,
         )
-        self.sparse = spec.moe is not None and spec.moe.sparse_layers[layer_idx]
-        if self.sparse:  # experts take no adapters (lora.TARGETS)
+        self.sparse = not spec.dense_mlp(layer_idx)
+        if self.sparse:  # experts take no adapters (lora_targets.MLP_TARGETS)
             self.mlp = SparseMoE(spec.hidden_size, spec.moe, layers, kernels.expert_selection)
         else:
             self.mlp = MLP(
-                spec.hidden_size, spec.intermediate_size, spec.mlp_bias, layers, spec.hidden_act, lora
+                spec.hidden_size, spec.intermediate_size, spec.mlp_bias, layers, spec.hidden_act, lora_spec
             )
         norm = functools.partial(rms_norm, spec.hidden_size, spec.rms_norm_eps, spec.gemma_norms)
         self.input_layernorm = norm()
@@ -96,12 +99,12 @@ class DecoderBody(nn.Module):
         layout: ShardLayout,
         layers,
         kernels: Kernels,
-        lora: LoraSpec | None = None,
+        lora_spec: LoraSpec | None = None,
     ):
         super().__init__()
         self.embed_tokens = layers.embedding(spec.vocab_size, spec.hidden_size)
         self.layers = nn.ModuleList(
-            DecoderLayer(spec, i, layout, layers, kernels, lora) for i in range(spec.num_layers)
+            DecoderLayer(spec, i, layout, layers, kernels, lora_spec) for i in range(spec.num_layers)
         )
         self.norm = rms_norm(spec.hidden_size, spec.rms_norm_eps, spec.gemma_norms)
         self.rotary_emb = Rotary(spec.head_dim)
@@ -146,18 +149,18 @@ class DecoderModel(nn.Module):
         functional_cache: bool = False,
         kernels: Kernels | None = None,
         quantization: QuantSpec | None = None,
-        lora: LoraSpec | None = None,
+        lora_spec: LoraSpec | None = None,
         eagle3: Eagle3Spec | None = None,
     ):
         super().__init__()
         self.kernels = kernels or Kernels()
-        self.lora_spec = lora
+        self.lora_spec = lora_spec
         layers = layers or TorchLayers(self.kernels.linear)
         self.spec = spec
         self.layout = ShardLayout.of(spec, layers.tp_degree)
         self.functional_cache = functional_cache
         self.kv = kv
-        self.model = DecoderBody(spec, self.layout, layers, self.kernels, lora)
+        self.model = DecoderBody(spec, self.layout, layers, self.kernels, lora_spec)
         self.lm_head = layers.column(
             spec.hidden_size, self.layout.padded_vocab, bias=False, gather_output=True
         )
@@ -243,14 +246,14 @@ class DecoderModel(nn.Module):
         self,
         input_ids: torch.Tensor,
         position_ids: torch.Tensor,
-        tables: torch.Tensor,
+        tables_and_slot: torch.Tensor,
         window: int,
         decode_rows: bool = False,
     ) -> torch.Tensor:
         """[N, T] tokens at [N, T] positions of rows with block tables [N, ceil(window / P)]
-        -> final-norm hidden states [N, T, H]."""
+        (and the adapter column: PartInputs) -> final-norm hidden states [N, T, H]."""
         (hidden,) = self.parts_hidden_states(
-            (PartInputs(input_ids, position_ids, tables, decode_rows),), window
+            (PartInputs(input_ids, position_ids, tables_and_slot, decode_rows),), window
         )
         return hidden
 
@@ -263,30 +266,19 @@ class DecoderModel(nn.Module):
         because index_put/index_copy want int64 indices and XLA refuses to mix S32 with the
         S64 of torch.arange (the head index of the functional cache write).
         """
-        row_slots = []
+        tables, row_slots = [p.tables_and_slot for p in parts], []
         if self.lora_spec is not None:  # the adapter column off the block tables (lora.py)
-            parts, row_slots = zip(*[self._split_adapters(p) for p in parts], strict=True)
-        parts = [
-            PartInputs(p.input_ids.long(), p.position_ids.long(), p.tables.long(), p.decode_rows)
-            for p in parts
-        ]
-        x = self.model.embed_tokens(torch.cat([p.input_ids.reshape(-1) for p in parts])[None])  # [1, R, H]
+            tables, row_slots = zip(*[split_adapter_column(t) for t in tables], strict=True)
+        ids = [p.input_ids.long() for p in parts]
+        x = self.model.embed_tokens(torch.cat([i.reshape(-1) for i in ids])[None])  # [1, R, H]
         # The multiplier rounded to the model dtype first, as Gemma3TextScaledWordEmbedding does.
         x = x * torch.tensor(self.spec.embedding_multiplier, dtype=x.dtype).item()
         lora_mask = None
         if self.lora_spec is not None:
-            lora_mask = token_mask(
-                list(row_slots), [p.input_ids.shape[1] for p in parts], self.lora_spec, x.dtype
-            )
+            slots = [s.long() for s in row_slots]
+            lora_mask = token_mask(slots, [i.shape[1] for i in ids], self.lora_spec, x.dtype)
         graph_parts = tuple(
-            GraphPart(
-                p.position_ids,
-                p.tables,
-                self.kernels.cache_read(self.kv, p.position_ids, p.tables, window, p.decode_rows),
-                p.decode_rows,
-                self.model.rotaries(p.position_ids, x.dtype),
-            )
-            for p in parts
+            self._graph_part(p, t.long(), window, x.dtype) for p, t in zip(parts, tables, strict=True)
         )
         aux_ids, aux = self.eagle3.aux_layer_ids if self.eagle3 is not None else (), []
         for i, layer in enumerate(self.model.layers):
@@ -306,14 +298,15 @@ class DecoderModel(nn.Module):
             h.view(*p.position_ids.shape, -1) for h, p in zip(hidden.split(sizes), graph_parts, strict=True)
         )
 
-    @staticmethod
-    def _split_adapters(part: PartInputs) -> tuple[PartInputs, torch.Tensor]:
-        tables, slots = split_adapter_column(part.tables)
-        return part._replace(tables=tables), slots.long()
+    def _graph_part(self, part: PartInputs, tables: torch.Tensor, window: int, dtype) -> GraphPart:
+        """One part as the layers see it: positions int64, its block tables, its cache read."""
+        positions = part.position_ids.long()
+        read = self.kernels.cache_read(self.kv, positions, tables, window, part.decode_rows)
+        return GraphPart(positions, tables, read, part.decode_rows, self.model.rotaries(positions, dtype))
 
     def lora_slots(self) -> dict[str, torch.Tensor]:
-        """Every adapter slot tensor by name (lora.LoraSlots: `...lora.<projection>.a` / `.b`)."""
-        return {name: p for name, p in self.named_parameters() if ".lora." in name}
+        """Every adapter slot tensor by name (lora_targets.slot_name)."""
+        return {name: p for name, p in self.named_parameters() if is_slot(name)}
 
     def layer_cache(self, i: int) -> KVCache:
         """Layer i's cache buffers with their addressing (the buffers keep their export names)."""

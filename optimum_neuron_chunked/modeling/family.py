@@ -62,6 +62,11 @@ class FamilySpec:
     def uses_rope(self, layer_idx: int) -> bool:
         return not self.rope_layers or self.rope_layers[layer_idx]
 
+    def dense_mlp(self, layer_idx: int) -> bool:
+        """Layer `layer_idx` has the family's dense MLP, not a mixture of experts (which takes no
+        LoRA adapters)."""
+        return self.moe is None or not self.moe.sparse_layers[layer_idx]
+
     @property
     def scale(self) -> float:
         return self.attention_scale if self.attention_scale is not None else self.head_dim**-0.5

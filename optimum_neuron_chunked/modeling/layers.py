@@ -8,7 +8,7 @@ import functools
 import torch
 from torch import nn
 
-from .lora import lora_slots, project
+from .lora import LoraSpec, mlp_shapes, project, slot_modules
 
 # A large finite negative: exp() of it is exactly 0 in fp32, while finfo.min turns into NaN
 # on Neuron XLA once max-subtraction overflows.
@@ -72,14 +72,22 @@ ACTIVATIONS = {
 
 
 class MLP(nn.Module):
-    def __init__(self, hidden: int, intermediate: int, bias: bool, layers, act: str = "silu", lora=None):
+    def __init__(
+        self,
+        hidden: int,
+        intermediate: int,
+        bias: bool,
+        layers,
+        act: str = "silu",
+        lora_spec: LoraSpec | None = None,
+    ):
         super().__init__()
-        self.gate_proj = layers.column(hidden, intermediate, bias=bias)
-        self.up_proj = layers.column(hidden, intermediate, bias=bias)
-        self.down_proj = layers.row(intermediate, hidden, bias=bias)
+        shapes = mlp_shapes(hidden, intermediate)
+        self.gate_proj = layers.column(*shapes["gate_proj"], bias=bias)
+        self.up_proj = layers.column(*shapes["up_proj"], bias=bias)
+        self.down_proj = layers.row(*shapes["down_proj"], bias=bias)
         self.act = ACTIVATIONS[act]
-        shapes = {"gate_proj": (hidden, intermediate), "up_proj": (hidden, intermediate)}
-        self.lora = lora_slots(lora, layers, shapes | {"down_proj": (intermediate, hidden)})
+        self.lora = slot_modules(lora_spec, layers, shapes)  # lora_targets.SLOTS
 
     def forward(self, x: torch.Tensor, lora_mask: torch.Tensor | None = None) -> torch.Tensor:
         """x [1, R, H]; `lora_mask` [R, S*r]: each token's adapter slot (lora.py)."""

@@ -23,13 +23,19 @@ products are summed across ranks before b (the layer factory's `reduce`).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from ..config import NeuronConfigError
-from ..lora_targets import ATTENTION_TARGETS, MLP_TARGETS, ROW_PARALLEL
+from ..lora_targets import ATTENTION_TARGETS, MLP_TARGETS
+from .parallel import ShardLayout, partition_dim
+
+if TYPE_CHECKING:  # family.py imports layers.py, which imports this module
+    from .family import FamilySpec
 
 NO_ADAPTER = -1  # a row's slot when it runs the base model
 
@@ -44,7 +50,7 @@ class LoraSpec:
 
     @classmethod
     def of(cls, config) -> LoraSpec | None:
-        if not config.max_loras:
+        if not config.has_lora_slots:
             return None
         return cls(config.max_loras, config.max_lora_rank, tuple(config.lora_target_modules))
 
@@ -52,7 +58,7 @@ class LoraSpec:
         """One line for the export's first lines and its model card: the slots a model of family
         `spec` gets. Refuses targets no layer has (every MLP a mixture of experts)."""
         layers = spec.num_layers
-        dense = layers - (sum(spec.moe.sparse_layers) if spec.moe is not None else 0)
+        dense = sum(spec.dense_mlp(i) for i in range(layers))
         if not dense and all(t in MLP_TARGETS for t in self.targets):
             raise NeuronConfigError(
                 f"--lora-target-modules {','.join(self.targets)}: every MLP of {spec.model_type} is a mixture "
@@ -62,61 +68,117 @@ class LoraSpec:
         return f"LoRA: {self.slots} adapter slots of rank <= {self.rank} on {', '.join(self.targets)}{mlp}"
 
 
+def row_slots(config, adapters: Sequence[int] | None, rows: int) -> list[int] | None:
+    """The adapter column of `rows` rows: each row's slot (`adapters`; None: every row the base)
+    where the export has slots, else None (its block tables take no column)."""
+    if not config.has_lora_slots:
+        return None
+    return [NO_ADAPTER] * rows if adapters is None else list(adapters)
+
+
 def with_adapter_column(tables: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    """Block tables [N, cols] and each row's slot [N] -> the row inputs of a LoRA export [N, cols + 1]."""
+    """Block tables [N, cols] and each row's slot [N] -> `tables_and_slot` [N, cols + 1], a LoRA
+    export's row input. The slot rides on the block table because a graph input of its own does
+    not fit: MX graphs with on-device sampling already take the neuron bundle's 8 inputs
+    (GraphBundle.forward's input0..7)."""
     return torch.cat([tables, slots.to(tables.dtype)[:, None]], dim=1)
 
 
-def split_adapter_column(tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def split_adapter_column(tables_and_slot: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The inverse of `with_adapter_column`: (block tables [N, cols], slots [N])."""
-    return tables[:, :-1], tables[:, -1]
+    return tables_and_slot[:, :-1], tables_and_slot[:, -1]
+
+
+def attention_shapes(width: int, q: int, kv: int, hidden: int) -> dict[str, tuple[int, int]]:
+    """(in, out) of the attention projections: `width` in (EAGLE3's head: 2 * hidden), `q` and
+    `kv` the query and K / V heads' widths, `hidden` out of o_proj."""
+    return {"q_proj": (width, q), "k_proj": (width, kv), "v_proj": (width, kv), "o_proj": (q, hidden)}
+
+
+def mlp_shapes(hidden: int, intermediate: int) -> dict[str, tuple[int, int]]:
+    """(in, out) of a dense MLP's projections."""
+    return {
+        "gate_proj": (hidden, intermediate),
+        "up_proj": (hidden, intermediate),
+        "down_proj": (intermediate, hidden),
+    }
+
+
+def full_shapes(spec: FamilySpec) -> dict[str, tuple[int, int]]:
+    """(in, out) of each projection adapters may target, unsharded (the checkpoint's KV heads)."""
+    hidden, d = spec.hidden_size, spec.head_dim
+    attention = attention_shapes(hidden, spec.num_heads * d, spec.num_kv_heads * d, hidden)
+    return attention | mlp_shapes(hidden, spec.intermediate_size)
+
+
+def slot_share(projection: str, inner: int, outer: int, tp_degree: int) -> tuple[int, int]:
+    """(in, out) of one rank's share of `projection`'s slots: split where its weight is
+    (parallel.PARTITION_DIMS), on the input (`a`) for row-parallel projections, on the output
+    (`b`) for the others."""
+    if partition_dim(f"{projection}.weight") == 1:
+        return inner // tp_degree, outer
+    return inner, outer // tp_degree
+
+
+def rank_share(
+    projection: str, a: torch.Tensor, b: torch.Tensor, layout: ShardLayout, tp_rank: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rank `tp_rank`'s share (slot_share) of one slot's full a [.., in] / b [.., out], K / V
+    heads replicated first as the weights are (ShardLayout.replicated_kv)."""
+    if projection in ("k_proj", "v_proj"):
+        b = layout.replicated_kv(b, dim=-1)
+    inner, outer = slot_share(projection, a.shape[-1], b.shape[-1], layout.tp_degree)
+    return _share(a, inner, tp_rank), _share(b, outer, tp_rank)
+
+
+def _share(x: torch.Tensor, size: int, tp_rank: int) -> torch.Tensor:
+    return x if size == x.shape[-1] else x.narrow(-1, tp_rank * size, size).contiguous()
 
 
 def token_mask(
-    row_slots: list[torch.Tensor], tokens_per_row: list[int], spec: LoraSpec, dtype
+    row_slots: list[torch.Tensor], tokens_per_row: list[int], lora_spec: LoraSpec, dtype
 ) -> torch.Tensor:
     """Each part's row slots [N_i] with T_i tokens a row -> [R, S*r]: 1 in the columns of a
     token's slot, 0 elsewhere (all 0 for base rows)."""
     slots = torch.cat(
         [s[:, None].expand(-1, t).reshape(-1) for s, t in zip(row_slots, tokens_per_row, strict=True)]
     )
-    one_hot = slots[:, None] == torch.arange(spec.slots, device=slots.device)[None]  # [R, S]
-    return one_hot.to(dtype).repeat_interleave(spec.rank, dim=1)
+    one_hot = slots[:, None] == torch.arange(lora_spec.slots, device=slots.device)[None]  # [R, S]
+    return one_hot.to(dtype).repeat_interleave(lora_spec.rank, dim=1)
 
 
 class LoraSlots(nn.Module):
     """One projection's adapter slots, this rank's share (module docstring)."""
 
-    def __init__(self, spec: LoraSpec, in_features: int, out_features: int, reduce=None):
+    def __init__(self, lora_spec: LoraSpec, in_features: int, out_features: int, reduce=None):
         super().__init__()
         self.reduce = reduce  # row-parallel: sums the ranks' partial [R, S*r] products
-        shape = (spec.slots, spec.rank)
+        shape = (lora_spec.slots, lora_spec.rank)
         self.a = nn.Parameter(torch.zeros(*shape, in_features), requires_grad=False)
         self.b = nn.Parameter(torch.zeros(*shape, out_features), requires_grad=False)
 
     def delta(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """x [1, R, in] -> [1, R, out]: each token's adapter applied, zero for base tokens."""
-        slots, rank, inner = self.a.shape
-        h = x @ self.a.reshape(slots * rank, inner).t()  # [1, R, S*r]
+        slots, lora_rank, inner = self.a.shape
+        h = x @ self.a.reshape(slots * lora_rank, inner).t()  # [1, R, S*r]
         if self.reduce is not None:
             h = self.reduce(h)
-        return (h * mask) @ self.b.reshape(slots * rank, -1)
+        return (h * mask) @ self.b.reshape(slots * lora_rank, -1)
 
 
-def lora_slots(spec: LoraSpec | None, layers, shapes: dict[str, tuple[int, int]]) -> nn.ModuleDict:
+def slot_modules(lora_spec: LoraSpec | None, layers, shapes: dict[str, tuple[int, int]]) -> nn.ModuleDict:
     """Slots of the targeted projections among `shapes` (name -> full (in, out)), this rank's
-    share: column-parallel outputs and row-parallel inputs split over `layers.tp_degree`."""
+    share (slot_share over `layers.tp_degree`); a split input sums the ranks' partial products."""
     slots = nn.ModuleDict()
-    if spec is None:
+    if lora_spec is None:
         return slots
     tp = layers.tp_degree
     for name, (inner, outer) in shapes.items():
-        if name not in spec.targets:
+        if name not in lora_spec.targets:
             continue
-        if name in ROW_PARALLEL:
-            slots[name] = LoraSlots(spec, inner // tp, outer, layers.reduce if tp > 1 else None)
-        else:
-            slots[name] = LoraSlots(spec, inner, outer // tp)
+        share = slot_share(name, inner, outer, tp)
+        reduce = layers.reduce if tp > 1 and share[0] < inner else None
+        slots[name] = LoraSlots(lora_spec, *share, reduce)
     return slots
 
 

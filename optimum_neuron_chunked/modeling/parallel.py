@@ -19,13 +19,16 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from ..config import NeuronConfigError, ceil_div
 from . import quantization
-from .family import FamilySpec
+
+if TYPE_CHECKING:  # family.py imports layers.py, whose lora.py imports this module
+    from .family import FamilySpec
 
 # Weight name suffix -> dimension split across ranks (absent: replicated on every rank).
 PARTITION_DIMS = {
@@ -101,6 +104,15 @@ class ShardLayout:
         queries_per_source = self.num_heads // self.num_kv_heads
         return torch.arange(self.kv_heads) * queries_per_held // queries_per_source
 
+    def replicated_kv(self, tensor: torch.Tensor, dim: int = 0) -> torch.Tensor:
+        """A K / V tensor with the checkpoint's KV heads along `dim` -> the held KV heads
+        (kv_source), each head's entries kept together; float8 too."""
+        if self.kv_heads == self.num_kv_heads:
+            return tensor
+        dim, shape = dim % tensor.dim(), tensor.shape
+        per_head = tensor.reshape(*shape[:dim], self.num_kv_heads, -1, *shape[dim + 1 :])
+        return per_head.index_select(dim, self.kv_source()).reshape(*shape[:dim], -1, *shape[dim + 1 :])
+
 
 def _check_divisible(what: str, value: int, tp: int) -> None:
     if value % tp:
@@ -121,6 +133,7 @@ def check_block_shards(spec: FamilySpec, block: tuple[int, int], tp_degree: int)
     q, kv = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
     kv_rows = layout.kv_heads * spec.head_dim // tp  # replicated KV heads: whole blocks per head
     head_rows = spec.head_dim if layout.kv_heads != layout.num_kv_heads else kv_rows
+    # [out, in] as stored, experts too: not lora.full_shapes (LoRA's targets, (in, out), no experts)
     checks = [  # (what, the projection's full [out, in], per rank, block side)
         ("q_proj rows", (q, hidden), q // tp, bo),
         ("k_proj/v_proj rows", (kv, hidden), kv_rows, bo),
@@ -150,13 +163,10 @@ def tp_checkpoint(full: dict[str, torch.Tensor], layout: ShardLayout) -> dict[st
     partitioned weight splits into tp_degree equal contiguous slices. Each tensor converts on
     its own: `full` may hold any subset of the names (checkpoint_stream passes one at a time)."""
     out = dict(full)
-    source = layout.kv_source()
     kv_tensors = tuple(f"{p}_proj.{t}" for p in "kv" for t in ("weight", "bias", "scale"))
     for name, tensor in full.items():
-        replicated = layout.kv_heads != layout.num_kv_heads
-        if replicated and name.endswith(kv_tensors):  # block-wise scales: head_dim / block rows a head
-            per_head = tensor.view(layout.num_kv_heads, -1, *tensor.shape[1:])
-            out[name] = per_head.index_select(0, source).reshape(-1, *tensor.shape[1:])  # float8 too
+        if name.endswith(kv_tensors):  # block-wise scales: head_dim / block rows a head
+            out[name] = layout.replicated_kv(tensor)
     # the target's lm_head (absent when a streamed export converts other tensors), and an EAGLE3
     # head's over its draft vocabulary (draft.lm_head.weight)
     for name in [n for n in out if n.endswith("lm_head.weight")]:

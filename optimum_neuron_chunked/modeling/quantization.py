@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from ..config import QUANTIZATIONS
+from ..lora_targets import is_slot
 
 STORAGE = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
 # fp8: Neuron's E4M3 saturates at +-240, not OCP e4m3fn's 448 (larger values become NaN on the
@@ -62,8 +63,8 @@ class QuantSpec:
 
     def quantizes(self, module: str) -> bool:
         """`module` (a decoder module name, e.g. model.layers.3.self_attn.q_proj) is stored quantized;
-        a projection's LoRA slots (`...self_attn.lora.q_proj`, modeling/lora.py) keep --dtype."""
-        named = module.rsplit(".", 1)[-1] in QUANTIZED_MODULES and ".lora." not in module
+        a projection's LoRA slots (`...self_attn.lora.q_proj`, lora_targets.slot_name) keep --dtype."""
+        named = module.rsplit(".", 1)[-1] in QUANTIZED_MODULES and not is_slot(module)
         return named and not self.skips(module)
 
     def scale_shape(self, weight_shape: tuple[int, ...]) -> tuple[int, ...]:

@@ -22,7 +22,7 @@ from ..adapter_slots import SlotTable
 from ..graph_runner import GraphRunner
 from ..lora_adapter import LoraAdapter, LoraConfigError
 from ..lora_targets import resolve_targets
-from ..modeling.lora import NO_ADAPTER, LoraSpec
+from ..modeling.lora import LoraSpec
 from .compat import lora_target_modules
 
 logger = init_logger(f"vllm.{__name__}")
@@ -31,12 +31,12 @@ logger = init_logger(f"vllm.{__name__}")
 class AdapterManager:
     def __init__(self, graph_runner: GraphRunner, lora_config):
         self.graph_runner = graph_runner
-        self.lora = LoraSpec.of(graph_runner.config)
+        self.lora_spec = LoraSpec.of(graph_runner.config)
         # vLLM's flags as lora_flags.fit_lora set them: at most the export's rank and targets
         self.max_rank = lora_config.max_lora_rank
         self.targets = set(resolve_targets(lora_target_modules(lora_config)))
         self.max_cpu_loras = lora_config.max_cpu_loras
-        self.slots = SlotTable(self.lora.slots)
+        self.slots = SlotTable(self.lora_spec.slots)
         self.host: OrderedDict[int, LoraAdapter] = OrderedDict()  # id -> adapter, least recent first
 
     def add(self, lora_request) -> bool:
@@ -82,19 +82,19 @@ class AdapterManager:
     def slots_for(self, requests: dict[str, object]) -> dict[str, int]:
         """Each request's slot (NO_ADAPTER: the base) for a step, `requests` mapping request ids to
         their LoRARequest or None; adapters that enter a slot are written into it now."""
-        wanted = {r: lr for r, lr in requests.items() if lr is not None and lr.lora_int_id > 0}
-        for lr in wanted.values():
-            if lr.lora_int_id not in self.host:
-                logger.info(
-                    "adapter %s (id %d) is read again from %s", lr.lora_name, lr.lora_int_id, lr.lora_path
-                )
+        keys = [lr.lora_int_id if lr is not None and lr.lora_int_id > 0 else None for lr in requests.values()]
+        for lr, key in zip(requests.values(), keys, strict=True):
+            if key is None:
+                continue
+            if key not in self.host:
+                logger.info("adapter %s (id %d) is read again from %s", lr.lora_name, key, lr.lora_path)
                 self.add(lr)
-            self.host.move_to_end(lr.lora_int_id)
-        for slot, lora_id in self.slots.place(lr.lora_int_id for lr in wanted.values()):
-            self.graph_runner.write_adapter(slot, self.host[lora_id])
-        return {
-            r: self.slots.slot_of(lr.lora_int_id) if r in wanted else NO_ADAPTER for r, lr in requests.items()
-        }
+            self.host.move_to_end(key)
+        slots = self.slots.place_rows(keys, self._write)
+        return dict(zip(requests, slots, strict=True))
+
+    def _write(self, slot: int, lora_id: int) -> None:
+        self.graph_runner.write_adapter(slot, self.host[lora_id])
 
     def _trim_host(self) -> None:
         while len(self.host) > self.max_cpu_loras:

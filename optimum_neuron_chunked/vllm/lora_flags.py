@@ -43,9 +43,11 @@ def fit_lora(vllm_config, export: NeuronConfig) -> str:
     lora = vllm_config.lora_config
     if lora is None:
         return "off" + (
-            f" (the export has {export.max_loras} adapter slots: --enable-lora)" if export.max_loras else ""
+            f" (the export has {export.max_loras} adapter slots: --enable-lora)"
+            if export.has_lora_slots
+            else ""
         )
-    if not export.max_loras:
+    if not export.has_lora_slots:
         raise ServingConfigError(
             "--enable-lora: this export has no LoRA adapter slots; re-export with --max-loras N "
             "--max-lora-rank R, or serve the source checkpoint with --enable-lora (it is exported with them)."
