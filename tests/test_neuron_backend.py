@@ -317,6 +317,73 @@ def test_tg_outputs_stay_on_the_device_until_fetched():
     assert nxd.calls == [("tg_w64", "async"), ("cp_w64", "default")]
 
 
+class SlotNxDModel:
+    """What write_device_slot touches of a loaded NxDModel (NxD 0.18, trace/nxd_model/nxd_model.py):
+    `weights`, one dict per local rank of the tensors set_weights loaded, and local_ranks_size."""
+
+    def __init__(self, weights: list[dict[str, torch.Tensor]]):
+        self.weights, self.local_ranks_size = weights, len(weights)
+
+
+def test_an_adapter_slot_is_written_into_each_ranks_device_weights():
+    """NeuronBackend.load's slot writer: rank r's row of the written slot holds rank r's share of
+    the adapter (column-parallel b and row-parallel a split by rank, the other halves whole; targets
+    the adapter lacks zero) in the export's dtype, written into the tensors set_weights loaded; the
+    other slots and the base weights keep what they held."""
+    from optimum_neuron_chunked.backends.neuron.backend import PREFIX, write_device_slot
+    from optimum_neuron_chunked.lora_adapter import LoraAdapter, empty_slots, full_shapes, slot_tensors
+    from optimum_neuron_chunked.modeling.family import family_spec
+    from optimum_neuron_chunked.modeling.lora import LoraSpec
+
+    tp, slot, dtype = 2, 1, torch.bfloat16
+    config = every_graph_kind(tp)["lora"]
+    spec, lora = family_spec(AutoConfig.from_pretrained(checkpoint_path("llama"))), LoraSpec.of(config)
+    gen = torch.Generator().manual_seed(0)
+    shapes = full_shapes(spec)
+    q_a, q_b = (torch.randn(lora.rank, n, generator=gen) for n in shapes["q_proj"])
+    o_a, o_b = (torch.randn(lora.rank, n, generator=gen) for n in shapes["o_proj"])
+    q, o = "model.layers.0.self_attn.q_proj", "model.layers.1.self_attn.o_proj"
+    adapter = LoraAdapter("stand-in", lora.rank, {q: (q_a, q_b), o: (o_a, o_b)})
+    # every value marks its rank, so a row not written, or written from another rank, shows
+    weights = [
+        {PREFIX + name: t + 100 + rank for name, t in empty_slots(spec, lora, dtype, tp, rank).items()}
+        | {PREFIX + "model.embed_tokens.weight": torch.full((4, 8), 100.0 + rank, dtype=dtype)}
+        for rank in range(tp)
+    ]
+    loaded = [dict(rank_weights) for rank_weights in weights]
+    before = [{name: t.clone() for name, t in rank_weights.items()} for rank_weights in weights]
+    nxd = SlotNxDModel(weights)
+    asked = []
+
+    def rank_tensors(rank):
+        asked.append(rank)
+        return slot_tensors(adapter, spec, lora, tp, rank)
+
+    write_device_slot(nxd, dtype, slot, rank_tensors)
+    assert asked == list(range(tp))
+    lora_q, lora_o = (
+        PREFIX + "model.layers.0.self_attn.lora.q_proj",
+        PREFIX + "model.layers.1.self_attn.lora.o_proj",
+    )
+    for rank in range(tp):
+        got = nxd.weights[rank]
+        assert all(got[name] is loaded[rank][name] for name in got), "written in place, never rebound"
+        want = {
+            f"{lora_q}.a": q_a,
+            f"{lora_q}.b": q_b.chunk(tp, dim=1)[rank],
+            f"{lora_o}.a": o_a.chunk(tp, dim=1)[rank],
+            f"{lora_o}.b": o_b,
+        }
+        assert set(want) <= set(got)
+        for name, tensor in got.items():
+            written = ".lora." in name
+            kept = [row for row in range(len(tensor)) if not (written and row == slot)]
+            torch.testing.assert_close(tensor[kept], before[rank][name][kept], rtol=0, atol=0)
+            if written:
+                expected = want.get(name, torch.zeros(tensor.shape[1:])).to(dtype)
+                torch.testing.assert_close(tensor[slot], expected, rtol=0, atol=0, msg=f"rank {rank} {name}")
+
+
 def test_the_cli_offers_every_compile_target():
     from optimum_neuron_chunked.export.cli import INSTANCE_TYPES
 

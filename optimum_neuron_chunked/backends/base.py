@@ -117,6 +117,11 @@ class Backend(ABC):
         """Raise BackendUnavailableError, saying what is missing, if this host cannot compile."""
         return None
 
+    def check_config(self, config: NeuronConfig) -> None:
+        """Raise BackendUnavailableError, saying what to use instead, if this host cannot compile
+        an export of `config` (before any work)."""
+        return None
+
     def check_serving_host(self, config: NeuronConfig, dp_size: int = 1) -> None:
         """Raise BackendUnavailableError, saying what is missing, if this host cannot serve
         `dp_size` data-parallel copies of the export side by side. Runs before any copy loads."""

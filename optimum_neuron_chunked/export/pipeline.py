@@ -147,6 +147,7 @@ def _checked_config(
         model_type=family.model_type,
     )
     _check_shapes(hf_config, config)
+    impl.check_config(config)
     if head is not None:
         fitting_spec(head.config, config, family)  # refuses a head that does not fit, before any work
     for note in dropped_notes(source, config.dtype, config.kv_cache_dtype):

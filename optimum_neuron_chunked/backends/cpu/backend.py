@@ -85,11 +85,33 @@ def check_runs_here(config: NeuronConfig, host_isa: str | None = None) -> None:
     )
 
 
+# AOTInductor in torch 2.9 declares kernels taking float8 tensors (fp8 weights, an fp8 KV pool) with
+# at::Float8_e4m3fn in a wrapper that does not include it: a C++ compile error. torch 2.13, the
+# version the cpu backend is tested on, compiles them.
+FLOAT8_TORCH = (2, 13)
+
+
 class CpuBackend(Backend):
     name = "cpu"
     runs_code_from_export = (
         "AOTInductor packages (graphs/*.pt2: compiled shared libraries loaded into this process)"
     )
+
+    def check_config(self, config: NeuronConfig) -> None:
+        float8 = [
+            what
+            for what, held in (
+                ("fp8 weights (--quantization fp8, or an FP8 checkpoint)", config.quantization == "fp8"),
+                ("an fp8 KV pool (--kv-cache-dtype fp8)", config.kv_cache_dtype == "fp8"),
+            )
+            if held
+        ]
+        if float8 and torch.__version__ < FLOAT8_TORCH:
+            raise BackendUnavailableError(
+                f"{' and '.join(float8)} on --backend cpu needs torch >= {'.'.join(map(str, FLOAT8_TORCH))}: "
+                f"torch {torch.__version__}'s AOTInductor does not compile graphs holding float8 tensors. "
+                "Export with --backend eager (or xla, with torch-xla)."
+            )
 
     def host_fields(self, instance_type: str | None) -> dict[str, str]:
         return {**super().host_fields(instance_type), "cpu_isa": host_cpu_capability()}

@@ -135,9 +135,7 @@ class CpuKernels(Kernels):
             # (GuardOnDataDependentSymNode, torch 2.13): an fp8 pool is read over the static bucket
             return CpuCacheRead(window, window)
         if self.choices.live_window:
-            live = position_ids.max().item() + 1
-            torch._check(live >= 1)
-            torch._check(live <= window)
+            live = live_width(position_ids, window)
         if not kv.whole_sequence_blocks:  # smaller blocks: gathered up to the live context
             return CpuCacheRead(window, live)
         blocks = row_blocks(tables)  # a row's block is read in place (views)
@@ -161,8 +159,16 @@ class CpuKernels(Kernels):
 
 def _row_read(block_id: torch.Tensor, positions: torch.Tensor, window: int) -> tuple:
     """(block, live) of one row as scalars, with the bounds torch.export needs."""
-    block, live = block_id.item(), positions.max().item() + 1
+    block = block_id.item()
     torch._check(block >= 0)
-    torch._check(live >= 1)
-    torch._check(live <= window)
-    return block, live
+    return block, live_width(positions, window)
+
+
+def live_width(positions: torch.Tensor, window: int):
+    """1 + the largest of `positions`, read as a scalar (1..window). The largest position is
+    declared a size: torch 2.9's fake tensors ask whether each 4-D view's strides exceed 1
+    (_prims_common.are_strides_like_channels_last, size-obliviously), which a plain symbol that
+    may be 0 cannot answer (GuardOnDataDependentSymNode on the attention mask's view)."""
+    last = positions.max().item()
+    torch._check_is_size(last, max=window - 1)
+    return last + 1

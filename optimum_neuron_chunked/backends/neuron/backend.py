@@ -220,8 +220,7 @@ class NeuronBackend(Backend):
 def write_device_slot(nxd_model, dtype, slot: int, rank_tensors) -> None:
     """base.SlotWriter on the device: each local rank's slot row of each adapter weight, assigned
     in place into NxDModel.weights[rank][name] - the device tensors set_weights loaded - as NxD
-    Inference swaps its adapters (modules/lora_serving/lora_model.py `rank_swap`, NxDI 2.29).
-    Not run here: it needs a Neuron device."""
+    Inference swaps its adapters (modules/lora_serving/lora_model.py `rank_swap`, NxDI 2.29)."""
     for rank in range(nxd_model.local_ranks_size):
         for name, tensor in rank_tensors(rank).items():
             nxd_model.weights[rank][PREFIX + name][slot] = tensor.to(dtype)
