@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from fixtures.export_models import checkpoint_path
+from fixtures.export_models import cache_root, checkpoint_path
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from optimum_neuron_chunked.backends.neuron.attention_choice import (
@@ -33,8 +33,10 @@ from optimum_neuron_chunked.config import NeuronConfig, NeuronConfigError
 from optimum_neuron_chunked.graph_runner import GraphRunner
 from optimum_neuron_chunked.graphs import GraphKind, graph_module, graph_specs
 from optimum_neuron_chunked.modeling import build_model, family_spec
+from optimum_neuron_chunked.modeling.eagle3 import Eagle3Spec
 from optimum_neuron_chunked.modeling.kernels import Kernels
 from optimum_neuron_chunked.testing.nki_stand_in import installed
+from optimum_neuron_chunked.testing.random_heads import TINY_LLAMA_HEAD, cached_head
 
 CHUNK, SEQ = 16, 64
 
@@ -82,6 +84,28 @@ def test_attention_kernel_choice_per_graph(nkilib, monkeypatch):
     assert chosen == () and "does not import" in reasons["cp_w32"]
     with pytest.raises(NeuronConfigError, match="--attention-kernel nki calls AWS's NKI kernel"):
         NeuronConfig(batch_size=2, sequence_length=SEQ, backend="cpu", attention_kernel="nki")
+
+
+def test_the_eagle3_heads_own_query_heads_are_checked_and_probed(nkilib):
+    """The head attends with its own num_attention_heads (Eagle3Spec.family): one the kernel
+    takes is probed with them; one with more query heads a core than the kernel takes keeps
+    every chunk on the reference (its DC graphs share the chunks' shapes), refused by graph
+    under --attention-kernel nki."""
+    target = family_spec(AutoConfig.from_pretrained(checkpoint_path("llama")))
+    config = neuron_config(dtype="bfloat16", speculation_length=2, speculation_head="head")
+
+    def head(heads: int):
+        fields = TINY_LLAMA_HEAD | {"num_attention_heads": heads, "head_dim": target.head_dim}
+        return Eagle3Spec.of(fields, target).family()
+
+    chosen, _, _ = choose_nki_graphs(config, target, graph_specs(config), head(8))
+    assert chosen == ("cp_w32", "dc_w32", "cp_w64", "dc_w64")
+    assert sorted(s.num_heads for s in kernel_specs(config, target, head(8))) == sorted({target.num_heads, 8})
+    chosen, reasons, _ = choose_nki_graphs(config, target, graph_specs(config), head(64))
+    misfit = f"the EAGLE3 head's attention: 64 query heads over {target.num_kv_heads} KV heads a core"
+    assert chosen == () and misfit in reasons["cp_w32"] and misfit in reasons["dc_w64"]
+    with pytest.raises(NeuronConfigError, match=f"nki: cp_w32: {misfit}.*; dc_w32: {misfit}"):
+        choose_nki_graphs(replace(config, attention_kernel="nki"), target, graph_specs(config), head(64))
 
 
 def test_a_ring_layers_window_is_not_checked_against_the_kernel(nkilib):
@@ -244,7 +268,7 @@ def test_the_graphs_that_run_the_kernel_are_recorded_and_logged_at_load(monkeypa
     from optimum_neuron_chunked.export import pipeline
 
     class AcceptingCompiler(EagerBackend):
-        def attention_kernels(self, config, spec, specs):
+        def attention_kernels(self, config, spec, specs, head=None):
             return ("cp_w64",), {}, {}
 
     monkeypatch.setattr(pipeline, "get_backend", lambda name: AcceptingCompiler())
@@ -254,6 +278,30 @@ def test_the_graphs_that_run_the_kernel_are_recorded_and_logged_at_load(monkeypa
     with caplog.at_level("WARNING"):
         GraphRunner.load(out)
     assert "prefill chunks attend through nkilib attention_cte in cp_w64" in caplog.text
+
+
+def test_dc_graphs_that_run_the_kernel_are_recorded(nkilib, monkeypatch, tmp_path):
+    """An EAGLE3 export (NxD stubbed): a DC graph's first pass runs the kernel where its CP twin
+    (same width and bucket) does, so the record names it: the graphs that called the kernel
+    while traced are exactly those the config records and the export says."""
+    from rich.console import Console
+
+    from optimum_neuron_chunked.export import pipeline
+
+    stub = StubNxd(nkilib, refused=set())
+    for name, module in stub.modules().items():
+        monkeypatch.setitem(sys.modules, name, module)
+    monkeypatch.setenv("NEURON_PLATFORM_TARGET_OVERRIDE", "trn2")
+    console = Console(record=True, width=300)
+    head = cached_head(cache_root(), TINY_LLAMA_HEAD, 1)
+    out = pipeline.export(str(checkpoint_path("llama")), tmp_path / "out", batch_size=2, sequence_length=SEQ,
+                          prefill_chunk_size=CHUNK, context_buckets=(32, SEQ), backend="neuron",
+                          instance_type="trn2", dtype="bfloat16", speculation_length=2,
+                          speculation_head=str(head), console=console)  # fmt: skip
+    recorded = NeuronConfig.load(out).nki_attention
+    assert recorded == ("cp_w32", "dc_w32", "cp_w64", "dc_w64")
+    assert [name for name, ran in stub.bundles[0].items() if ran] == list(recorded)
+    assert "attention: nkilib attention_cte in cp_w32, dc_w32, cp_w64, dc_w64;" in console.export_text()
 
 
 @pytest.mark.parametrize("instance_type", ["trn1", "inf2"])

@@ -96,11 +96,12 @@ class Backend(ABC):
         return Kernels()
 
     def attention_kernels(
-        self, config: NeuronConfig, family: FamilySpec, specs: list[GraphSpec]
+        self, config: NeuronConfig, family: FamilySpec, specs: list[GraphSpec], head: FamilySpec | None = None
     ) -> tuple[tuple[str, ...], dict[str, str], dict]:
         """(graphs whose prefill chunks run an NKI attention kernel, why the others do not, the
         kernel limits that decided), at export (NeuronConfig.nki_attention, nki_limits): none
-        but on the neuron backend."""
+        but on the neuron backend. `head`: the EAGLE3 head's layer as a family (Eagle3Spec.family),
+        whose DC graphs attend as their CP twins."""
         return (), {}, {}
 
     def toolchain(self) -> dict[str, str]:

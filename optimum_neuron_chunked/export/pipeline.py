@@ -148,14 +148,14 @@ def _checked_config(
     )
     _check_shapes(hf_config, config)
     impl.check_config(config)
-    if head is not None:
-        fitting_spec(head.config, config, family)  # refuses a head that does not fit, before any work
+    # refuses a head that does not fit, before any work
+    eagle3 = fitting_spec(head.config, config, family) if head is not None else None
     for note in dropped_notes(source, config.dtype, config.kv_cache_dtype):
         console.print(f"[yellow]warning[/]: {note}")
     ShardLayout.of(family, config.tp_degree)  # refuses a tp degree the heads cannot split by
     if config.quantization_block:
         check_block_shards(family, config.quantization_block, config.tp_degree)
-    config = _choose_attention(impl, config, family, console)
+    config = _choose_attention(impl, config, family, console, eagle3)
     console.print(KVLayout.of(config, family).summary(config.tp_degree))
     if config.max_loras:
         console.print(LoraSpec.of(config).summary(family))  # refuses targets no layer has
@@ -237,10 +237,11 @@ def _size(n: float) -> str:
     return f"{n / GIB:.2f} GiB" if n >= GIB / 10 else f"{n / 2**20:.2f} MiB"
 
 
-def _choose_attention(impl, config: NeuronConfig, family, console: Console) -> NeuronConfig:
-    """The graphs whose prefill chunks run an NKI attention kernel, recorded in the config and
-    said in the export's first lines (Backend.attention_kernels)."""
-    chosen, reasons, limits = impl.attention_kernels(config, family, graph_specs(config))
+def _choose_attention(impl, config: NeuronConfig, family, console: Console, eagle3=None) -> NeuronConfig:
+    """The graphs whose prefill chunks run an NKI attention kernel (`eagle3`'s DC graphs too),
+    recorded in the config and said in the export's first lines (Backend.attention_kernels)."""
+    head = eagle3.family() if eagle3 is not None else None
+    chosen, reasons, limits = impl.attention_kernels(config, family, graph_specs(config), head)
     if chosen or config.attention_kernel != "auto" or config.backend == "neuron":
         console.print(describe_attention(chosen, reasons, config.kv_cache_dtype == "fp8"))
     if limits:

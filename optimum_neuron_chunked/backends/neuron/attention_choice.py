@@ -4,9 +4,14 @@ attention_cte.py), decided at export per graph (`--attention-kernel`) and record
 export's config (`NeuronConfig.nki_attention`, `NeuronConfig.nki_limits`).
 
 The kernel takes a chunk of queries over a prior K/V with a runtime prior length: the chunk of
-CP graphs, of MX graphs and of CE graphs. Decode rows (TG, VF, MX's decode part) keep the
-reference: nkilib's decode kernel `attention_tkg` is a sub-kernel that wants q / k already on
-chip unless RoPE is fused (attention_tkg.py, 2.29_release l.321-330).
+CP graphs, of MX graphs and of CE graphs, and the EAGLE3 head's first pass in DC graphs (over
+its CP twin's chunk: the same width and bucket). Decode rows (TG, VF, MX's decode part, the
+head's later steps) keep the reference: nkilib's decode kernel `attention_tkg` is a sub-kernel
+that wants q / k already on chip unless RoPE is fused (attention_tkg.py, 2.29_release l.321-330).
+
+NkiKernels applies the kernel by (tokens, bucket) shape, so a DC graph runs it wherever its CP
+twin does: `graph_misfit` decides a DC graph as its twin, and the twin with the head's
+attention (its own query heads, Eagle3Spec.family) checked too, so the record names both.
 
 Rules, each written once below:
 - the target's: `target_misfit` (NeuronCore-v2 runs no kernel of the SDKs we admit; trn2 any
@@ -22,7 +27,7 @@ from __future__ import annotations
 import hashlib
 import importlib
 import importlib.metadata
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -37,7 +42,7 @@ from .sdk import XLA_SDK_SETS
 from .target import TARGETS
 
 KERNEL_MODULE = "nkilib.core.attention.attention_cte"
-CHUNK_KINDS = (GraphKind.CP, GraphKind.MX, GraphKind.CE)
+CHUNK_KINDS = (GraphKind.CP, GraphKind.MX, GraphKind.CE, GraphKind.DC)
 # Neuron SDK 2.29.0's NxD Inference release notes, Breaking Changes: "NxD Inference no longer
 # supports NKI kernels on Trn1/Inf2 hardware, as NKI 0.3.0 kernels are not supported on
 # Trn1/Inf2"; the NKI FAQ from 2.29: "NKI supports Trainium2 and Trainium3". Every SDK the
@@ -157,22 +162,40 @@ def kernel_layers(config: NeuronConfig, family: FamilySpec) -> list[int]:
     return [i for i in range(len(family.sliding_windows)) if i not in rings]
 
 
-def graph_misfit(
-    config: NeuronConfig, family: FamilySpec, graph: GraphSpec, limits: KernelLimits
-) -> str | None:
-    """Why `graph` cannot run its prefill chunk through attention_cte, or None."""
-    if graph.kind is GraphKind.COPY:
-        return "it attends over nothing"
-    if graph.kind not in CHUNK_KINDS:
-        return "decode rows keep the reference attention"
-    if config.dtype != "bfloat16":
-        return f"the export is {config.dtype} and the kernel computes in bf16 (pass --dtype bfloat16)"
+def heads_misfit(config: NeuronConfig, family: FamilySpec, limits: KernelLimits) -> str | None:
+    """Why the kernel cannot take the attention of `family`'s layers (per rank), or None."""
     layout = ShardLayout.of(family, config.tp_degree)
     heads, kv_heads = layout.heads_per_rank, layout.kv_heads_per_rank
     if not 0 < family.head_dim <= limits.max_head_dim:
         return f"head_dim {family.head_dim} is above the kernel's {limits.max_head_dim}"
     if heads > limits.max_batch or heads % kv_heads:
         return f"{heads} query heads over {kv_heads} KV heads a core: the kernel takes at most {limits.max_batch}, a multiple"
+    return None
+
+
+def graph_misfit(
+    config: NeuronConfig,
+    family: FamilySpec,
+    graph: GraphSpec,
+    limits: KernelLimits,
+    head: FamilySpec | None = None,
+) -> str | None:
+    """Why `graph` cannot run its prefill chunk through attention_cte, or None. `head`: the
+    EAGLE3 head's layer as a family (Eagle3Spec.family): its DC graphs share every chunk's
+    shape (a DC per CP; MX's chunk is a full-width CP's), so a head the kernel cannot take
+    keeps every chunk on the reference."""
+    if graph.kind is GraphKind.DC:  # the head's first pass, where its CP twin runs the kernel
+        return graph_misfit(config, family, replace(graph, kind=GraphKind.CP), limits, head)
+    if graph.kind is GraphKind.COPY:
+        return "it attends over nothing"
+    if graph.kind not in CHUNK_KINDS:
+        return "decode rows keep the reference attention"
+    if config.dtype != "bfloat16":
+        return f"the export is {config.dtype} and the kernel computes in bf16 (pass --dtype bfloat16)"
+    if misfit := heads_misfit(config, family, limits):
+        return misfit
+    if head is not None and (misfit := heads_misfit(config, head, limits)):
+        return f"the EAGLE3 head's attention: {misfit} (its DC graphs run the kernel at the chunks' shapes)"
     prior, _ = kernel_prior(graph.window, graph.width)
     if prior + graph.width > limits.max_positions:
         return f"a window of {graph.window} positions exceeds the kernel's {limits.max_positions}"
@@ -183,10 +206,11 @@ def graph_misfit(
 
 
 def choose_nki_graphs(
-    config: NeuronConfig, family: FamilySpec, graphs: list[GraphSpec]
+    config: NeuronConfig, family: FamilySpec, graphs: list[GraphSpec], head: FamilySpec | None = None
 ) -> tuple[tuple[str, ...], dict[str, str], KernelLimits | None]:
     """(the graphs whose prefill chunks run attention_cte, why each other graph does not, the
-    kernel limits that decided). `--attention-kernel nki` refuses, by graph, what cannot run it."""
+    kernel limits that decided); `head`: the EAGLE3 head's layer as a family (graph_misfit).
+    `--attention-kernel nki` refuses, by graph, what cannot run it."""
     mode = config.attention_kernel
     if mode == "reference":
         return (), {g.name: "--attention-kernel reference" for g in graphs}, None
@@ -197,7 +221,7 @@ def choose_nki_graphs(
         return (), {g.name: misfit for g in graphs}, None
     missing = nkilib_missing()
     limits = installed_limits()
-    reasons = {g.name: missing or graph_misfit(config, family, g, limits) for g in graphs}
+    reasons = {g.name: missing or graph_misfit(config, family, g, limits, head) for g in graphs}
     chosen = tuple(name for name, reason in reasons.items() if reason is None)
     refused = {
         g.name: reasons[g.name] for g in graphs if g.kind in CHUNK_KINDS and reasons[g.name] is not None

@@ -79,8 +79,10 @@ class NeuronBackend(Backend):
         shapes = frozenset(kernel_shapes(config).values())
         return NkiKernels(shapes, grid=TARGETS[config.instance_type].logical_nc_config)
 
-    def attention_kernels(self, config: NeuronConfig, family: FamilySpec, specs: list[GraphSpec]):
-        chosen, reasons, limits = choose_nki_graphs(config, family, specs)
+    def attention_kernels(
+        self, config: NeuronConfig, family: FamilySpec, specs: list[GraphSpec], head: FamilySpec | None = None
+    ):
+        chosen, reasons, limits = choose_nki_graphs(config, family, specs, head)
         return chosen, reasons, limits.to_dict() if limits else {}
 
     def check_serving_host(self, config: NeuronConfig, dp_size: int = 1) -> None:
@@ -142,7 +144,8 @@ class NeuronBackend(Backend):
             world_size=tp, tensor_model_parallel_size=tp, lnc_size=target.logical_nc_config
         ):
             if config.attention_kernel == "auto" and config.nki_attention:
-                config = self._without_refused_shapes(model.spec, config, target)
+                head = model.eagle3.family() if model.eagle3 is not None else None
+                config = self._without_refused_shapes(model.spec, config, target, head)
             sharded = model_from_spec(
                 model.spec,
                 config,
@@ -168,13 +171,16 @@ class NeuronBackend(Backend):
         nxd_model.save(str(out_dir / BUNDLE))
         return config
 
-    def _without_refused_shapes(self, family: FamilySpec, config: NeuronConfig, target) -> NeuronConfig:
-        """`config` less the kernel graphs whose (chunk, window) shape the compiler refuses."""
+    def _without_refused_shapes(
+        self, family: FamilySpec, config: NeuronConfig, target, head: FamilySpec | None = None
+    ) -> NeuronConfig:
+        """`config` less the kernel graphs whose (chunk, window) shape the compiler refuses, for
+        the target's attention or the EAGLE3 head's (`head`: DC graphs share the chunks' shapes)."""
         shapes = kernel_shapes(config)
         kernels = self.kernels(config)
         refused = {}
         for shape in sorted(set(shapes.values())):
-            for attention in kernel_specs(config, family):
+            for attention in kernel_specs(config, family, head):
                 probe = KernelProbe(kernels, attention, *shape, dtype=getattr(torch, config.dtype))
                 try:
                     _compile_probe(probe, target)

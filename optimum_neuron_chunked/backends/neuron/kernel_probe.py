@@ -6,7 +6,8 @@ shape fall back to the reference attention; the rest of the export compiles once
 The probe calls the kernel exactly as the graphs do (NkiKernels.call) on inputs of the graph's
 per-rank shapes: T queries, T active and the prior of attention_choice.kernel_prior, the
 sliding window and sinks of each layer attention_choice.kernel_layers names (ring layers keep
-the reference: the choice checks the same layers' windows)."""
+the reference: the choice checks the same layers' windows), and the EAGLE3 head's attention
+(its own query heads: its DC graphs run the kernel at the chunks' shapes)."""
 
 from __future__ import annotations
 
@@ -21,21 +22,28 @@ from .attention_choice import kernel_layers, kernel_prior
 from .nki_kernels import NkiKernels
 
 
-def kernel_specs(config: NeuronConfig, family: FamilySpec) -> list[AttentionSpec]:
-    """The distinct attention specs (per rank) of the layers that can run the kernel."""
-    shard = ShardLayout.of(family, config.tp_degree)
-    specs = {
-        AttentionSpec(
-            shard.heads_per_rank,
-            shard.kv_heads_per_rank,
-            family.head_dim,
-            family.scale,
-            family.sliding_windows[i],
-            family.attention_sinks,
-        )  # fmt: skip
-        for i in kernel_layers(config, family)
-    }
+def kernel_specs(
+    config: NeuronConfig, family: FamilySpec, head: FamilySpec | None = None
+) -> list[AttentionSpec]:
+    """The distinct attention specs (per rank) of the layers that can run the kernel, the
+    EAGLE3 head's too (`head`: its layer as a family, Eagle3Spec.family; full attention)."""
+    specs = {attention_spec(config, family, family.sliding_windows[i]) for i in kernel_layers(config, family)}
+    if head is not None:
+        specs.add(attention_spec(config, head, None))
     return sorted(specs, key=repr)
+
+
+def attention_spec(config: NeuronConfig, family: FamilySpec, sliding_window: int | None) -> AttentionSpec:
+    """A layer's AttentionSpec per rank, as attention.Attention builds it."""
+    shard = ShardLayout.of(family, config.tp_degree)
+    return AttentionSpec(
+        shard.heads_per_rank,
+        shard.kv_heads_per_rank,
+        family.head_dim,
+        family.scale,
+        sliding_window,
+        family.attention_sinks,
+    )  # fmt: skip
 
 
 class KernelProbe(nn.Module):
