@@ -14,8 +14,8 @@ PY_SDK := $(VENV_SDK)/bin/python
 #   test_neuron_backend, test_attention_kernel  the neuron backend and its NKI choice run on
 #                                       torch 2.9 (NxD and nkilib stand-ins)
 #   test_cpu_export_sdk_torch           the cpu backend (the default without torch-neuronx) exports
-#                                       on torch 2.9 (its live width declared a size), or refuses an
-#                                       fp8 KV pool, which 2.9's AOTInductor cannot compile
+#                                       on torch 2.9 (its live width declared a size), or refuses fp8
+#                                       weights or KV, which 2.9's AOTInductor cannot compile
 # Pure-Python rules (config, graph inputs, SDK sets) and the torch math the xla tests already
 # compare against eager on torch 2.9 (masking, sampler) run in the main suite only.
 SDK_ENV_TESTS := tests/test_parity.py tests/test_export_tokenizer.py tests/test_neuron_backend.py \
