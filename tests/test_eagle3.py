@@ -248,10 +248,11 @@ def test_first_pass_is_speculators_eagle3(draft_vocab, norm_before_residual):
 
 
 @pytest.mark.parametrize("norm_before_residual", [False, True])
-def test_recurrent_steps_are_speculators_training_time_test(norm_before_residual):
+@pytest.mark.parametrize("draft_vocab", [512, 128], ids=["no-d2t", "d2t"])
+def test_recurrent_steps_are_speculators_training_time_test(draft_vocab, norm_before_residual):
     """From index `last`, step j of the chain is speculators' TTT step j at that index fed the
     head's own drafts (its teacher-forced tokens there set to them)."""
-    config = HEAD | {"draft_vocab_size": 128, "norm_before_residual": norm_before_residual}
+    config = HEAD | {"draft_vocab_size": draft_vocab, "norm_before_residual": norm_before_residual}
     tensors = random_head(config, 4, layer_prefix="layers.0.")
     model, hf = head_model(config, tensors)
     reference = speculators_reference(config, tensors, hf.model.embed_tokens.weight, norm_before_residual)
@@ -265,7 +266,7 @@ def test_recurrent_steps_are_speculators_training_time_test(norm_before_residual
     fed = ids.clone()
     fed[last + 1 : last + K] = drafts[: K - 1]  # TTT step j reads fed[last + j] at index last
     want_logits, steps = run_reference(reference, aux, fed, K)
-    d2t = tensors["d2t"]
+    d2t = tensors.get("d2t", torch.zeros(draft_vocab, dtype=torch.long))
     assert drafts.tolist() == [int(s[last] + d2t[s[last]]) for s in steps]
     for step in range(K):  # the first pass at index `last`, then each recurrent step
         torch.testing.assert_close(logits[step][0], want_logits[step][last], **FP32)

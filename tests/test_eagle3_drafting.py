@@ -5,18 +5,27 @@ calls with the trained head (testing/eagle3_heads.py); cpu and xla exports draft
 
 from __future__ import annotations
 
-import hashlib
 import json
 
 import pytest
 import torch
-from fixtures.export_models import BUCKETS, CHUNK, SEQUENCE_LENGTH, cache_root, checkpoint_path, export_with
+from fixtures.export_models import (
+    BUCKETS,
+    CHUNK,
+    SEQUENCE_LENGTH,
+    cache_root,
+    checkpoint_path,
+    export_with,
+    trained_head_export,
+    trained_prompts,
+)
 from helpers import RecordingGraphs
 from transformers import AutoModelForCausalLM
 
 from optimum_neuron_chunked import NeuronModelForCausalLM
 from optimum_neuron_chunked.config import NeuronConfig
 from optimum_neuron_chunked.modeling import family_spec, model_from_spec
+from optimum_neuron_chunked.testing.eagle3_heads import trained_pair
 from optimum_neuron_chunked.testing.random_heads import TINY_LLAMA_HEAD as HEAD
 from optimum_neuron_chunked.testing.random_heads import cached_head, random_head
 from optimum_neuron_chunked.testing.reference import hf_greedy
@@ -90,6 +99,38 @@ def test_head_weights_stream_as_transformers_loads_them_and_shard_at_tp2(tmp_pat
     assert torch.equal(ranks[0]["model.draft.fc.weight"], ranks[1]["model.draft.fc.weight"])
 
 
+def test_the_head_is_never_quantized_with_the_target():
+    """--quantization int8 quantizes the target's projections, never the head's (modeling/eagle3.py):
+    its weights are stored as it ships them, in --dtype, without scales; and it drafts: generate
+    is the same quantized target's greedy without the head."""
+    from safetensors.torch import load_file
+
+    config = HEAD | {"draft_vocab_size": 128}
+    quantized = SHAPE | dict(quantization="int8")
+    folder = export_with("llama", "eager", **quantized, speculation_head=str(head_folder(config, 12)))
+    stored = load_file(folder / "model.safetensors")
+    assert stored["model.layers.0.self_attn.q_proj.weight"].dtype == torch.int8  # the target is quantized
+    assert "model.layers.0.self_attn.q_proj.scale" in stored
+    draft = {name: t for name, t in stored.items() if name.startswith("draft.")}
+    assert draft and not [name for name in draft if "scale" in name], sorted(draft)
+    assert {t.dtype for name, t in draft.items() if name != "draft.d2t"} == {torch.float32}
+    tensors = random_head(config, 12)
+    assert torch.equal(draft["draft.fc.weight"], tensors["fc.weight"])
+    for projection in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.o_proj", "mlp.down_proj"):
+        assert torch.equal(
+            draft[f"draft.layers.0.{projection}.weight"], tensors[f"midlayer.{projection}.weight"]
+        )
+
+    model = NeuronModelForCausalLM.from_pretrained(folder)
+    graphs = model.runner.graphs = RecordingGraphs(model.runner.graphs)
+    plain = {k: v for k, v in quantized.items() if k != "speculation_length"}
+    target = NeuronModelForCausalLM.from_pretrained(export_with("llama", "eager", **plain))
+    g = torch.Generator().manual_seed(13)
+    prompts = [torch.randint(4, 380, (CHUNK + 3,), generator=g), torch.randint(4, 380, (11,), generator=g)]
+    assert generate_rows(model, prompts, 20) == generate_rows(target, prompts, 20)
+    assert {"dc", "dv"} <= {name.split("_")[0] for name in graphs.ran}, graphs.ran
+
+
 def generate_rows(model, prompts: list[torch.Tensor], new: int) -> list[list[int]]:
     padded = torch.nn.utils.rnn.pad_sequence([p.flip(0) for p in prompts], batch_first=True).flip(1)
     mask = torch.nn.utils.rnn.pad_sequence([torch.ones_like(p) for p in prompts], batch_first=True).flip(1)
@@ -144,29 +185,13 @@ def test_drafts_follow_their_rows_through_the_graph_order():
     assert [drafts([i])[0].tolist() for i in (0, 1)] == together.tolist()
 
 
-def trained_export(backend: str):
-    """(an export of the trained fixture's target with its head, the target's folder, prompts)."""
-    from optimum_neuron_chunked.export.pipeline import export
-    from optimum_neuron_chunked.testing.eagle3_heads import trained_pair
-    from optimum_neuron_chunked.testing.export_cache import code_key
-
-    target, head = trained_pair(cache_root())
-    key = hashlib.sha256(repr((str(target), str(head), sorted(SHAPE.items()))).encode())
-    key.update(code_key(backend).encode())
-    out = cache_root() / "exports" / f"eagle3-trained-{backend}-{key.hexdigest()[:16]}"
-    if not (out / "neuron_config.json").is_file():
-        export(str(target), out, backend=backend, overwrite=True, speculation_head=str(head), **SHAPE)
-    prompts = json.loads((target.parent / "manifest.json").read_text())["prompts"]
-    return out, target, [torch.tensor(p) for p in prompts]
-
-
 def test_trained_head_generates_greedy_in_fewer_calls():
-    out, target, prompts = trained_export("eager")
-    model = NeuronModelForCausalLM.from_pretrained(out)
+    target, _ = trained_pair(cache_root())
+    model = NeuronModelForCausalLM.from_pretrained(trained_head_export("eager", **SHAPE))
     graphs = model.runner.graphs = RecordingGraphs(model.runner.graphs)
     hf = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
     new = 40
-    for prompt in prompts[:4]:
+    for prompt in trained_prompts()[:4]:
         graphs.ran.clear()
         assert generate_rows(model, [prompt], new) == [hf_greedy(hf, prompt, new)]
         plain = 1 + (new - 1)  # a one-chunk prompt, then one TG call a token

@@ -13,7 +13,13 @@ import shutil
 
 import pytest
 import torch
-from fixtures.export_models import cache_root, checkpoint_path, export_with
+from fixtures.export_models import (
+    cache_root,
+    checkpoint_path,
+    export_with,
+    trained_head_export,
+    trained_prompts,
+)
 from helpers import RecordingGraphs, refusal_at_start
 from vllm_stepper import Engine
 
@@ -28,18 +34,8 @@ SHAPE = dict(batch_size=2, sequence_length=128, prefill_chunk_size=32, context_b
 
 
 def head_export(backend: str = "eager", **options):
-    """An export of the trained target with its head (keyed as tests/test_eagle3.py keys it)."""
-    from optimum_neuron_chunked.export.pipeline import export
-    from optimum_neuron_chunked.testing.export_cache import code_key
-
-    target, head = trained_pair(cache_root())
-    shape = SHAPE | options
-    key = hashlib.sha256(repr((str(target), str(head), sorted(shape.items()))).encode())
-    key.update(code_key(backend).encode())
-    out = cache_root() / "exports" / f"eagle3-trained-{backend}-{key.hexdigest()[:16]}"
-    if not (out / "neuron_config.json").is_file():
-        export(str(target), out, backend=backend, overwrite=True, speculation_head=str(head), **shape)
-    return out
+    """The trained target with its head in SHAPE and `options` (fixtures/export_models.py keys it)."""
+    return trained_head_export(backend, **SHAPE | options)
 
 
 @pytest.fixture(scope="module")
@@ -48,9 +44,8 @@ def pair():
     from transformers import AutoModelForCausalLM
 
     target, _ = trained_pair(cache_root())
-    prompts = json.loads((target.parent / "manifest.json").read_text())["prompts"]
     hf = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
-    return head_export(), hf, [torch.tensor(p) for p in prompts]
+    return head_export(), hf, trained_prompts()
 
 
 def eagle3(export_dir, k: int = K, **fields) -> dict:
@@ -190,10 +185,11 @@ def test_refused_at_start_by_name(pair, tmp_path):
     )
     from vllm.config import SpeculativeConfig
 
-    options = dict(draft_sample_method="probabilistic", parallel_drafting=True, disable_padded_drafter_batch=True,
+    options = dict(draft_sample_method="probabilistic", rejection_sample_method="block", parallel_drafting=True,
+                   disable_padded_drafter_batch=True, num_speculative_tokens_per_batch_size=[(1, 2, K)],
                    speculative_token_tree="[(0,), (1,), (0, 0)]")  # fmt: skip
-    for name, value in options.items():
-        if name in SpeculativeConfig.__dataclass_fields__:  # 0.32: no trees; 0.16.0: no draft_sample_method
+    for name, value in options.items():  # each of compat.DRAFTING_DEFAULTS, and trees
+        if name in SpeculativeConfig.__dataclass_fields__:  # 0.32: no trees; 0.16.0: only trees and the bools
             message = say(export_dir, speculative_config=eagle3(export_dir, **{name: value}))
             assert f"{name}={value!r} is not supported" in message
     checkpoint = trained_pair(cache_root())[0]  # exported on the fly: refused before any export
