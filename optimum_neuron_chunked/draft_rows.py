@@ -9,6 +9,7 @@ import torch
 
 from .config import NeuronConfig
 from .graphs import GraphKind, GraphSpec, dc_spec, dv_spec
+from .modeling.eagle3 import chain_top
 
 
 class CalledRows(NamedTuple):
@@ -25,29 +26,35 @@ class CalledRows(NamedTuple):
     call: int  # GraphRunner's count of graph calls when it ran
 
 
+def shifted(tokens: torch.Tensor, next_token: int) -> torch.Tensor:
+    """THE shift rule: a call's tokens as the head drafts from them - shifted left by one, the
+    token that follows them last (the head's pass at position p reads the token at p + 1)."""
+    return torch.cat([tokens[1:], tokens.new_tensor([int(next_token)])])
+
+
 def shifted_rows(token_rows: list[torch.Tensor], next_tokens, accepted) -> list[torch.Tensor]:
-    """Verify rows' tokens shifted left by one, each row's next token (the bonus or correction)
-    at its last accepted index and at its end (vLLM's padded drafter batch: the entries past the
-    accepted ones are rejected drafts, whose head K/V later passes rewrite)."""
+    """Verify rows shifted, each row's next token (the bonus or correction) also at its last
+    accepted index (vLLM's padded drafter batch: the entries past the accepted ones are
+    rejected drafts, whose head K/V later passes rewrite)."""
     rows = []
-    for tokens, token, last in zip(token_rows, next_tokens, accepted, strict=True):
-        row = torch.cat([tokens[1:], tokens.new_tensor([int(token)])])
-        row[int(last)] = int(token)
+    for tokens, token, last_index in zip(token_rows, next_tokens, accepted, strict=True):
+        row = shifted(tokens, token)
+        row[int(last_index)] = int(token)
         rows.append(row)
     return rows
 
 
 def draft_graph(
-    config: NeuronConfig, called: CalledRows, rows: list[torch.Tensor], last: list[int]
+    config: NeuronConfig, called: CalledRows, rows: list[torch.Tensor], last_index: list[int]
 ) -> tuple[GraphSpec, torch.Tensor]:
     """(The DC / DV graph after `called`, each row's last position it writes): the rows' own
-    positions, then K - 1 past each row's `last` - at most S - 1 (modeling/eagle3.propose clamps
-    the chain there). Its bucket holds them all; its rows and width are `called`'s."""
-    k, end = config.speculation_length, config.sequence_length - 1
+    positions, then the chain from each row's `last_index` (modeling/eagle3.chain_top). Its
+    bucket holds them all; its rows and width are `called`'s."""
+    k, length = config.speculation_length, config.sequence_length
     tops = torch.tensor(
         [
-            min(max(s + len(r) - 1, s + a + k - 1), end)
-            for s, r, a in zip(called.starts, rows, last, strict=True)
+            max(s + len(r) - 1, chain_top(s + i, k, length))
+            for s, r, i in zip(called.starts, rows, last_index, strict=True)
         ]
     )
     bucket, spec = config.bucket_for(int(tops.max()) + 1), called.spec

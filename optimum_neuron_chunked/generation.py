@@ -9,6 +9,7 @@ import torch
 from .config import prefill_slices
 from .generation_plan import GenerationPlan, plan
 from .graph_runner import GraphRunner
+from .modeling.eagle3 import chain_top
 from .modeling.lora import NO_ADAPTER
 from .modeling.sampler import sample, sampling_params
 from .prompt_lookup import accept_greedy, propose
@@ -135,17 +136,18 @@ def _generate_tokens(
     runner, config, pool = model.runner, model.neuron_config, model.kv_pool
     blocks = []  # each request's KV blocks
     drafts, pending = {}, None  # EAGLE3: each row's drafts; the verify call the next drafts follow
-    lookahead = config.speculation_length if head else 0  # the head's chain writes K past a row
+    steps = config.speculation_length if head else 1  # the head's chain writes past a row's tokens
     try:
-        for prompt in prompts:
-            blocks.append(pool.acquire(min(len(prompt) + max_new_tokens + lookahead, config.sequence_length)))
+        for prompt in prompts:  # a row's chain starts at most at its last token's position
+            last = len(prompt) + max_new_tokens - 1
+            blocks.append(pool.acquire(chain_top(last, steps, config.sequence_length) + 1))
         for i, prompt in enumerate(prompts):
             logits = prefill_prompt(runner, prompt, blocks[i], rows.slots[i], draft=head)
             token = rows.choose(i, tokens[i], logits) if host else int(
                 sample(logits[None], params[i : i + 1], _rand(1, rows.generator), config.max_topk)[0]
             )  # fmt: skip
             if head:
-                drafts[i] = _draft_after_prompt(runner, prompt, token, blocks[i]).tolist()
+                drafts[i] = _draft_after_prompt(runner, prompt, token).tolist()
             if rows.append(i, tokens[i], token, logits if host else None):
                 stopped.add(i)
         live = [i for i in range(n) if i not in stopped and not _finished(tokens[i], eos_ids, max_new_tokens)]
@@ -227,11 +229,10 @@ def _head_step(runner: GraphRunner, live, prompts, tokens, kvs, drafts, pending,
     return runner.last_verify, list(live), next_tokens, accepted
 
 
-def _draft_after_prompt(runner: GraphRunner, prompt: torch.Tensor, token: int, blocks) -> torch.Tensor:
+def _draft_after_prompt(runner: GraphRunner, prompt: torch.Tensor, token: int) -> torch.Tensor:
     """The head's K drafts after a prompt's last chunk, `token` sampled after it."""
     last = prefill_slices(len(prompt), runner.config.prefill_chunk_size)[-1]
-    shifted = torch.cat([prompt[last][1:], torch.tensor([token], dtype=prompt.dtype)])
-    return runner.draft_after_chunk(shifted, last.start, blocks)
+    return runner.draft_after_chunk(prompt[last], token, last.start)
 
 
 def _cut_at_eos(tokens: list[int], eos_ids: set[int]) -> None:
@@ -260,8 +261,8 @@ def prefill_prompt(
         )
     for piece in prefill_slices(n, config.prefill_chunk_size):
         logits = runner.prefill(input_ids[piece], piece.start, blocks, adapter=adapter)
-        if draft and piece.stop < n:  # the head's K/V of the chunk: its tokens shifted by one
-            runner.draft_after_chunk(input_ids[piece.start + 1 : piece.stop + 1], piece.start, blocks)
+        if draft and piece.stop < n:  # the head's K/V of the chunk
+            runner.draft_after_chunk(input_ids[piece], int(input_ids[piece.stop]), piece.start)
     return logits
 
 

@@ -66,3 +66,9 @@ def row_inputs(
     slot_column = None if slots is None else torch.tensor(slots, dtype=INDEX_DTYPE)[order]
     table_input = tables if slot_column is None else with_adapter_column(tables, slot_column)
     return [pad_repeat_last(x, rows, dim=0) for x in (torch.stack(ids), torch.stack(pos), table_input)], order
+
+
+def last_index_input(last_index: Sequence[int], order: torch.Tensor, rows: int) -> torch.Tensor:
+    """A draft call's (DC / DV) last input: each row's index drafted from (modeling/eagle3.propose),
+    in row_inputs' `order` of the rows, padded to `rows` by the one rule."""
+    return pad_repeat_last(torch.tensor(last_index, dtype=INDEX_DTYPE)[order], rows, dim=0)

@@ -21,9 +21,9 @@ from transformers import AutoConfig, PretrainedConfig
 from .backends import get_backend
 from .backends.base import SlotWriter
 from .config import NeuronConfig, prefill_slices
-from .draft_rows import CalledRows, draft_graph, shifted_rows
+from .draft_rows import CalledRows, draft_graph, shifted, shifted_rows
 from .export_folder import ExportCapabilities, check_export
-from .graph_inputs import INDEX_DTYPE, pad_repeat_last, row_inputs
+from .graph_inputs import INDEX_DTYPE, last_index_input, pad_repeat_last, row_inputs
 from .graphs import (
     COPY,
     GraphKind,
@@ -242,28 +242,42 @@ class GraphRunner:
         return self._draft(verified, rows, [int(a) for a in accepted])
 
     def draft_after_chunk(
-        self, next_ids: torch.Tensor, start: int, blocks: Sequence[int], last: int | None = None
+        self, tokens: torch.Tensor, next_token: int, start: int, last_index: int | None = None
     ) -> torch.Tensor:
-        """EAGLE3 drafts [K] after the latest prefill chunk (at `start`, in `blocks`): `next_ids`
-        are its tokens shifted left by one, the token after it last (the next chunk's first, or
-        the one sampled after the prompt); `last`: the index drafted from (default the last)."""
+        """EAGLE3 drafts [K] after the latest prefill chunk (`tokens` at `start`, in its blocks):
+        `next_token` follows it (the next chunk's first, or the one sampled after the prompt);
+        `last_index`: the index drafted from (default the last)."""
         chunk = self.last_chunk
-        if chunk is None or chunk.starts != [start] or len(chunk.token_rows[0]) != len(next_ids):
-            raise ValueError(f"drafts after a chunk of {len(next_ids)} at {start} follow its prefill")
-        return self._draft(chunk, [next_ids], [len(next_ids) - 1 if last is None else last])[0]
+        if chunk is None or chunk.starts != [start] or len(chunk.token_rows[0]) != len(tokens):
+            raise ValueError(f"drafts after a chunk of {len(tokens)} at {start} follow its prefill")
+        index = len(tokens) - 1 if last_index is None else last_index
+        return self._draft(chunk, [shifted(tokens, next_token)], [index])[0]
 
-    def _draft(self, called: CalledRows, rows: list[torch.Tensor], last: list[int]) -> torch.Tensor:
+    def _draft(self, called: CalledRows, rows: list[torch.Tensor], last_index: list[int]) -> torch.Tensor:
         """The DC / DV call after `called`, in the bucket holding every position it writes: its
-        rows' positions, then K - 1 past each row's `last` (those past the sequence are clamped in
-        the graph, modeling/eagle3.propose) -> drafts [N, K] in the caller's order."""
-        if not self.config.speculation_head or called.call != self.calls:
-            raise ValueError("EAGLE3 drafts (--speculation-head) follow the CP or VF call they draft from")
-        spec, tops = draft_graph(self.config, called, rows, last)
-        self._check_blocks(called.blocks, tops)  # the chain writes past the rows' tokens
+        rows' positions, then the chain from each row's `last_index` (modeling/eagle3.chain_top)
+        -> drafts [N, K] in the caller's order."""
+        if not self.config.speculation_head:
+            raise ValueError(
+                "this export has no EAGLE3 head: re-export with --speculation-head HEAD --speculation-length K"
+            )
+        if called.call != self.calls:
+            raise ValueError(
+                f"EAGLE3 drafts follow the CP or VF call they draft from: {self.calls - called.call} "
+                "graph calls ran since; draft right after it"
+            )
+        spec, tops = draft_graph(self.config, called, rows, last_index)
+        # A guard: the rows' blocks hold the chain - vLLM's by vllm/limits.check_head_chain at
+        # start-up (whole-sequence blocks hold every position), generate()'s by their chain_top.
+        self._check_blocks(called.blocks, tops)
         (drafts,), unsort = self._call(
-            spec, rows, called.starts, called.blocks, adapters=called.adapters, last=last
+            spec, rows, called.starts, called.blocks, adapters=called.adapters, last_index=last_index
         )
-        assert torch.equal(unsort, called.unsort), "a draft call's rows are its CP or VF call's rows"
+        if not torch.equal(unsort, called.unsort):  # shifted rows keep their call's starts and lengths
+            raise RuntimeError(
+                "a draft call's rows must sort as its CP or VF call's rows did: the aux states it "
+                "reads are in that call's row order"
+            )
         return drafts.cpu()[unsort].long()
 
     def copy_prefix(self, src_block: int, dst_block: int, length: int) -> int:
@@ -286,7 +300,15 @@ class GraphRunner:
         return len(pieces)
 
     def _call(
-        self, spec: GraphSpec, token_rows, starts, blocks, sampling=None, chunk=None, adapters=None, last=None
+        self,
+        spec: GraphSpec,
+        token_rows,
+        starts,
+        blocks,
+        sampling=None,
+        chunk=None,
+        adapters=None,
+        last_index=None,
     ) -> tuple:
         """The one path: rows (token ids [T_i] at positions starts[i].., KV blocks) checked
         against the pool, padded by the one rule to graph `spec`'s rows and width, its block
@@ -295,7 +317,7 @@ class GraphRunner:
         caller's row order). Decode rows go longest context first, so the padding repeats the
         shortest: where each row reads only its live context (the cpu backend's per_row_live),
         a padded row costs the least it can. LoRA exports: each row's adapter slot (`adapters`,
-        None: the base) joins its block table as one more column (lora.row_slots); `last`: draft calls'."""
+        None: the base) joins its block table as one more column (lora.row_slots); `last_index`: draft calls'."""
         self.calls += 1
         if spec.kind is GraphKind.COPY:  # no token read, no adapter run (no adapter column): the
             # positions of its source row, each row's one block
@@ -315,8 +337,8 @@ class GraphRunner:
             if sampling is None:
                 raise ValueError("this export samples on the device: pass sampling=(params, rand)")
             inputs += [pad_repeat_last(x[order].float(), spec.batch, dim=0) for x in sampling]
-        if last is not None:
-            inputs.append(pad_repeat_last(torch.tensor(last, dtype=INDEX_DTYPE)[order], spec.batch, dim=0))
+        if last_index is not None:
+            inputs.append(last_index_input(last_index, order, spec.batch))
         outputs = self.graphs[spec.name](*inputs)
         return tuple(outputs) if isinstance(outputs, tuple | list) else (outputs,), torch.argsort(order)
 

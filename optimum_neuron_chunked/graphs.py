@@ -46,7 +46,7 @@ import torch
 from torch import nn
 
 from .config import NeuronConfig
-from .graph_inputs import INDEX_DTYPE, row_inputs
+from .graph_inputs import INDEX_DTYPE, last_index_input, row_inputs
 from .modeling import eagle3
 from .modeling.decoder import DecoderModel, PartInputs
 from .modeling.kv_layout import KVPool
@@ -234,20 +234,20 @@ class MixedGraph(nn.Module):
 
 class DraftGraph(nn.Module):
     """DC / DV: rows [N, T] of the previous call's tokens shifted left by one, the next token at
-    each row's last accepted index `last` [N], at that call's positions -> the head's K drafts
-    [N, K] (target ids) from index `last` (modeling/eagle3.propose)."""
+    each row's last accepted index `last_index` [N], at that call's positions -> the head's K
+    drafts [N, K] (target ids) from index `last_index` (modeling/eagle3.propose)."""
 
     def __init__(self, model: DecoderModel, window: int, decode_rows: bool, steps: int):
         super().__init__()
         self.model, self.window, self.decode_rows, self.steps = model, window, decode_rows, steps
 
-    def forward(self, input_ids, position_ids, tables_and_slot, last):
+    def forward(self, input_ids, position_ids, tables_and_slot, last_index):
         drafts = eagle3.propose(
             self.model,
             input_ids,
             position_ids,
             tables_and_slot,
-            last,
+            last_index,
             self.window,
             self.decode_rows,
             self.steps,
@@ -295,7 +295,7 @@ def example_inputs(spec: GraphSpec, config: NeuronConfig) -> tuple[torch.Tensor,
     if samples_on_device(spec, config):
         inputs += (torch.zeros(spec.batch, 3), torch.zeros(spec.batch))
     if spec.kind in (GraphKind.DC, GraphKind.DV):  # each row's last accepted index
-        inputs += (torch.zeros(spec.batch, dtype=INDEX_DTYPE),)
+        inputs += (last_index_input([0] * spec.batch, torch.arange(spec.batch), spec.batch),)
     return inputs
 
 

@@ -316,7 +316,7 @@ def head_steps(config, runner) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         ends = (100, 300 if chunk <= 256 else 400, 512, 512 + chunk * 3 // 5, 850, 899)
         for start, end in zip((0, *ends[:-1]), ends, strict=True):
             outs.append(runner.prefill(ids[start:end], start, blocks).float())
-            drafts.append(runner.draft_after_chunk(ids[start + 1 : end + 1], start, blocks))
+            drafts.append(runner.draft_after_chunk(ids[start:end], int(ids[end]), start))
         _, logits = runner.verify([ids[899 : 900 + K]], torch.tensor([899]), [blocks])
         outs.append(logits[0].float())
         drafts.append(runner.draft_after_verify(runner.last_verify, [int(ids[900 + K])], [K])[0])

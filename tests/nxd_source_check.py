@@ -338,7 +338,7 @@ def check_drafting(family, xla, full, config) -> list[str]:
                 for start in range(0, n, config.prefill_chunk_size):
                     stop = min(start + config.prefill_chunk_size, n)
                     runner.prefill(prompt[start:stop], start, (block,))
-                    drafts.append(runner.draft_after_chunk(prompt[start + 1 : stop + 1], start, (block,)))
+                    drafts.append(runner.draft_after_chunk(prompt[start:stop], int(prompt[stop]), start))
                 rows.append(torch.cat([prompt[n:], drafts[-1]]))
             runner.verify(rows, torch.tensor([21, 9]), [(0,), (1,)], False)
             drafts.append(runner.draft_after_verify(runner.last_verify, [5, 6], [1, K]))

@@ -121,10 +121,9 @@ def tp_drafts(layers=None, rank: int = 0, functional: bool = False) -> list[torc
         for block, n in enumerate((21, 9)):
             prompt = torch.randint(4, 380, (n + 1,), generator=g)
             for start in range(0, n, 16):
-                runner.prefill(prompt[start : min(start + 16, n)], start, (block,))
-                drafts.append(
-                    runner.draft_after_chunk(prompt[start + 1 : min(start + 16, n) + 1], start, (block,))
-                )
+                stop = min(start + 16, n)
+                runner.prefill(prompt[start:stop], start, (block,))
+                drafts.append(runner.draft_after_chunk(prompt[start:stop], int(prompt[stop]), start))
             rows.append(torch.cat([prompt[n:], drafts[-1]]))
         runner.verify(rows, torch.tensor([21, 9]), [(0,), (1,)], False)
         drafts.append(runner.draft_after_verify(runner.last_verify, [5, 6], [1, K]))

@@ -191,6 +191,16 @@ def aux_rows(config) -> int:
     return max(config.prefill_chunk_size, config.batch_size * (config.speculation_length + 1))
 
 
+def chain_top(position, steps: int, sequence_length: int):
+    """THE chain extent: the last position a chain of `steps` drafts from the token at `position`
+    writes the head's K/V at - steps - 1 past it, clamped to S - 1 (`propose` writes what is past
+    the sequence there; those drafts are dropped). `position`: an int, or a tensor of rows."""
+    top = position + steps - 1
+    if isinstance(top, torch.Tensor):
+        return torch.clamp(top, max=sequence_length - 1)
+    return min(top, sequence_length - 1)
+
+
 def head_weight_name(checkpoint_name: str) -> str | None:
     """A head checkpoint's tensor name -> the decoder's (`draft.*`); None for what vLLM ignores
     (t2d; llama_eagle3.py load_weights, v0.32.0)."""
@@ -340,27 +350,27 @@ def head_pass(model, ids, positions, tables, hidden, window: int, decode_rows: b
 
 
 def propose(
-    model, input_ids, position_ids, tables, last, window: int, decode_rows: bool, steps: int
+    model, input_ids, position_ids, tables, last_index, window: int, decode_rows: bool, steps: int
 ) -> torch.Tensor:
     """Drafts [N, steps] (target ids, int64) for rows [N, T] whose aux states the previous call
     left in `model.aux_states` (same rows, same order, same padding): the first pass over every
-    token, then steps - 1 recurrent steps from index `last` [N] of each row."""
+    token, then steps - 1 recurrent steps from index `last_index` [N] of each row."""
     n, t = input_ids.shape
-    ids, positions, tables, last = input_ids.long(), position_ids.long(), tables.long(), last.long()
+    ids, positions, tables = input_ids.long(), position_ids.long(), tables.long()
+    last_index = last_index.long()
     if model.lora_spec is not None:  # the head runs no adapter: the slot column dropped (lora.py)
         tables = split_adapter_column(tables)[0]
     hidden = model.draft.combine(model.aux_states[: n * t].view(n, t, -1))
     out, carried = head_pass(model, ids, positions, tables, hidden, window, decode_rows)
     rows = torch.arange(n, device=ids.device)
-    out, carried, position = out[rows, last], carried[rows, last], positions[rows, last]
+    out, carried, position = out[rows, last_index], carried[rows, last_index], positions[rows, last_index]
     token = model.draft.target_ids(out, model.lm_head)
-    drafts, end = [token], model.kv.sequence_length - 1
-    for _ in range(steps - 1):
-        position = position + 1
+    drafts = [token]
+    for step in range(1, steps):
         # A position at or past the sequence is never written: the step writes at S - 1 instead,
         # which only this chain reads before a later pass rewrites it (or the row has no room
         # left); its drafts are past the sequence, and the host drops them.
-        at = torch.clamp(position, max=end)[:, None]
+        at = chain_top(position, step + 1, model.kv.sequence_length)[:, None]
         out, carried = head_pass(model, token[:, None], at, tables, carried[:, None], window, True)
         out, carried = out[:, 0], carried[:, 0]
         token = model.draft.target_ids(out, model.lm_head)

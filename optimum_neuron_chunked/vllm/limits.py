@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..config import NeuronConfig, ceil_div
+from ..modeling.eagle3 import chain_top
 from ..modeling.kv_layout import KVPool
 from .compat import FIRST_CHUNK_HAS_LOOKAHEAD
 from .kv_blocks import pool_blocks, vllm_num_blocks
@@ -120,7 +121,7 @@ def check_speculation(config: NeuronConfig, request: EngineRequest) -> int:
 
 def check_head_chain(config: NeuronConfig, k: int, max_model_len: int) -> None:
     """Paged exports with an EAGLE3 head: the chain a draft call runs after a row writes the head's
-    K/V up to K - 1 positions past the row's last token (K compiled; modeling/eagle3.propose),
+    K/V up to K - 1 positions past the row's last token (K compiled; modeling/eagle3.chain_top),
     into blocks vLLM allocated for k lookahead slots past the scheduled tokens, capped at
     max_model_len (v1/core/kv_cache_manager.py allocate_slots, 0.32), while a row's tokens end
     at max_model_len - 2 (v1/core/sched/scheduler.py). Whole-sequence blocks hold every position."""
@@ -141,7 +142,7 @@ def check_head_chain(config: NeuronConfig, k: int, max_model_len: int) -> None:
             f"blocks vLLM reserves num_speculative_tokens lookahead slots for; with "
             f"{pool.block_size}-token KV blocks pass {compiled - 1} or {compiled}."
         )
-    last = min(config.sequence_length - 1, max_model_len + compiled - 3)
+    last = chain_top(max_model_len - 2, compiled, config.sequence_length)
     held = pool.blocks_holding(max_model_len) * pool.block_size
     if last >= held:
         raise ServingConfigError(

@@ -108,8 +108,7 @@ class HeadDrafter:
     def after_chunk(self, chunk, next_token: int) -> list[int]:
         """Drafts after prefill `chunk` (step_plan.PrefillChunk), `next_token` following it: the
         next prompt token, or the one sampled after the prompt."""
-        shifted = torch.tensor([*chunk.token_ids[1:], next_token])
-        drafts = self.graph_runner.draft_after_chunk(shifted, chunk.start, chunk.blocks)
+        drafts = self.graph_runner.draft_after_chunk(torch.tensor(chunk.token_ids), next_token, chunk.start)
         return drafts.tolist()[: self.length]
 
     def after_verify(self, decodes, emitted: dict[str, list[int]]) -> dict[str, list[int]]:
