@@ -1,7 +1,5 @@
 from __future__ import annotations
 
-from dataclasses import replace
-
 import torch
 
 from ..config import NeuronConfig
@@ -44,8 +42,6 @@ def model_from_spec(
     need). `eagle3`: the head of an export with --speculation-head (modeling/eagle3.py)."""
     if bool(config.speculation_head) != (eagle3 is not None):
         raise ValueError(f"speculation_head {config.speculation_head!r} and the head given {eagle3} disagree")
-    if eagle3 is not None:
-        eagle3 = replace(eagle3, aux_rows=aux_rows(config))
     with torch.device(device):
         return DecoderModel(
             spec,
@@ -56,6 +52,7 @@ def model_from_spec(
             QuantSpec.of(config),
             LoraSpec.of(config),
             eagle3,
+            aux_rows(config) if eagle3 is not None else 0,
         )
 
 

@@ -138,7 +138,8 @@ class DecoderModel(nn.Module):
     factory's `quantized`.
 
     `eagle3`: an EAGLE3 head (modeling/eagle3.py) as submodule `draft`, built after quantization
-    (never quantized), with its KV pool and the aux states every graph call leaves behind.
+    (never quantized), with its KV pool and the aux states every graph call leaves behind
+    (`aux_rows` of them: eagle3.aux_rows).
     """
 
     def __init__(
@@ -151,6 +152,7 @@ class DecoderModel(nn.Module):
         quantization: QuantSpec | None = None,
         lora_spec: LoraSpec | None = None,
         eagle3: Eagle3Spec | None = None,
+        aux_rows: int = 0,
     ):
         super().__init__()
         self.kernels = kernels or Kernels()
@@ -186,7 +188,7 @@ class DecoderModel(nn.Module):
         self.quantized_modules = quantize_modules(self, quantization, layers) if quantization else []
         self.eagle3 = eagle3
         if eagle3 is not None:
-            eagle3_head.attach_head(self, eagle3, layers)
+            eagle3_head.attach_head(self, eagle3, layers, aux_rows)
 
     def weight_names(self) -> list[str]:
         """Names of the stored weights: every tensor once, under the first name it has (adapter

@@ -71,7 +71,6 @@ class Eagle3Spec:
     num_layers: int = 1
     rope: str = "{}"  # the layer config's rotary fields, JSON (Eagle3Spec.rotary)
     shares: tuple[str, ...] = ()  # SHAREABLE weights the head takes from the target
-    aux_rows: int = 0  # rows of the aux-state buffer: the most tokens one graph call runs
 
     @classmethod
     def of(cls, head_config: dict, target: FamilySpec, shares: tuple[str, ...] = ()) -> Eagle3Spec:
@@ -295,17 +294,17 @@ class Eagle3Head(nn.Module):
         return draft + self.d2t[draft]
 
 
-def attach_head(model, spec: Eagle3Spec, layers) -> None:
+def attach_head(model, spec: Eagle3Spec, layers, rows: int) -> None:
     """The head as `model.draft`, in the model's dtype (its rotary fp32), with its buffers on the
     model: the head's one-layer KV pool (kv_layout.KVLayout.draft) and the aux states of the
-    last call, [aux_rows, n * Ht] (rows in the call's row-major token order)."""
+    last call, [rows (aux_rows), n * Ht] (rows in the call's row-major token order)."""
     kv = model.kv
     model.draft = Eagle3Head(spec, model.layout, layers, model.kernels).to(kv.dtype)
     model.draft.rotary_emb.float()
     shape = (kv.num_blocks, model.draft.layout.kv_heads_per_rank, kv.draft.block_size, spec.head_dim)
     for name in ("draft_k_cache", "draft_v_cache"):
         model.register_buffer(name, torch.zeros(shape, dtype=kv.pool_dtype), persistent=False)
-    aux = torch.zeros(spec.aux_rows, spec.aux_width, dtype=kv.dtype)
+    aux = torch.zeros(rows, spec.aux_width, dtype=kv.dtype)
     model.register_buffer("aux_states", aux, persistent=False)
 
 
