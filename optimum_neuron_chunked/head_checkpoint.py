@@ -15,7 +15,7 @@ import torch
 
 from .config import NeuronConfig
 from .hub import is_repo_id
-from .modeling.eagle3 import Eagle3FitError, Eagle3Spec, head_state, shared_weights
+from .modeling.eagle3 import Eagle3FitError, Eagle3Spec, d2t_error, head_state, shared_weights
 from .modeling.family import FamilySpec
 from .safetensors_io import CheckpointFiles
 
@@ -91,7 +91,10 @@ def fitting_spec(head_config: dict, config: NeuronConfig, target: FamilySpec) ->
     spec = Eagle3Spec.of(head_config, target, config.speculation_head_shares)
     error = spec.fit_error(target)
     if error:
-        raise Eagle3FitError(f"--speculation-head {config.speculation_head} does not fit the target: {error}")
+        raise Eagle3FitError(
+            f"--speculation-head {config.speculation_head} does not fit the target: {error}; pass a head "
+            "trained for this target (its config names the verifier), or export without --speculation-head"
+        )
     return spec
 
 
@@ -108,8 +111,15 @@ def save_head(head: HeadCheckpoint, out: Path) -> None:
 
 
 def head_weights(head: HeadCheckpoint, spec: Eagle3Spec) -> dict[str, torch.Tensor]:
-    """The head's `draft.*` weights (eagle3.head_state), shape-checked against the spec."""
+    """The head's `draft.*` weights (eagle3.head_state), shape-checked against the spec, d2t
+    range-checked against the target's vocabulary (eagle3.d2t_error)."""
     state = head_state(spec, head.tensors)
+    error = d2t_error(spec, state["draft.d2t"])
+    if error:
+        raise Eagle3FitError(
+            f"--speculation-head {head.folder}: {error}; pass a head trained for this target's "
+            "tokenizer (its d2t maps the draft vocabulary into the target's)"
+        )
     fc = state.get("draft.fc.weight")
     if fc is None or tuple(fc.shape) != (spec.hidden_size, spec.aux_width):
         shape = None if fc is None else tuple(fc.shape)

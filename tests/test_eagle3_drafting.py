@@ -54,6 +54,23 @@ def test_an_export_refuses_a_head_that_does_not_fit(tmp_path):
             **SHAPE,
         )
     assert not (tmp_path / "out").exists()
+    config = HEAD | {"draft_vocab_size": 128}  # d2t: its last draft id maps past the target's 512
+    tensors = random_head(config, 1)
+    tensors["d2t"][-1] = 512 - 127
+    (tmp_path / "head").mkdir()
+    torch.save(tensors, tmp_path / "head" / "pytorch_model.bin")
+    (tmp_path / "head" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(
+        UnsupportedArchitectureError, match=r"d2t span \d+\.\.512, outside .* \[0, 512\); pass a head"
+    ):
+        export(
+            str(checkpoint_path("llama")),
+            tmp_path / "out",
+            backend="eager",
+            speculation_head=str(tmp_path / "head"),
+            **SHAPE,
+        )
+    assert not (tmp_path / "out").exists()
 
 
 def test_head_weights_stream_as_transformers_loads_them_and_shard_at_tp2(tmp_path):

@@ -148,8 +148,10 @@ def _checked_config(
     )
     _check_shapes(hf_config, config)
     impl.check_config(config)
-    # refuses a head that does not fit, before any work
+    # refuses a head that does not fit, before any work: its config, then its tensors (fc, d2t)
     eagle3 = fitting_spec(head.config, config, family) if head is not None else None
+    if head is not None:
+        head_weights(head, eagle3)
     for note in dropped_notes(source, config.dtype, config.kv_cache_dtype):
         console.print(f"[yellow]warning[/]: {note}")
     ShardLayout.of(family, config.tp_degree)  # refuses a tp degree the heads cannot split by

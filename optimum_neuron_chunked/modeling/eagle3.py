@@ -85,7 +85,9 @@ class Eagle3Spec:
         eagle = layer.get("eagle_config") or top("eagle_config") or {}
         if eagle.get("use_aux_hidden_state", True) is False:
             raise Eagle3FitError(
-                "a head without aux hidden states (use_aux_hidden_state false) is not EAGLE3"
+                "a head without aux hidden states (use_aux_hidden_state false) is not EAGLE3: pass an "
+                "EAGLE3 head (trained on the target's aux hidden states), or drop --speculation-head "
+                "and draft by prompt lookup with --speculation-length K alone"
             )
         return cls(
             model_type=layer.get("model_type", "llama"),
@@ -247,8 +249,10 @@ class Eagle3Head(nn.Module):
         self.spec = spec
         layout = ShardLayout.of(spec.family(), layers.tp_degree)
         if layout.kv_heads != target_layout.kv_heads:  # its pool is shaped as the target's layers'
+            kv = spec.num_kv_heads  # a tp neither dividing nor divided by it replicates per query head
             raise Eagle3FitError(
-                f"the head holds {layout.kv_heads} KV heads at tp {layout.tp_degree}, the target {target_layout.kv_heads}"
+                f"the head holds {layout.kv_heads} KV heads at tp {layout.tp_degree}, the target "
+                f"{target_layout.kv_heads}: export with a --tp-degree that divides {kv} or that {kv} divides"
             )
         self.layout = layout
         eps, width = spec.rms_norm_eps, spec.target_hidden_size
@@ -393,6 +397,18 @@ def head_state(spec: Eagle3Spec, tensors: dict[str, torch.Tensor]) -> dict[str, 
     state[f"{DRAFT}.d2t"] = zeros if d2t is None else d2t.long()
     state |= {f"{DRAFT}.rotary_emb.{k}": v for k, v in spec.rotary().items()}
     return state
+
+
+def d2t_error(spec: Eagle3Spec, d2t: torch.Tensor) -> str | None:
+    """Why d2t cannot map the head's drafts to target ids (draft + d2t[draft] in [0, vocab_size):
+    `target_ids` indexes the target's vocabulary with them), or None."""
+    if tuple(d2t.shape) != (spec.draft_vocab_size,):
+        return f"its d2t is {list(d2t.shape)}, not [{spec.draft_vocab_size}] (draft_vocab_size)"
+    ids = torch.arange(spec.draft_vocab_size) + d2t.long()
+    low, high = int(ids.min()), int(ids.max())
+    if low < 0 or high >= spec.vocab_size:
+        return f"draft ids + d2t span {low}..{high}, outside the target's vocabulary [0, {spec.vocab_size})"
+    return None
 
 
 def shared_weights(
