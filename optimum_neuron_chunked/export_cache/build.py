@@ -9,6 +9,8 @@ from rich.console import Console
 
 from ..backends import default_backend, get_backend
 from ..config import EXPORT_OPTIONS, NeuronConfig
+from ..head_checkpoint import head_digest
+from ..hub import is_repo_id
 from .source import local_source, source_identity
 from .store import EntryKey, check_free_space, find_or_build
 
@@ -70,11 +72,15 @@ def cached_export(
 
 def sources(model: str, revision: str | None, options: dict) -> dict:
     """The identity of what the export reads: the checkpoint, and an EAGLE3 head
-    (--speculation-head, a folder or Hub id) by its own content or commit - its path alone
-    would keep a stale entry when the head changes."""
+    (--speculation-head) - a Hub id by its commit, a folder by the digest the export records
+    (head_checkpoint.head_digest) - its path alone would keep a stale entry when the head changes."""
     source = source_identity(model, revision)
     head = options.get("speculation_head")
-    return source | {"speculation_head": source_identity(head)} if head else source
+    if not head:
+        return source
+    if is_repo_id(head):  # its commit names its content, nothing downloaded
+        return source | {"speculation_head": source_identity(head)}
+    return source | {"speculation_head": {"digest": head_digest(Path(head))}}
 
 
 def _jsonable(options: dict) -> dict:
