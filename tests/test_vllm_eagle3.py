@@ -97,6 +97,19 @@ def test_a_request_drafts_after_each_chunk_and_each_verify(pair):
     assert all(d == K for _, d, _ in engine.verified) and accepted(engine) > 0
 
 
+def test_a_request_sampled_on_the_host_writes_the_heads_kv_after_each_chunk(pair):
+    """Not verifiable (logprobs): it drafts nothing, yet the head's pass follows each of its
+    chunks, so the prefix blocks it leaves cached hold the head's K/V."""
+    export_dir, hf, prompts = pair
+    engine = engine_for(export_dir, eagle3(export_dir))
+    prompt = torch.cat(prompts[:3])  # 48 tokens: two chunks
+    engine.add("a", prompt, max_tokens=4, logprobs=1)
+    kinds = [kind for _, step in run(engine) for kind in step]
+    assert kinds.count("cp") == 2 and [kinds[i + 1] for i, k in enumerate(kinds) if k == "cp"] == ["dc"] * 2
+    assert "vf" not in kinds and not engine.verified
+    assert engine.tokens["a"] == hf_greedy(hf, prompt, 4)
+
+
 @pytest.mark.parametrize("backend", ["eager", pytest.param("xla", marks=pytest.mark.xla)])
 def test_greedy_tokens_equal_transformers_and_drafts_are_accepted(pair, backend):
     _, hf, prompts = pair

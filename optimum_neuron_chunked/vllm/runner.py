@@ -249,17 +249,22 @@ class StepRunner:
                     del self.batch.prompt_logprobs[chunk.req_id]
             if chunk.samples:
                 result.host_logits[chunk.req_id] = logits
-            if self.head is not None and self._verifiable(chunk.req_id):
+            if self.head is not None:  # every request's: cached prefix blocks hold the head's K/V
                 self._draft_after_chunk(chunk, result)
 
     def _draft_after_chunk(self, chunk, result: StepResult) -> None:
-        """The head's pass over a verifiable request's chunk, its tokens shifted by one: the next
-        prompt token last, or after the prompt's last chunk the token sampled from it (now: a
-        greedy row's argmax, as a verified row's, or _sample_now); only then are drafts kept
-        (vLLM ignores drafts for a prefill chunk: Scheduler.update_draft_token_ids)."""
+        """The head's pass over a request's chunk, its tokens shifted by one: the next prompt
+        token last, or after the prompt's last chunk the token sampled from it (now: a greedy
+        row's argmax, as a verified row's, or _sample_now); only then are a verifiable request's
+        drafts kept (vLLM ignores drafts for a prefill chunk: Scheduler.update_draft_token_ids)."""
         req_id, end = chunk.req_id, chunk.start + len(chunk.token_ids)
         if not chunk.samples:
             self.head.after_chunk(chunk, self.batch.token_at(req_id, end))
+            return
+        if not self._verifiable(req_id):
+            # The host samples its token after the step (sample_tokens): the argmax stands in,
+            # read only by the head's K/V at the prompt's last position; its drafts are unused.
+            self.head.after_chunk(chunk, int(result.host_logits[req_id][: self.vocab_size].argmax()))
             return
         if is_greedy(self.batch.requests[req_id].sampling_params):
             logits = result.host_logits.pop(req_id)
