@@ -145,7 +145,7 @@ class ConvertedCheckpoint:
         if name == "lm_head.weight" and self.spec.tie_word_embeddings:
             name = "model.embed_tokens.weight"  # tied: lm_head is the embedding
         layer = _LAYER.match(name)
-        if layer and self.spec.moe is not None and self.spec.moe.sparse_layers[int(layer[1])]:
+        if layer and not self.spec.dense_mlp(int(layer[1])):
             return self._moe_layer(int(layer[1])).pop(name)
         if name in self.disk:
             return self._read(name)

@@ -72,7 +72,7 @@ class XlaBackend(Backend):
         require_torch_xla()
         model = self.torch_model(hf_config, config, export_dir, functional_cache=True)
         runtime = XlaRuntime(model, config, specs)
-        return LoadedGraphs(runtime.graphs(), runtime.write_slot if model.lora_slots() else None)
+        return LoadedGraphs(runtime.graphs(), runtime.write_slot if config.has_lora_slots else None)
 
 
 class XlaRuntime:

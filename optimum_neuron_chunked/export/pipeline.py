@@ -159,7 +159,7 @@ def _checked_config(
         check_block_shards(family, config.quantization_block, config.tp_degree)
     config = _choose_attention(impl, config, family, console, eagle3)
     console.print(KVLayout.of(config, family).summary(config.tp_degree))
-    if config.max_loras:
+    if config.has_lora_slots:
         console.print(LoraSpec.of(config).summary(family))  # refuses targets no layer has
     return config
 

@@ -353,13 +353,13 @@ def head_pass(model, ids, positions, tables, hidden, window: int, decode_rows: b
 
 
 def propose(
-    model, input_ids, position_ids, tables, last_index, window: int, decode_rows: bool, steps: int
+    model, input_ids, position_ids, tables_and_slot, last_index, window: int, decode_rows: bool, steps: int
 ) -> torch.Tensor:
     """Drafts [N, steps] (target ids, int64) for rows [N, T] whose aux states the previous call
     left in `model.aux_states` (same rows, same order, same padding): the first pass over every
     token, then steps - 1 recurrent steps from index `last_index` [N] of each row."""
     n, t = input_ids.shape
-    ids, positions, tables = input_ids.long(), position_ids.long(), tables.long()
+    ids, positions, tables = input_ids.long(), position_ids.long(), tables_and_slot.long()
     last_index = last_index.long()
     if model.lora_spec is not None:  # the head runs no adapter: the slot column dropped (lora.py)
         tables = split_adapter_column(tables)[0]

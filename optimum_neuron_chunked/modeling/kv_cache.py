@@ -13,7 +13,7 @@ Keys are masked by absolute position (key_pos <= query_pos), so stale entries a 
 request left beyond the live context are never read.
 
 Block tables are padded by the same rule: a row's columns past its blocks repeat its last block
-(graph_runner.pad_repeat_last). Those columns stand for positions past the row's live context:
+(graph_inputs.pad_repeat_last). Those columns stand for positions past the row's live context:
 only read, never written, masked, they get probability exactly 0, and 0 times any finite value
 adds nothing.
 """
@@ -87,7 +87,7 @@ class KVCache:
     def copy(self, position_ids: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> KVCache:
         """The cache with the K/V of `position_ids` [1, T] of block src [1] copied into block
         dst [1] (whole-sequence blocks: a cached prefix enters a new request's block). Padding
-        repeats the last position (graph_runner.pad_repeat_last): the same entry copied twice.
+        repeats the last position (graph_inputs.pad_repeat_last): the same entry copied twice.
         Copied as stored (fp8 stays fp8)."""
         index = self.layer.index(position_ids)  # [1, T]
         copied = []
