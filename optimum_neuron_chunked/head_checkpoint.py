@@ -15,7 +15,8 @@ import torch
 
 from .config import NeuronConfig
 from .hub import is_repo_id
-from .modeling.eagle3 import Eagle3FitError, Eagle3Spec, d2t_error, head_state, shared_weights
+from .integrity import sha256_of
+from .modeling.eagle3 import DRAFT, Eagle3FitError, Eagle3Spec, d2t_error, head_state, shared_weights
 from .modeling.family import FamilySpec
 from .safetensors_io import CheckpointFiles
 
@@ -44,40 +45,49 @@ def head_folder(head: str) -> Path:
 
 
 def weight_files(folder: Path) -> list[Path]:
-    found = sorted(folder.glob(WEIGHT_PATTERNS[0])) or sorted(folder.glob(WEIGHT_PATTERNS[1]))
-    if not found or not (folder / "config.json").is_file():
+    """The head weights in `folder` (THE "has weights" rule): its safetensors, else its
+    pytorch_model.bin; [] for none."""
+    return sorted(folder.glob(WEIGHT_PATTERNS[0])) or sorted(folder.glob(WEIGHT_PATTERNS[1]))
+
+
+def head_files(folder: Path) -> list[Path]:
+    """The head in `folder`: its config.json, then its weight files; Eagle3FitError without both."""
+    weights = weight_files(folder)
+    if not weights or not (folder / "config.json").is_file():
         raise Eagle3FitError(
             f"{folder} holds no EAGLE3 head: config.json and {' or '.join(WEIGHT_PATTERNS)} wanted"
         )
-    return found
+    return [folder / "config.json", *weights]
 
 
 def load_head(head: str) -> HeadCheckpoint:
     from safetensors.torch import load_file
 
     folder = head_folder(head)
+    config_file, *weights = head_files(folder)
     tensors = {}
-    for path in weight_files(folder):
+    for path in weights:
         loaded = load_file(path) if path.suffix == ".safetensors" else torch.load(path, weights_only=True)
         tensors |= loaded
-    return HeadCheckpoint(folder, json.loads((folder / "config.json").read_text()), tensors)
+    return HeadCheckpoint(folder, json.loads(config_file.read_text()), tensors)
 
 
 def head_digest(folder: Path) -> str:
-    """SHA-256 of the head's config.json and weight files (the export records it)."""
+    """SHA-256 over the head's config.json and weight files, each file's name and SHA-256
+    (integrity.sha256_of: streamed, never a whole file in memory); the export records it."""
     digest = hashlib.sha256()
-    for path in [folder / "config.json", *weight_files(folder)]:
+    for path in head_files(folder):
         digest.update(path.name.encode())
-        digest.update(path.read_bytes())
+        digest.update(sha256_of(path).encode())
     return digest.hexdigest()
 
 
-def head_fields(head: HeadCheckpoint, target: Path | None) -> dict:
-    """The NeuronConfig fields an export records of its head; `target`: the target checkpoint's
-    safetensors folder, where a head's own embed_tokens may turn out to be the target's."""
+def head_fields(head: HeadCheckpoint, target_dir: Path | None) -> dict:
+    """The NeuronConfig fields an export records of its head; `target_dir`: the target
+    checkpoint's safetensors folder, where a head's own embed_tokens may turn out to be the target's."""
     embed = None
-    if target is not None and any(n.endswith("embed_tokens.weight") for n in head.tensors):
-        files = CheckpointFiles(target)
+    if target_dir is not None and any(n.endswith("embed_tokens.weight") for n in head.tensors):
+        files = CheckpointFiles(target_dir)
         name = next((n for n in ("model.embed_tokens.weight", "embed_tokens.weight") if n in files), None)
         embed = files.read(name) if name else None
     return {
@@ -114,13 +124,13 @@ def head_weights(head: HeadCheckpoint, spec: Eagle3Spec) -> dict[str, torch.Tens
     """The head's `draft.*` weights (eagle3.head_state), shape-checked against the spec, d2t
     range-checked against the target's vocabulary (eagle3.d2t_error)."""
     state = head_state(spec, head.tensors)
-    error = d2t_error(spec, state["draft.d2t"])
+    error = d2t_error(spec, state[f"{DRAFT}.d2t"])
     if error:
         raise Eagle3FitError(
             f"--speculation-head {head.folder}: {error}; pass a head trained for this target's "
             "tokenizer (its d2t maps the draft vocabulary into the target's)"
         )
-    fc = state.get("draft.fc.weight")
+    fc = state.get(f"{DRAFT}.fc.weight")
     if fc is None or tuple(fc.shape) != (spec.hidden_size, spec.aux_width):
         shape = None if fc is None else tuple(fc.shape)
         raise Eagle3FitError(

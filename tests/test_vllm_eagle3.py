@@ -192,6 +192,13 @@ def test_refused_at_start_by_name(pair, tmp_path):
     (other / "model.safetensors").write_bytes((other / "model.safetensors").read_bytes()[:-1] + b" ")
     message = say(export_dir, speculative_config=eagle3(export_dir) | {"model": str(other)})
     assert f"model {other} is not the EAGLE3 head" in message and str(export_dir / "eagle3_head") in message
+    from optimum_neuron_chunked.config import NeuronConfig
+    from optimum_neuron_chunked.vllm.limits import ServingConfigError
+    from optimum_neuron_chunked.vllm.speculation_head import check_head
+
+    (other / "config.json").unlink()  # weights alone: no digest to compare, the fix named
+    with pytest.raises(ServingConfigError, match="no config.json: put the head's config.json beside them"):
+        check_head(export_dir, NeuronConfig.load(export_dir), str(other))
     assert (
         "num_speculative_tokens 4 is not supported by this export: it serves num_speculative_tokens <= 3"
         in say(export_dir, speculative_config=eagle3(export_dir, K + 1))

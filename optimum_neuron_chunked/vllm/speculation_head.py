@@ -5,8 +5,8 @@ the head's ModelConfig from it at argument time and never loads its weights on t
 
 HEAD is the export's head when it is:
   - the export's own eagle3_head/ folder (or a copy: the same config.json, no weights);
-  - a folder with weights whose digest (head_checkpoint.head_digest: config.json and weights)
-    is the one the export recorded;
+  - a folder with weights (head_checkpoint.weight_files) whose digest (head_checkpoint.head_digest:
+    config.json and weights) is the one the export recorded; weights without config.json: refused;
   - the Hub id the export was made from (its weights are not downloaded to check them).
 """
 
@@ -16,7 +16,7 @@ import json
 from pathlib import Path
 
 from ..config import NeuronConfig
-from ..head_checkpoint import HEAD_CONFIG, HEAD_DIR, WEIGHT_PATTERNS, head_digest
+from ..head_checkpoint import HEAD_CONFIG, HEAD_DIR, head_digest, weight_files
 from .limits import ServingConfigError
 
 
@@ -40,7 +40,13 @@ def _same_head(folder: Path, kept: Path, config: NeuronConfig, head: str) -> boo
         return head == config.speculation_head  # a Hub id
     if folder.resolve() == kept.resolve():
         return True
-    if any(next(folder.glob(p), None) for p in WEIGHT_PATTERNS):
+    if weight_files(folder):
+        if not (folder / "config.json").is_file():  # head_digest hashes it with the weights
+            raise ServingConfigError(
+                f"--speculative-config model {head} holds EAGLE3 head weights but no config.json: put the "
+                f'head\'s config.json beside them, or pass "model": "{kept}" (the head\'s config the '
+                "export keeps)."
+            )
         return head_digest(folder) == config.speculation_head_digest
     theirs = folder / "config.json"
     kept_config = json.loads((kept.parent / HEAD_CONFIG).read_text())
