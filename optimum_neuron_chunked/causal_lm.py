@@ -13,7 +13,7 @@ from .config import InvalidExportError
 from .graph_runner import GraphRunner
 from .hub import is_repo_id, resolve_export
 from .lora_adapter import LoraAdapter
-from .modeling.lora import NO_ADAPTER
+from .modeling.lora import NO_ADAPTER, LoraSpec
 
 BASE = "__base__"  # peft's name for the base model in adapter_names (tuners/lora/model.py)
 
@@ -33,7 +33,8 @@ class NeuronModelForCausalLM:
         self.generation_config = generation_config
         self.kv_pool = BlockPool(runner.pool)
         self.adapters: dict[str, LoraAdapter] = {}  # load_adapter's, by name
-        self._slots = SlotTable(runner.config.max_loras)
+        lora_spec = LoraSpec.of(runner.config)  # None: no slots (every row the base)
+        self._slots = SlotTable(lora_spec.slots if lora_spec is not None else 0)
 
     def load_adapter(self, path: str | Path, adapter_name: str) -> None:
         """A PEFT LoRA adapter (peft's save_pretrained folder, or its Hub id) under `adapter_name`, for

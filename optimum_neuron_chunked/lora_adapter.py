@@ -22,7 +22,7 @@ from safetensors.torch import load_file
 
 from .lora_targets import ATTENTION_TARGETS, MLP_TARGETS, PACKED, TARGETS, slot_name
 from .modeling.family import FamilySpec
-from .modeling.lora import LoraSpec, full_shapes, rank_share
+from .modeling.lora import LoraSpec, full_shapes, tp_share
 from .modeling.parallel import ShardLayout
 
 CONFIG_FILE = "adapter_config.json"
@@ -136,8 +136,8 @@ def _split_packed(module: str, a: torch.Tensor, b: torch.Tensor, spec: FamilySpe
     if name not in PACKED:
         return [(module, a, b)]
     if name == "qkv_proj":
-        q, kv = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
-        sizes = [q, kv, kv]
+        shapes = full_shapes(spec)
+        sizes = [shapes[part][1] for part in PACKED[name]]  # q, k, v widths
     else:
         sizes = [b.shape[0] // 2] * 2
     if sum(sizes) != b.shape[0]:
@@ -193,7 +193,7 @@ def slot_tensors(
     adapter: LoraAdapter, spec: FamilySpec, lora_spec: LoraSpec, tp_degree: int = 1, tp_rank: int = 0
 ) -> dict:
     """The adapter as rank `tp_rank`'s slot parameters (lora_targets.slot_name -> [R, in] / [R, out]
-    one slot's share, lora.rank_share). Targets the adapter lacks are zero."""
+    one slot's share, lora.tp_share). Targets the adapter lacks are zero."""
     layout = ShardLayout.of(spec, tp_degree)
     shapes = full_shapes(spec)
     out = {}
@@ -207,7 +207,7 @@ def slot_tensors(
             a, b = adapter.weights.get(f"{module}.{projection}", (None, None))
             if a is None:
                 a, b = torch.zeros(lora_spec.rank, inner), torch.zeros(lora_spec.rank, outer)
-            a, b = rank_share(projection, a, b, layout, tp_rank)
+            a, b = tp_share(projection, a, b, layout, tp_rank)
             out[slot_name(module, projection, "a")], out[slot_name(module, projection, "b")] = a, b
     return out
 

@@ -45,7 +45,7 @@ def runners(cfg: NeuronConfig) -> tuple[GraphRunner, GraphRunner, XlaRuntime]:
     xla_model.load_weights(weights)
     runtime = XlaRuntime(xla_model, cfg, graph_specs(cfg))
     eager_graphs = {s.name: graph_module(eager_model.eval(), s, cfg) for s in graph_specs(cfg)}
-    eager = GraphRunner(cfg, eager_graphs, hf_config, parameter_slot_writer(eager_model))
+    eager = GraphRunner(cfg, eager_graphs, hf_config, parameter_slot_writer(eager_model, cfg))
     device = GraphRunner(cfg, runtime.graphs(), hf_config, runtime.write_slot)
     root, spec = cache_root() / "adapters", family_spec(hf_config)
     for slot, (seed, rank) in enumerate([(11, 8), (12, 4)]):

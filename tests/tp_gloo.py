@@ -113,13 +113,13 @@ def configs() -> dict[str, NeuronConfig]:
     }
 
 
-def write_adapters(model, rank: int, tp_degree: int, checkpoint: str) -> None:
+def write_adapters(model, config, rank: int, tp_degree: int, checkpoint: str) -> None:
     """Slot s of a LoRA config holds the peft adapter adapter_folders(checkpoint)[s], this rank's
     share (lora_adapter.slot_tensors: the sharding rule of the neuron backend)."""
     from optimum_neuron_chunked.backends.base import parameter_slot_writer
     from optimum_neuron_chunked.lora_adapter import read_adapter, slot_tensors
 
-    write, lora = parameter_slot_writer(model), model.lora_spec
+    write, lora = parameter_slot_writer(model, config), model.lora_spec
     for slot, folder in enumerate(adapter_folders(checkpoint)):
         adapter = read_adapter(folder, model.spec, lora, torch.float32)
         write(slot, lambda _, a=adapter: slot_tensors(a, model.spec, lora, tp_degree, rank))
@@ -149,7 +149,7 @@ def graph_outputs(
     else:
         model.load_weights(model.weights_from_hf(AutoModelForCausalLM.from_pretrained(checkpoint), rank))
     if config.max_loras:  # slot s serves the rows of KV block s
-        write_adapters(model, rank, layers.tp_degree if layers is not None else 1, checkpoint)
+        write_adapters(model, config, rank, layers.tp_degree if layers is not None else 1, checkpoint)
     calls: dict[str, list] = {}
 
     def recorded(name, graph):

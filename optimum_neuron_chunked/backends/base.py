@@ -43,12 +43,12 @@ class LoadedGraphs(NamedTuple):
     write_slot: SlotWriter | None = None
 
 
-def parameter_slot_writer(model: DecoderModel) -> SlotWriter | None:
+def parameter_slot_writer(model: DecoderModel, config: NeuronConfig) -> SlotWriter | None:
     """Slots that are the model's own parameters, bound by every graph (cpu, eager, xla): written
     in place, one slot's row of each, so every graph reads the new adapter at its next call."""
-    slots = model.lora_slots()
-    if not slots:
+    if not config.has_lora_slots:
         return None
+    slots = model.lora_slots()
 
     def write(slot: int, rank_tensors: Callable[[int], dict[str, torch.Tensor]]) -> None:
         with torch.no_grad():

@@ -21,4 +21,4 @@ class EagerBackend(Backend):
     def load(self, hf_config, config: NeuronConfig, specs: list[GraphSpec], export_dir: Path) -> LoadedGraphs:
         model = self.torch_model(hf_config, config, export_dir)
         graphs = {spec.name: torch.inference_mode()(graph_module(model, spec, config)) for spec in specs}
-        return LoadedGraphs(graphs, parameter_slot_writer(model))
+        return LoadedGraphs(graphs, parameter_slot_writer(model, config))

@@ -18,7 +18,7 @@ from .kernels import GraphPart, Kernels
 from .kv_cache import KVCache
 from .kv_layout import KVLayout
 from .layers import MLP, Rotary, rms_norm
-from .lora import LoraSpec, split_adapter_column, token_mask
+from .lora import LoraSpec, split_tables, token_mask
 from .moe import SparseMoE, moe_state_from_hf
 from .parallel import ShardLayout, TorchLayers, rank_shard, tp_checkpoint
 from .quantization import EXPERT_WEIGHTS, QuantSpec, quantize, quantize_modules, scale_name
@@ -46,15 +46,15 @@ class DecoderLayer(nn.Module):
         lora_spec: LoraSpec | None = None,
     ):
         super().__init__()
-        window = spec.sliding_windows[layer_idx]
+        sliding_window = spec.sliding_windows[layer_idx]
         self.self_attn = Attention(
             spec,
-            sliding_window=window,
+            sliding_window=sliding_window,
             layout=layout,
             layers=layers,
             kernels=kernels,
             use_rope=spec.uses_rope(layer_idx),
-            local_rope=spec.local_rope and window is not None,
+            local_rope=spec.local_rope and sliding_window is not None,
             lora_spec=lora_spec,
         )
         self.sparse = not spec.dense_mlp(layer_idx)
@@ -268,9 +268,10 @@ class DecoderModel(nn.Module):
         because index_put/index_copy want int64 indices and XLA refuses to mix S32 with the
         S64 of torch.arange (the head index of the functional cache write).
         """
-        tables, row_slots = [p.tables_and_slot for p in parts], []
-        if self.lora_spec is not None:  # the adapter column off the block tables (lora.py)
-            tables, row_slots = zip(*[split_adapter_column(t) for t in tables], strict=True)
+        # the adapter column off the block tables (lora.py); each part's slots None without slots
+        tables, row_slots = zip(
+            *[split_tables(p.tables_and_slot, self.lora_spec) for p in parts], strict=True
+        )
         ids = [p.input_ids.long() for p in parts]
         x = self.model.embed_tokens(torch.cat([i.reshape(-1) for i in ids])[None])  # [1, R, H]
         # The multiplier rounded to the model dtype first, as Gemma3TextScaledWordEmbedding does.

@@ -31,7 +31,7 @@ from .family import FamilySpec, UnsupportedArchitectureError
 from .kernels import GraphPart
 from .kv_cache import KVCache
 from .layers import MLP, Rotary, rms_norm
-from .lora import split_adapter_column
+from .lora import split_tables
 from .parallel import ShardLayout
 
 DRAFT = "draft"  # the head's submodule of DecoderModel: its weights are `draft.*`
@@ -359,10 +359,10 @@ def propose(
     left in `model.aux_states` (same rows, same order, same padding): the first pass over every
     token, then steps - 1 recurrent steps from index `last_index` [N] of each row."""
     n, t = input_ids.shape
-    ids, positions, tables = input_ids.long(), position_ids.long(), tables_and_slot.long()
+    ids, positions = input_ids.long(), position_ids.long()
+    # the head runs no adapter: a LoRA export's slot column dropped (lora.py)
+    tables, _ = split_tables(tables_and_slot.long(), model.lora_spec)
     last_index = last_index.long()
-    if model.lora_spec is not None:  # the head runs no adapter: the slot column dropped (lora.py)
-        tables = split_adapter_column(tables)[0]
     hidden = model.draft.combine(model.aux_states[: n * t].view(n, t, -1))
     out, carried = head_pass(model, ids, positions, tables, hidden, window, decode_rows)
     rows = torch.arange(n, device=ids.device)

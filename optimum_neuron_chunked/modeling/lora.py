@@ -45,7 +45,7 @@ class LoraSpec:
     """The slots an export compiles: `slots` adapters at once, of rank <= `rank`, on `targets`."""
 
     slots: int
-    rank: int
+    rank: int  # the LoRA rank (--max-lora-rank); a TP rank is `tp_rank` (tp_share)
     targets: tuple[str, ...]
 
     @classmethod
@@ -89,6 +89,16 @@ def split_adapter_column(tables_and_slot: torch.Tensor) -> tuple[torch.Tensor, t
     return tables_and_slot[:, :-1], tables_and_slot[:, -1]
 
 
+def split_tables(
+    tables_and_slot: torch.Tensor, lora_spec: LoraSpec | None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A row input's (block tables, each row's slot): the adapter column split off where the
+    export has slots (`lora_spec`), else the input as it is and None."""
+    if lora_spec is None:
+        return tables_and_slot, None
+    return split_adapter_column(tables_and_slot)
+
+
 def attention_shapes(width: int, q: int, kv: int, hidden: int) -> dict[str, tuple[int, int]]:
     """(in, out) of the attention projections: `width` in (EAGLE3's head: 2 * hidden), `q` and
     `kv` the query and K / V heads' widths, `hidden` out of o_proj."""
@@ -111,8 +121,8 @@ def full_shapes(spec: FamilySpec) -> dict[str, tuple[int, int]]:
     return attention | mlp_shapes(hidden, spec.intermediate_size)
 
 
-def slot_share(projection: str, inner: int, outer: int, tp_degree: int) -> tuple[int, int]:
-    """(in, out) of one rank's share of `projection`'s slots: split where its weight is
+def tp_share_shape(projection: str, inner: int, outer: int, tp_degree: int) -> tuple[int, int]:
+    """(in, out) of one TP rank's share of `projection`'s slots: split where its weight is
     (parallel.PARTITION_DIMS), on the input (`a`) for row-parallel projections, on the output
     (`b`) for the others."""
     if partition_dim(f"{projection}.weight") == 1:
@@ -120,14 +130,14 @@ def slot_share(projection: str, inner: int, outer: int, tp_degree: int) -> tuple
     return inner, outer // tp_degree
 
 
-def rank_share(
+def tp_share(
     projection: str, a: torch.Tensor, b: torch.Tensor, layout: ShardLayout, tp_rank: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rank `tp_rank`'s share (slot_share) of one slot's full a [.., in] / b [.., out], K / V
+    """TP rank `tp_rank`'s share (tp_share_shape) of one slot's full a [.., in] / b [.., out], K / V
     heads replicated first as the weights are (ShardLayout.replicated_kv)."""
     if projection in ("k_proj", "v_proj"):
         b = layout.replicated_kv(b, dim=-1)
-    inner, outer = slot_share(projection, a.shape[-1], b.shape[-1], layout.tp_degree)
+    inner, outer = tp_share_shape(projection, a.shape[-1], b.shape[-1], layout.tp_degree)
     return _share(a, inner, tp_rank), _share(b, outer, tp_rank)
 
 
@@ -168,7 +178,7 @@ class LoraSlots(nn.Module):
 
 def slot_modules(lora_spec: LoraSpec | None, layers, shapes: dict[str, tuple[int, int]]) -> nn.ModuleDict:
     """Slots of the targeted projections among `shapes` (name -> full (in, out)), this rank's
-    share (slot_share over `layers.tp_degree`); a split input sums the ranks' partial products."""
+    share (tp_share_shape over `layers.tp_degree`); a split input sums the ranks' partial products."""
     slots = nn.ModuleDict()
     if lora_spec is None:
         return slots
@@ -176,7 +186,7 @@ def slot_modules(lora_spec: LoraSpec | None, layers, shapes: dict[str, tuple[int
     for name, (inner, outer) in shapes.items():
         if name not in lora_spec.targets:
             continue
-        share = slot_share(name, inner, outer, tp)
+        share = tp_share_shape(name, inner, outer, tp)
         reduce = layers.reduce if tp > 1 and share[0] < inner else None
         slots[name] = LoraSlots(lora_spec, *share, reduce)
     return slots

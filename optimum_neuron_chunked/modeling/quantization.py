@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from ..config import QUANTIZATIONS
-from ..lora_targets import is_slot
+from ..lora_targets import MLP_TARGETS, TARGETS, is_slot
 
 STORAGE = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
 # fp8: Neuron's E4M3 saturates at +-240, not OCP e4m3fn's 448 (larger values become NaN on the
@@ -33,10 +33,10 @@ QMAX = {"int8": 127.0, "fp8": 240.0}
 # An e4m3fn value calibrated for +-448 fits +-240 once halved, its scale doubled (exact but for
 # the smallest subnormals): FP8 weights (fit_neuron_fp8) and checkpoint KV scales (kv_scale_for_neuron).
 NEURON_FP8_FACTOR = 2.0
-# Module-name suffixes of the projections quantized (attention, MLP, MoE experts); embeddings,
-# lm_head, routers and norms are kept in --dtype.
-QUANTIZED_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "experts")
-EXPERT_WEIGHTS = ("gate_proj", "up_proj", "down_proj")
+# Module-name suffixes of the projections quantized (attention, MLP: lora_targets.TARGETS; MoE
+# experts); embeddings, lm_head, routers and norms are kept in --dtype.
+QUANTIZED_MODULES = (*TARGETS, "experts")
+EXPERT_WEIGHTS = MLP_TARGETS  # an expert's projections are named as a dense MLP's
 
 
 @dataclass(frozen=True)

@@ -162,4 +162,4 @@ class CpuBackend(Backend):
             bound = {name: constants[name.removeprefix("model.")] for name in names}
             compiled.load_constants(bound, check_full_update=True, user_managed=True)
             graphs[spec.name] = flushing(compiled)
-        return LoadedGraphs(graphs, parameter_slot_writer(model))
+        return LoadedGraphs(graphs, parameter_slot_writer(model, config))
