@@ -8,7 +8,7 @@ from typing import NamedTuple
 import torch
 
 from .config import NeuronConfig
-from .graphs import GraphKind, GraphSpec, dc_spec, dv_spec
+from .graphs import GraphSpec, draft_spec
 from .modeling.eagle3 import chain_top
 
 
@@ -57,7 +57,4 @@ def draft_graph(
             for s, r, i in zip(called.starts, rows, last_index, strict=True)
         ]
     )
-    bucket, spec = config.bucket_for(int(tops.max()) + 1), called.spec
-    if spec.kind is GraphKind.VF:
-        return dv_spec(config, spec.batch, bucket), tops
-    return dc_spec(config, spec.width, bucket), tops
+    return draft_spec(called.spec, config.bucket_for(int(tops.max()) + 1)), tops

@@ -66,6 +66,16 @@ class GraphKind(StrEnum):
     DV = "dv"  # EAGLE3 drafts after a verify call
     COPY = "copy"
 
+    @property
+    def draft_twin(self) -> GraphKind | None:
+        """EAGLE3's pairs, either way: DC <-> CP, DV <-> VF (a draft graph follows the call whose
+        aux states it reads, with its rows and width); None for the other kinds."""
+        return _DRAFT_TWINS.get(self)
+
+
+_DRAFT_TWINS = {GraphKind.DC: GraphKind.CP, GraphKind.DV: GraphKind.VF}
+_DRAFT_TWINS |= {call: draft for draft, call in _DRAFT_TWINS.items()}
+
 
 @dataclass(frozen=True)
 class GraphSpec:
@@ -104,14 +114,10 @@ def vf_spec(config: NeuronConfig, rows: int, window: int) -> GraphSpec:
     return GraphSpec(GraphKind.VF, rows, config.verify_width, window, narrow=rows < config.batch_size)
 
 
-def dc_spec(config: NeuronConfig, width: int, window: int) -> GraphSpec:
-    """Drafts after a CP call of `width` (the same rows: the aux states it left)."""
-    return replace(cp_spec(config, width, window), kind=GraphKind.DC)
-
-
-def dv_spec(config: NeuronConfig, rows: int, window: int) -> GraphSpec:
-    """Drafts after a VF call of `rows` rows (the same rows: the aux states it left)."""
-    return replace(vf_spec(config, rows, window), kind=GraphKind.DV)
+def draft_spec(called: GraphSpec, window: int) -> GraphSpec:
+    """The EAGLE3 drafts after a `called` CP / VF graph (GraphKind.draft_twin: DC / DV): its rows
+    and width (the aux states it left), attending over context bucket `window`."""
+    return replace(called, kind=called.kind.draft_twin, window=window)
 
 
 def mx_spec(config: NeuronConfig, window: int) -> GraphSpec:
@@ -135,8 +141,8 @@ def graph_specs(config: NeuronConfig) -> list[GraphSpec]:
         if config.speculation_length:
             specs += [vf_spec(config, rows, window) for rows in config.decode_widths]
         if config.speculation_head:
-            specs += [dc_spec(config, width, window) for width in config.prefill_widths]
-            specs += [dv_spec(config, rows, window) for rows in config.decode_widths]
+            specs += [draft_spec(cp_spec(config, width, window), window) for width in config.prefill_widths]
+            specs += [draft_spec(vf_spec(config, rows, window), window) for rows in config.decode_widths]
     if KVPool.of(config).copy_graph:  # smaller blocks are shared, never copied
         specs.append(GraphSpec(GraphKind.COPY, 1, config.prefill_chunk_size, 0))
     return specs

@@ -185,7 +185,7 @@ def graph_misfit(
     shape (a DC per CP; MX's chunk is a full-width CP's), so a head the kernel cannot take
     keeps every chunk on the reference."""
     if graph.kind is GraphKind.DC:  # the head's first pass, where its CP twin runs the kernel
-        return graph_misfit(config, family, replace(graph, kind=GraphKind.CP), limits, head)
+        return graph_misfit(config, family, replace(graph, kind=graph.kind.draft_twin), limits, head)
     if graph.kind is GraphKind.COPY:
         return "it attends over nothing"
     if graph.kind not in CHUNK_KINDS:
