@@ -35,13 +35,13 @@ def synthetic_checkpoint(folder: Path, shape: dict) -> tuple[Path, int]:
     import torch
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    from optimum_neuron_chunked.checkpoint_stream import _parameters_on_meta
+    from optimum_neuron_chunked.checkpoint_stream import parameters_on_meta
     from optimum_neuron_chunked.safetensors_io import SafetensorsWriter
     from optimum_neuron_chunked.testing.checkpoints import build_tokenizer
 
     config = LlamaConfig(**shape, max_position_embeddings=4096, tie_word_embeddings=False, dtype="bfloat16",
                          bos_token_id=1, eos_token_id=2, pad_token_id=3)  # fmt: skip
-    with _parameters_on_meta():
+    with parameters_on_meta():
         meta = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     params = dict(meta.named_parameters())
     folder.mkdir(parents=True, exist_ok=True)

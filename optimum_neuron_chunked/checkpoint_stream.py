@@ -209,12 +209,12 @@ def hf_skeleton(hf_config, dtype: torch.dtype) -> nn.Module:
     (every rope_type, gemma3's local rotary), without the weights."""
     from transformers import AutoModelForCausalLM
 
-    with _parameters_on_meta():
+    with parameters_on_meta():
         return AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
 
 
 @contextmanager
-def _parameters_on_meta():
+def parameters_on_meta():
     """Every parameter registered while open goes to the meta device (accelerate's
     init_empty_weights(include_buffers=False), which transformers 5 no longer ships)."""
     register = nn.Module.register_parameter

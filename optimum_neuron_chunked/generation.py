@@ -43,8 +43,6 @@ def generate(
     p = plan(model.generation_config, generation_config, input_ids.shape[1], logits_processor,
              stopping_criteria, tokenizer, **kwargs)  # fmt: skip
     gen = p.config
-    length = input_ids.shape[1]
-    max_new_tokens = gen.max_new_tokens if gen.max_new_tokens is not None else max(gen.max_length - length, 0)
     eos_ids = _as_list(gen.eos_token_id)
     pad = gen.pad_token_id if gen.pad_token_id is not None else (eos_ids[0] if eos_ids else 0)
     row_params = sampling_params(
@@ -52,19 +50,8 @@ def generate(
         top_p=gen.top_p or 1.0,
         temperature=(gen.temperature or 1.0) if gen.do_sample else 0.0,
     )
-    if attention_mask is None:
-        attention_mask = torch.ones_like(input_ids)
-    prompts = [row[mask.bool()] for row, mask in zip(input_ids, attention_mask, strict=True)]
-    max_new_tokens = _fit_new_tokens(model.neuron_config, prompts, max_new_tokens)
+    prompts, max_new_tokens, lookup = _checked_arguments(model, p, input_ids, attention_mask, streamer)
     n = len(prompts)
-    if n > model.neuron_config.batch_size:
-        raise ValueError(
-            f"batch of {n} prompts exceeds the compiled batch_size {model.neuron_config.batch_size}: "
-            "split it or re-export with a larger --batch_size."
-        )
-    if streamer is not None and n > 1:
-        raise ValueError("a streamer takes one prompt at a time (as transformers' streamers).")
-    lookup = _check_lookup(model.neuron_config, gen.prompt_lookup_num_tokens, gen.do_sample or p.on_host)
     head = bool(model.neuron_config.speculation_head) and not lookup and not (gen.do_sample or p.on_host)
     if streamer is not None:
         streamer.put(input_ids.cpu())
@@ -79,6 +66,31 @@ def generate(
     for i, tokens in enumerate(new_tokens):
         out[i, : len(tokens)] = torch.tensor(tokens, dtype=input_ids.dtype)
     return torch.cat([input_ids, out], dim=1)
+
+
+def _checked_arguments(
+    model, p: GenerationPlan, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, streamer
+) -> tuple[list[torch.Tensor], int, int]:
+    """generate's checks: (the prompts without their padding, the new tokens they take -
+    max_new_tokens, else what max_length leaves - within the export's sequence_length, prompt
+    lookup's K), or ValueError naming what the export cannot take."""
+    config, gen = model.neuron_config, p.config
+    length = input_ids.shape[1]
+    max_new_tokens = gen.max_new_tokens if gen.max_new_tokens is not None else max(gen.max_length - length, 0)
+    if attention_mask is None:
+        attention_mask = torch.ones_like(input_ids)
+    prompts = [row[mask.bool()] for row, mask in zip(input_ids, attention_mask, strict=True)]
+    max_new_tokens = _fit_new_tokens(config, prompts, max_new_tokens)
+    n = len(prompts)
+    if n > config.batch_size:
+        raise ValueError(
+            f"batch of {n} prompts exceeds the compiled batch_size {config.batch_size}: "
+            "split it or re-export with a larger --batch_size."
+        )
+    if streamer is not None and n > 1:
+        raise ValueError("a streamer takes one prompt at a time (as transformers' streamers).")
+    lookup = _check_lookup(config, gen.prompt_lookup_num_tokens, gen.do_sample or p.on_host)
+    return prompts, max_new_tokens, lookup
 
 
 class Rows:
