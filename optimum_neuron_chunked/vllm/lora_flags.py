@@ -40,8 +40,8 @@ def lora_export_options(lora_config) -> dict:
 def fit_lora(vllm_config, export: NeuronConfig) -> str:
     """Check vLLM's LoRA flags against the export and set them to what it serves -> a log line.
     Idempotent: the second call (the engine core's) reads the values the first one set."""
-    lora = vllm_config.lora_config
-    if lora is None:
+    lora_config = vllm_config.lora_config
+    if lora_config is None:
         return "off" + (
             f" (the export has {export.max_loras} adapter slots: --enable-lora)"
             if export.has_lora_slots
@@ -53,14 +53,14 @@ def fit_lora(vllm_config, export: NeuronConfig) -> str:
             "--max-lora-rank R, or serve the source checkpoint with --enable-lora (it is exported with them)."
         )
     default_slots, default_rank = vllm_defaults()
-    slots = export.max_loras if lora.max_loras == default_slots else lora.max_loras
-    rank = export.max_lora_rank if lora.max_lora_rank == default_rank else lora.max_lora_rank
+    slots = export.max_loras if lora_config.max_loras == default_slots else lora_config.max_loras
+    rank = export.max_lora_rank if lora_config.max_lora_rank == default_rank else lora_config.max_lora_rank
     problems = []
     if slots > export.max_loras:
         problems.append(f"--max-loras {slots} exceeds the export's {export.max_loras} adapter slots")
     if rank > export.max_lora_rank:
         problems.append(f"--max-lora-rank {rank} exceeds the export's {export.max_lora_rank}")
-    given = lora_target_modules(lora)
+    given = lora_target_modules(lora_config)
     try:
         targets = resolve_targets(given)
     except ValueError as e:
@@ -75,6 +75,6 @@ def fit_lora(vllm_config, export: NeuronConfig) -> str:
         raise ServingConfigError(
             "; ".join(problems) + ": lower them, or re-export with larger --max-loras / --max-lora-rank."
         )
-    lora.max_loras, lora.max_lora_rank = slots, rank
-    lora.max_cpu_loras = max(lora.max_cpu_loras or 0, slots)
-    return f"{slots} adapters a step (of {export.max_loras} slots), rank <= {rank}, {lora.max_cpu_loras} kept on the host"
+    lora_config.max_loras, lora_config.max_lora_rank = slots, rank
+    lora_config.max_cpu_loras = max(lora_config.max_cpu_loras or 0, slots)
+    return f"{slots} adapters a step (of {export.max_loras} slots), rank <= {rank}, {lora_config.max_cpu_loras} kept on the host"

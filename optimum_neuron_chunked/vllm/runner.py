@@ -71,8 +71,8 @@ class StepRunner:
             Drafter(vllm_config, speculative.num_speculative_tokens) if speculative and not eagle3 else None
         )
         self._drafts: dict[str, list[int]] = {}  # proposed after the last step, for the scheduler
-        lora = vllm_config.lora_config
-        self.adapters = AdapterManager(graph_runner, lora) if lora is not None else None
+        lora_config = vllm_config.lora_config
+        self.adapters = AdapterManager(graph_runner, lora_config) if lora_config is not None else None
 
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput | None:
         self.batch.update(so)

@@ -209,10 +209,11 @@ class NeuronBackend(Backend):
         # zero-initialised device state shared by every graph. Adapter slots are weights the
         # export does not store: zero until an adapter is written (modeling/lora.py).
         shards = [load_file(export_dir / path) for path in self.weight_files(config)]
-        lora, family, dtype = LoraSpec.of(config), family_spec(hf_config), getattr(torch, config.dtype)
-        for rank, shard in enumerate(shards if lora else []):
+        lora_spec, family, dtype = LoraSpec.of(config), family_spec(hf_config), getattr(torch, config.dtype)
+        for tp_rank, shard in enumerate(shards if lora_spec else []):
             shard |= {
-                PREFIX + k: v for k, v in empty_slots(family, lora, dtype, config.tp_degree, rank).items()
+                PREFIX + k: v
+                for k, v in empty_slots(family, lora_spec, dtype, config.tp_degree, tp_rank).items()
             }
         nxd_model.set_weights(shards)
         nxd_model.to_neuron()
@@ -220,7 +221,9 @@ class NeuronBackend(Backend):
         # logits on the device unless wanted
         lazy = {s.name for s in specs if samples_on_device(s, config) or s.kind is GraphKind.VF}
         graphs = {spec.name: NeuronGraph(nxd_model, spec.name, spec.name in lazy) for spec in specs}
-        return LoadedGraphs(graphs, functools.partial(write_device_slot, nxd_model, dtype) if lora else None)
+        return LoadedGraphs(
+            graphs, functools.partial(write_device_slot, nxd_model, dtype) if lora_spec else None
+        )
 
 
 def write_device_slot(nxd_model, dtype, slot: int, rank_tensors) -> None:
