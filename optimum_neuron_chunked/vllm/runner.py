@@ -36,9 +36,10 @@ class StepResult:
     plan: StepPlan
     host_logits: dict[str, torch.Tensor] = field(default_factory=dict)
     device_tokens: dict[str, int] = field(default_factory=dict)
-    # speculation: tokens a verified row emits (greedy), and the random rows whose drafts are
-    # accepted once their bonus token is sampled on the host: req_id -> (drafts, logits [d, V])
-    verified: dict[str, list[int]] = field(default_factory=dict)
+    # tokens a request emits this step beside device_tokens (a greedy verified row's, a host-
+    # sampled row's); to_verify: the random rows whose drafts are accepted once their bonus token
+    # is sampled on the host: req_id -> (drafts, logits [d, V])
+    emitted: dict[str, list[int]] = field(default_factory=dict)
     to_verify: dict[str, tuple[list[int], torch.Tensor]] = field(default_factory=dict)
     prompt_logprobs: dict[str, LogprobsTensors | None] = field(default_factory=dict)
 
@@ -111,7 +112,7 @@ class StepRunner:
     def sample_tokens(self, grammar_output) -> ModelRunnerOutput:
         so, result = self._pending
         self._pending = None
-        tokens = {r: [t] for r, t in result.device_tokens.items()} | result.verified
+        tokens = {r: [t] for r, t in result.device_tokens.items()} | result.emitted
         logprobs = None
         if result.host_logits:
             drafts = so.scheduled_spec_decode_tokens
@@ -206,7 +207,7 @@ class StepRunner:
         argmax, logits = self.graph_runner.verify(rows, positions, blocks, not all(greedy), adapters)
         for i, (d, p) in enumerate(zip(decodes, params, strict=True)):
             if greedy[i]:
-                result.verified[d.req_id] = accept_greedy(list(d.drafts), argmax[i].tolist())
+                result.emitted[d.req_id] = accept_greedy(list(d.drafts), argmax[i].tolist())
             elif d.drafts and verifiable(p):
                 result.host_logits[d.req_id] = logits[i, len(d.drafts)]  # the bonus position
                 result.to_verify[d.req_id] = (list(d.drafts), logits[i, : len(d.drafts)])
@@ -216,7 +217,7 @@ class StepRunner:
             self._sample_now(
                 result, [d.req_id for d, p in zip(decodes, params, strict=True) if verifiable(p)]
             )
-            self._drafts |= self.head.after_verify(decodes, result.verified)
+            self._drafts |= self.head.after_verify(decodes, result.emitted)
 
     def _sample_now(self, result: StepResult, req_ids: list[str]) -> None:
         """The tokens of the verifiable requests `req_ids` that the host samples (random rows:
@@ -228,8 +229,8 @@ class StepRunner:
         if not pending:
             return
         host, _ = host_sample(self.batch, self.sampler, pending)
-        result.verified |= {r: [t] for r, t in host.items() if r not in result.to_verify}
-        result.verified |= self._accept(host, result)
+        result.emitted |= {r: [t] for r, t in host.items() if r not in result.to_verify}
+        result.emitted |= self._accept(host, result)
         for r in pending:
             result.to_verify.pop(r, None)
 
@@ -268,7 +269,7 @@ class StepRunner:
             return
         if is_greedy(self.batch.requests[req_id].sampling_params):
             logits = result.host_logits.pop(req_id)
-            result.verified[req_id] = [int(logits[: self.vocab_size].argmax())]
+            result.emitted[req_id] = [int(logits[: self.vocab_size].argmax())]
         else:
             self._sample_now(result, [req_id])
-        self._drafts[req_id] = self.head.after_chunk(chunk, result.verified[req_id][-1])
+        self._drafts[req_id] = self.head.after_chunk(chunk, result.emitted[req_id][-1])
