@@ -25,6 +25,12 @@ def pytest_collection_modifyitems(config, items):
             )
 
 
+@pytest.fixture(autouse=True)
+def seeded_torch():
+    """Every test draws the same random tensors on every run: a failure reproduces."""
+    torch.manual_seed(0)
+
+
 @pytest.fixture(scope="session")
 def export_dir(request):
     """Indirectly parametrized with an export id: the (cached) export folder."""

@@ -273,12 +273,14 @@ def test_cpu_kernels_compiled_by_aotinductor_equal_the_masked_softmax(tmp_path, 
         model.load_weights(model.weights_from_hf(hf))
         for cache in model.cache_names():
             getattr(model, cache).normal_(0, 100, generator=torch.Generator().manual_seed(6))
-            # the context before position 20 is read: real-sized K/V there. With std-100 keys
-            # every fp32 attention (SDPA, oneDNN's, the masked softmax) is ~5e-4 off float64,
-            # so two of them agree to 1e-4 only where they happen to round alike.
-            getattr(model, cache)[:, :, :20].normal_(0, 1, generator=torch.Generator().manual_seed(7))
+            # every position a call reads before writing it (up to 20 + 7 below) holds
+            # real-sized K/V. Std-100 keys there make any fp32 attention (SDPA, oneDNN's, the
+            # masked softmax) ~1e-4 off float64, so two of them agree to 1e-4 only by luck.
+            getattr(model, cache)[:, :, :27].normal_(0, 1, generator=torch.Generator().manual_seed(7))
     inputs = list(example_inputs(graph, config))
-    inputs[0] = torch.randint(4, 380, inputs[0].shape, dtype=inputs[0].dtype)
+    inputs[0] = torch.randint(
+        4, 380, inputs[0].shape, dtype=inputs[0].dtype, generator=torch.Generator().manual_seed(8)
+    )
     # positions from 20: earlier positions hold stale garbage, and so do those after the last
     inputs[1] = inputs[1] + torch.tensor([[20]] if kind == "cp" else [[0], [20]], dtype=inputs[1].dtype)
     inputs[2] = torch.tensor([[1]] if kind == "cp" else [[0], [1]], dtype=inputs[2].dtype)
