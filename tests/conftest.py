@@ -3,6 +3,7 @@ from __future__ import annotations
 import glob
 import importlib.util
 import os
+import random
 
 import pytest
 import torch
@@ -27,7 +28,8 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(autouse=True)
 def seeded_torch():
-    """Every test draws the same random tensors on every run: a failure reproduces."""
+    """Every test draws the same random tensors and numbers on every run: a failure reproduces."""
+    random.seed(0)
     torch.manual_seed(0)
 
 

@@ -217,6 +217,7 @@ def test_a_plain_repo_id_is_exported_once_and_its_data_parallel_ranks_share_the_
         assert asyncio.run(all_at_once(srv.url)) == expected
         counts = finished_per_engine(srv)
         assert set(counts) == {"0", "1"} and all(n > 0 for n in counts.values()), counts
+        assert sum(counts.values()) >= len(prompts), counts
     finally:
         assert srv.stop() == [], "processes left behind"
     assert srv.output().count("no export of org/plain yet: exporting it") == 1, srv.output()[-3000:]
