@@ -3,11 +3,23 @@ name and source), registered with the dispatcher, no Python module."""
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 
 
 def build_op_library(name: str, source: Path, cflags: list[str], ldflags: list[str]) -> None:
-    """Compile `source` (or reuse the build cached under `name`) and load its TORCH_LIBRARY ops."""
+    """Compile `source` (or reuse the build cached under `name` and the source's digest) and load
+    its TORCH_LIBRARY ops. The digest in the name: torch keys a build by name alone and rebuilds
+    it in place when the source differs, so processes of two versions of this package on one host
+    (two environments) could load each other's op - an AOTInductor package then calls a schema
+    that is not there."""
     from torch.utils.cpp_extension import load
 
-    load(name=name, sources=[str(source)], extra_cflags=cflags, extra_ldflags=ldflags, is_python_module=False)
+    digest = hashlib.sha256(source.read_bytes()).hexdigest()[:12]
+    load(
+        name=f"{name}_{digest}",
+        sources=[str(source)],
+        extra_cflags=cflags,
+        extra_ldflags=ldflags,
+        is_python_module=False,
+    )
