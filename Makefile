@@ -77,7 +77,7 @@ test: install install-sdk
 	$(MAKE) test-sdk
 
 # The Neuron host's stack: XLA graph checks and vLLM 0.16.0 serving xla exports, then the
-# vLLM-free tests under transformers 4.x (eager exports only).
+# unmarked tests whose outcome can differ there (SDK_ENV_TESTS).
 test-sdk: install-sdk
 	PJRT_DEVICE=CPU $(PY_SDK) -m pytest -m "xla and not slow" $(PYTEST_ARGS)
 	PJRT_DEVICE=CPU $(PY_SDK) -m pytest -m "not slow and not xla" $(SDK_ENV_TESTS) $(PYTEST_ARGS)

@@ -8,14 +8,16 @@ from pathlib import Path
 
 
 def build_op_library(name: str, source: Path, cflags: list[str], ldflags: list[str]) -> None:
-    """Compile `source` (or reuse the build cached under `name` and the source's digest) and load
-    its TORCH_LIBRARY ops. The digest in the name: torch keys a build by name alone and rebuilds
-    it in place when the source differs, so processes of two versions of this package on one host
-    (two environments) could load each other's op - an AOTInductor package then calls a schema
-    that is not there."""
+    """Compile `source` (or reuse the build cached under `name` and a digest of what it is built
+    from) and load its TORCH_LIBRARY ops. The digest in the name: torch keys a build by name alone
+    and rebuilds it in place when anything differs, so processes of two environments on one host
+    (another version of this package, another torch) could load each other's op - an
+    AOTInductor package then calls a schema that is not there."""
+    import torch
     from torch.utils.cpp_extension import load
 
-    digest = hashlib.sha256(source.read_bytes()).hexdigest()[:12]
+    built_from = [source.read_bytes(), torch.__version__.encode(), " ".join(cflags + ldflags).encode()]
+    digest = hashlib.sha256(b"\0".join(built_from)).hexdigest()[:12]
     load(
         name=f"{name}_{digest}",
         sources=[str(source)],
