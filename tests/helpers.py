@@ -179,7 +179,8 @@ def lora_adapters() -> dict:
 
     from optimum_neuron_chunked.testing.lora_adapters import write_adapter
 
-    base, root = checkpoint_path("llama"), cache_root() / "adapters"
+    base = checkpoint_path("llama")
+    root = cache_root() / "adapters" / base.name  # each environment's checkpoint has its own
     return {
         "a": write_adapter(base, root / "a", seed=1, rank=8),
         "b": write_adapter(

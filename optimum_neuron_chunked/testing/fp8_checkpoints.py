@@ -15,6 +15,8 @@ from pathlib import Path
 
 import torch
 
+from .publish import published
+
 E4M3FN_MAX = 448.0
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 KEPT = "model.layers.0.mlp.down_proj"  # in the checkpoint's ignore list
@@ -36,13 +38,11 @@ def fp8_checkpoint(source: Path, out: Path, layout: str, block: tuple[int, int] 
     (compressed-tensors per channel, by hand)."""
     if (out / "config.json").is_file():
         return out
-    staging = out.with_name(out.name + ".partial")
-    shutil.rmtree(staging, ignore_errors=True)
-    if layout in SCHEMES:
-        _compressed_tensors_checkpoint(source, staging, layout)
-    else:
-        _hand_written(source, staging, layout, block)
-    staging.rename(out)
+    with published(out) as staging:
+        if layout in SCHEMES:
+            _compressed_tensors_checkpoint(source, staging, layout)
+        else:
+            _hand_written(source, staging, layout, block)
     return out
 
 

@@ -4,9 +4,12 @@ the base model's greedy tokens, and peft's own mixed-batch reference (`adapter_n
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import torch
+
+from .publish import published
 
 
 def write_adapter(base: Path, out: Path, seed: int, rank: int = 8, scale: float = 3.0, **lora) -> Path:
@@ -18,6 +21,7 @@ def write_adapter(base: Path, out: Path, seed: int, rank: int = 8, scale: float 
     key = json.dumps([str(base), seed, rank, scale, lora], sort_keys=True, default=str)
     if (out / "adapter_config.json").is_file() and (out / ".key").read_text() == key:
         return out
+    shutil.rmtree(out, ignore_errors=True)  # written with other arguments
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
     lora.setdefault(
         "target_modules", ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -31,8 +35,9 @@ def write_adapter(base: Path, out: Path, seed: int, rank: int = 8, scale: float 
             if "lora_" in name and param.dim() == 2:  # A and B (a DoRA magnitude stays as peft made it)
                 std = scale / param.shape[1] ** 0.5
                 param.copy_(torch.randn(param.shape, generator=generator) * std)
-    peft_model.save_pretrained(out)
-    (out / ".key").write_text(key)
+    with published(out) as staging:
+        peft_model.save_pretrained(staging)
+        (staging / ".key").write_text(key)
     return out
 
 

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import torch
 
+from .publish import published
+
 # The tiny llama's head: aux ids 0..L as the trained fixture's (the default (2, L // 2, L - 3)
 # needs L >= 4; the tiny llama has 2 layers).
 TINY_LLAMA_HEAD = dict(
@@ -56,7 +58,7 @@ def cached_head(cache_dir: Path, config: dict, seed: int) -> Path:
     key = hashlib.sha256(json.dumps([config, seed], sort_keys=True).encode()).hexdigest()[:12]
     folder = Path(cache_dir) / "heads" / f"random-{key}"
     if not (folder / "config.json").is_file():
-        folder.mkdir(parents=True, exist_ok=True)
-        save_file(random_head(config, seed), folder / "model.safetensors")
-        (folder / "config.json").write_text(json.dumps(config))
+        with published(folder) as staging:
+            save_file(random_head(config, seed), staging / "model.safetensors")
+            (staging / "config.json").write_text(json.dumps(config))
     return folder
