@@ -102,7 +102,7 @@ def _weight_range(w: torch.Tensor, args) -> tuple[torch.Tensor, torch.Tensor]:
 def _hand_written(source: Path, out: Path, layout: str, block: tuple[int, int]) -> None:
     from safetensors.torch import load_file, save_file
 
-    shutil.copytree(source, out)
+    shutil.copytree(source, out, dirs_exist_ok=True)  # into the staging folder
     state = load_file(out / "model.safetensors")
     for name in [n for n in state if n.endswith(".weight") and n.split(".")[-2] in PROJECTIONS]:
         module = name.removesuffix(".weight")
