@@ -74,15 +74,15 @@ install-sdk: $(VENV_SDK)/.installed
 # Everything CI runs: the main suite (vLLM 0.32, torch 2.13, transformers 5) and, beside it, the
 # SDK mirror (test-sdk, installed on the way): tools/test_side_by_side.sh says why and how.
 test: install
-	PYTEST_ARGS="$(PYTEST_ARGS)" tools/test_side_by_side.sh $(PY)
+	tools/test_side_by_side.sh $(PY) $(PYTEST_ARGS)
 
 # The Neuron host's stack: XLA graph checks and vLLM 0.16.0 serving xla exports, then the
 # unmarked tests whose outcome can differ there (SDK_ENV_TESTS).
-# No pytest cache here: the main suite may be writing .pytest_cache at the same time.
+# Its own pytest cache (--lf works): the main suite may be writing .pytest_cache at the same time.
+SDK_PYTEST := PJRT_DEVICE=CPU $(PY_SDK) -m pytest -o cache_dir=.pytest_cache/sdk
 test-sdk: install-sdk
-	PJRT_DEVICE=CPU $(PY_SDK) -m pytest -p no:cacheprovider -m "xla and not slow" $(PYTEST_ARGS)
-	PJRT_DEVICE=CPU $(PY_SDK) -m pytest -p no:cacheprovider -m "not slow and not xla" $(SDK_ENV_TESTS) \
-		$(PYTEST_ARGS)
+	$(SDK_PYTEST) -m "xla and not slow" $(PYTEST_ARGS)
+	$(SDK_PYTEST) -m "not slow and not xla" $(SDK_ENV_TESTS) $(PYTEST_ARGS)
 
 test-fast: install
 	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)

@@ -38,7 +38,7 @@ def fp8_checkpoint(source: Path, out: Path, layout: str, block: tuple[int, int] 
     (compressed-tensors per channel, by hand)."""
     if (out / "config.json").is_file():
         return out
-    with published(out) as staging:
+    with published(out, "config.json") as staging:
         if layout in SCHEMES:
             _compressed_tensors_checkpoint(source, staging, layout)
         else:

@@ -19,7 +19,7 @@ def write_adapter(base: Path, out: Path, seed: int, rank: int = 8, scale: float 
     from transformers import AutoModelForCausalLM
 
     key = json.dumps([str(base), seed, rank, scale, lora], sort_keys=True, default=str)
-    if (out / "adapter_config.json").is_file() and (out / ".key").read_text() == key:
+    if (out / ".key").is_file() and (out / ".key").read_text() == key:
         return out
     shutil.rmtree(out, ignore_errors=True)  # written with other arguments
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
@@ -35,7 +35,7 @@ def write_adapter(base: Path, out: Path, seed: int, rank: int = 8, scale: float 
             if "lora_" in name and param.dim() == 2:  # A and B (a DoRA magnitude stays as peft made it)
                 std = scale / param.shape[1] ** 0.5
                 param.copy_(torch.randn(param.shape, generator=generator) * std)
-    with published(out) as staging:
+    with published(out, ".key") as staging:
         peft_model.save_pretrained(staging)
         (staging / ".key").write_text(key)
     return out

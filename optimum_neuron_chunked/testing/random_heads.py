@@ -58,7 +58,7 @@ def cached_head(cache_dir: Path, config: dict, seed: int) -> Path:
     key = hashlib.sha256(json.dumps([config, seed], sort_keys=True).encode()).hexdigest()[:12]
     folder = Path(cache_dir) / "heads" / f"random-{key}"
     if not (folder / "config.json").is_file():
-        with published(folder) as staging:
+        with published(folder, "config.json") as staging:
             save_file(random_head(config, seed), staging / "model.safetensors")
             (staging / "config.json").write_text(json.dumps(config))
     return folder

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -30,6 +31,10 @@ class Server:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = log
+        # The name /v1/models answers with: another test session may hold the port this one freed.
+        self.name = (
+            args[args.index("--served-model-name") + 1] if "--served-model-name" in args else str(model)
+        )
         cmd = [VLLM, "serve", str(model), "--host", "127.0.0.1", "--port", str(self.port), *args]
         self.proc = subprocess.Popen(
             cmd,
@@ -45,9 +50,10 @@ class Server:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"vllm serve exited with {self.proc.returncode}:\n{self.output()[-3000:]}")
             try:
-                with urllib.request.urlopen(f"{self.url}/health", timeout=2) as r:
-                    if r.status == 200:
+                with urllib.request.urlopen(f"{self.url}/v1/models", timeout=2) as r:
+                    if self.name in [m["id"] for m in json.load(r)["data"]]:
                         return self
+                time.sleep(0.5)
             except OSError:
                 time.sleep(0.5)
         self.stop()
