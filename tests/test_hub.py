@@ -4,6 +4,7 @@ export whose files run code (cpu: shared libraries) loads only with trust_remote
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -12,6 +13,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 from fixtures.export_models import CHUNKED_SHAPE, EXPORTS, checkpoint_path, export_model
 from fixtures.hub_cache import add_to_hub_cache
 from helpers import prompt
@@ -63,6 +65,16 @@ def load_and_generate(
     )
 
 
+@functools.cache
+def generated_here(folder: str) -> list[int]:
+    """The loader's greedy tokens for PROMPT from a local export folder, in this process: a
+    user's own folder needs no flag, whatever its files run."""
+    from optimum_neuron_chunked import NeuronModelForCausalLM
+
+    model = NeuronModelForCausalLM.from_pretrained(folder)
+    return model.generate(torch.tensor([PROMPT]), max_new_tokens=6, do_sample=False)[0].tolist()
+
+
 def test_repo_ids_and_local_paths_are_told_apart(tmp_path):
     assert is_repo_id("org/name") and is_repo_id("gpt2") and is_repo_id("org/name-v1.5")
     assert not is_repo_id("./out") and not is_repo_id("/abs/out") and not is_repo_id("a/b/c")
@@ -73,9 +85,9 @@ def test_repo_ids_and_local_paths_are_told_apart(tmp_path):
 
 def test_from_pretrained_takes_a_repo_id_from_the_offline_cache(hub):
     env, folder = hub
-    by_id, by_folder = load_and_generate(env, REPO), load_and_generate(env, str(folder))
+    by_id = load_and_generate(env, REPO)
     assert by_id.returncode == 0, by_id.stderr[-3000:]
-    assert json.loads(by_id.stdout.splitlines()[-1]) == json.loads(by_folder.stdout.splitlines()[-1])
+    assert json.loads(by_id.stdout.splitlines()[-1]) == generated_here(str(folder))
 
 
 @pytest.mark.parametrize(
@@ -96,6 +108,12 @@ def commit_of(repo_id: str) -> str:
     return hashlib.sha1(f"{repo_id}@main".encode()).hexdigest()  # as add_to_hub_cache names it
 
 
+def snapshot_of(env: dict, repo_id: str) -> str:
+    return os.path.join(
+        env["HF_HUB_CACHE"], f"models--{repo_id.replace('/', '--')}", "snapshots", commit_of(repo_id)
+    )
+
+
 def refused_for_code(stderr: str, repo_id: str, flag: str) -> bool:
     """The refusal names the repository, its commit, what would run and the flag (`vllm serve`
     under HF_HUB_OFFLINE passes the snapshot folder: no revision name)."""
@@ -109,8 +127,7 @@ def refused_for_code(stderr: str, repo_id: str, flag: str) -> bool:
 
 def test_a_hub_export_that_runs_code_loads_only_with_consent(hub):
     env, _ = hub
-    local = load_and_generate(env, str(export_model(EXPORTS[f"llama-{CHUNKED_SHAPE}-cpu"])))
-    assert local.returncode == 0, local.stderr[-3000:]  # the user's own folder: no flag
+    local = generated_here(str(export_model(EXPORTS[f"llama-{CHUNKED_SHAPE}-cpu"])))
     refused = load_and_generate(env, CODE_REPO)
     assert refused.returncode != 0 and refused_for_code(refused.stderr, CODE_REPO, "trust_remote_code=True")
     # Refused on neuron_config.json alone: nothing else of the repository was needed.
@@ -119,7 +136,7 @@ def test_a_hub_export_that_runs_code_loads_only_with_consent(hub):
     trusted = load_and_generate(env, CODE_REPO, trust_remote_code=True)
     assert trusted.returncode == 0, trusted.stderr[-3000:]
     assert f"from commit {commit_of(CODE_REPO)} (trust_remote_code)" in trusted.stderr
-    assert json.loads(trusted.stdout.splitlines()[-1]) == json.loads(local.stdout.splitlines()[-1])
+    assert json.loads(trusted.stdout.splitlines()[-1]) == local
 
 
 def test_the_export_carries_a_model_card(hub):
@@ -132,18 +149,22 @@ def test_the_export_carries_a_model_card(hub):
 @pytest.mark.slow
 def test_vllm_serves_a_repo_id_from_the_offline_cache(hub, tmp_path):
     """A weights-only export by repo id, then a code-bearing one: refused without vLLM's
-    --trust-remote-code, served with it."""
+    --trust-remote-code, served with it. (vLLM hands the platform the snapshot folder of a repo id
+    under HF_HUB_OFFLINE: the refusal is checked on it through vLLM's config path, in this
+    process; test_vllm_service shows that a start-up refusal reaches the user.)"""
     from openai import OpenAI
+    from vllm.engine.arg_utils import EngineArgs
 
     env, folder = hub
+    with pytest.raises(Exception) as refused:  # noqa: PT011 (vLLM's config may wrap it)
+        EngineArgs(model=snapshot_of(env, CODE_REPO)).create_engine_config()
+    assert refused_for_code(str(refused.value), CODE_REPO, "--trust-remote-code"), refused.value
     hub_env = {k: env[k] for k in ("HF_HUB_CACHE", "HF_HUB_OFFLINE")}
-    refused = Server(CODE_REPO, tmp_path / "refused.log", env=hub_env)
-    assert refused.wait_exit() != 0 and refused_for_code(refused.output(), CODE_REPO, "--trust-remote-code")
     for repo, source, args in [
         (REPO, folder, ()),
         (CODE_REPO, export_model(EXPORTS[f"llama-{CHUNKED_SHAPE}-cpu"]), ("--trust-remote-code",)),
     ]:
-        want = json.loads(load_and_generate(env, str(source)).stdout.splitlines()[-1])[len(PROMPT) :]
+        want = generated_here(str(source))[len(PROMPT) :]
         srv = Server(repo, tmp_path / "serve.log", *args, env=hub_env)
         try:
             srv.wait_ready()
