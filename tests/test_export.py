@@ -102,9 +102,7 @@ def test_fresh_process_loads_without_compiling(export_dir, hf_reference):
 
 def test_optimum_cli_exports_eager(tmp_path):
     out = tmp_path / "out"
-    done = cli(
-        "--model",
-        str(checkpoint_path("qwen2")),
+    shape = [
         "--batch_size",
         "2",
         "--sequence_length",
@@ -113,11 +111,14 @@ def test_optimum_cli_exports_eager(tmp_path):
         "16",
         "--backend",
         "eager",
-        str(out),
-    )
+    ]
+    done = cli("--model", str(checkpoint_path("qwen2")), *shape, str(out))
     assert done.returncode == 0, done.stderr
     model = NeuronModelForCausalLM.from_pretrained(out)
     assert model.neuron_config.prefill_chunk_size == 16 and model.neuron_config.batch_size == 2
+    # a refusal exits 2 with the reason, no traceback (each refusal: test_cli_errors_name_the_fix...)
+    again = cli("--model", str(checkpoint_path("qwen2")), *shape, str(out))
+    assert again.returncode == 2 and "--overwrite" in again.stderr and "Traceback" not in again.stderr
 
 
 def test_python_m_export_is_the_same_command(tmp_path):
