@@ -11,9 +11,10 @@ set -uo pipefail
 python=$1
 shift
 log=$(mktemp)
-# one OpenMP thread a process for the mirror: on two cores a second thread of each torch op waits
-# on the core the main suite holds (the xla session: 445 CPU seconds alone with one, 490 with two)
-OMP_NUM_THREADS=1 setsid "${MAKE:-make}" --no-print-directory test-sdk >"$log" 2>&1 &
+# One OpenMP thread a process: with two sessions on two cores, a torch op's second thread waits
+# for the core the other session holds, and spins while it waits.
+export OMP_NUM_THREADS=1
+setsid "${MAKE:-make}" --no-print-directory test-sdk >"$log" 2>&1 &
 sdk=$!
 trap 'kill -TERM -- -$sdk 2>/dev/null; rm -f "$log"' EXIT
 trap 'exit 130' INT # pytest exits normally on an interrupt: stop here too, not after the mirror
