@@ -16,6 +16,16 @@ from optimum_neuron_chunked.modeling import build_model, model_from_spec
 from optimum_neuron_chunked.modeling.kv_layout import KVPool
 
 
+@pytest.fixture(autouse=True)
+def two_threads():
+    """The op hands its (row, KV head) tasks to the intra-op threads: two of them take tasks here,
+    whatever OMP_NUM_THREADS the run has (make test runs one a process)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(threads)
+
+
 def reference(query, k_cache, v_cache, blocks, lengths, scale):
     """Each row over its whole-sequence block's first `length` positions, heads grouped
     as transformers' repeat_kv."""
