@@ -7,11 +7,18 @@ import random
 
 import pytest
 import torch
+import torch._inductor.config
 from fixtures.export_models import EXPORTS, cache_root, checkpoint_path, export_model
 from helpers import HLO_CENSUS
 
 # `vllm serve CHECKPOINT` and from_pretrained(export=True) in tests: never the user's own cache
 os.environ.setdefault("ONC_EXPORT_CACHE", str(cache_root() / "export-cache"))
+
+# AOTInductor specializes a cpu graph's loops to the thread count at compile time (inductor's
+# cpp.threads, else torch.get_num_threads()), and make test runs one OpenMP thread a process
+# (tools/test_side_by_side.sh): test exports are compiled for two threads whatever the run's
+# setting, so that their parallel loops stay tested and a cached export is the same whoever built it.
+torch._inductor.config.cpp.threads = 2
 
 
 def pytest_collection_modifyitems(config, items):

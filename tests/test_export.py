@@ -116,7 +116,7 @@ def test_optimum_cli_exports_eager(tmp_path):
     assert done.returncode == 0, done.stderr
     model = NeuronModelForCausalLM.from_pretrained(out)
     assert model.neuron_config.prefill_chunk_size == 16 and model.neuron_config.batch_size == 2
-    # a refusal exits 2 with the reason, no traceback (each refusal: test_cli_errors_name_the_fix...)
+    # a refusal exits 2 with the reason, no traceback (test_unwritable_and_non_empty_outputs_are_refused)
     again = cli("--model", str(checkpoint_path("qwen2")), *shape, str(out))
     assert again.returncode == 2 and "--overwrite" in again.stderr and "Traceback" not in again.stderr
 
@@ -355,22 +355,11 @@ def test_cpu_export_missing_a_graph_is_refused(tmp_path):
     ],
     ids=["defaults", "tp2-trn2-chunked", "tp2-inf2-std"],
 )
-def test_neuron_backend_without_sdk_says_so(tmp_path, extra):
-    done = cli(
-        "--model",
-        str(checkpoint_path("llama")),
-        "--batch_size",
-        "1",
-        "--sequence_length",
-        "64",
-        "--backend",
-        "neuron",
-        *extra,
-        str(tmp_path / "out"),
-    )
-    assert done.returncode == 2
-    assert "Neuron SDK" in done.stderr and "Traceback" not in done.stderr
-    assert "optimum-neuron-chunked[neuron]" in " ".join(done.stderr.split())
+def test_neuron_backend_without_sdk_says_so(tmp_path, capsys, extra):
+    shape = ["--batch_size", "1", "--sequence_length", "64", "--backend", "neuron", *extra]
+    code, stderr = cli_here(capsys, "--model", str(checkpoint_path("llama")), *shape, str(tmp_path / "out"))
+    assert code == 2 and "Neuron SDK" in stderr
+    assert "optimum-neuron-chunked[neuron]" in " ".join(stderr.split())
     assert list(tmp_path.iterdir()) == []
 
 

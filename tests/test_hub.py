@@ -16,7 +16,7 @@ import pytest
 import torch
 from fixtures.export_models import CHUNKED_SHAPE, EXPORTS, checkpoint_path, export_model
 from fixtures.hub_cache import add_to_hub_cache
-from helpers import prompt
+from helpers import prompt, refusal_at_start
 
 from optimum_neuron_chunked.export.pipeline import export
 from optimum_neuron_chunked.hub import hub_snapshot, is_repo_id
@@ -108,12 +108,6 @@ def commit_of(repo_id: str) -> str:
     return hashlib.sha1(f"{repo_id}@main".encode()).hexdigest()  # as add_to_hub_cache names it
 
 
-def snapshot_of(env: dict, repo_id: str) -> str:
-    return os.path.join(
-        env["HF_HUB_CACHE"], f"models--{repo_id.replace('/', '--')}", "snapshots", commit_of(repo_id)
-    )
-
-
 def refused_for_code(stderr: str, repo_id: str, flag: str) -> bool:
     """The refusal names the repository, its commit, what would run and the flag (`vllm serve`
     under HF_HUB_OFFLINE passes the snapshot folder: no revision name)."""
@@ -146,19 +140,24 @@ def test_the_export_carries_a_model_card(hub):
     assert "| backend | eager |" in card and "| prefill | chunks of 16 tokens |" in card
 
 
+def test_vllm_serve_refuses_a_code_bearing_repo_id_without_its_flag(hub, monkeypatch):
+    """vLLM's config path under HF_HUB_OFFLINE, in this process: vLLM hands the platform the
+    repo's snapshot folder, and the platform refuses it without --trust-remote-code."""
+    env, _ = hub
+    for name, value in (("HF_HUB_OFFLINE", "1"), ("HF_HUB_CACHE", env["HF_HUB_CACHE"])):
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", True)
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", env["HF_HUB_CACHE"])
+    said = refusal_at_start(CODE_REPO)
+    assert refused_for_code(said, CODE_REPO, "--trust-remote-code"), said
+
+
 @pytest.mark.slow
 def test_vllm_serves_a_repo_id_from_the_offline_cache(hub, tmp_path):
-    """A weights-only export by repo id, then a code-bearing one: refused without vLLM's
-    --trust-remote-code, served with it. (vLLM hands the platform the snapshot folder of a repo id
-    under HF_HUB_OFFLINE: the refusal is checked on it through vLLM's config path, in this
-    process; test_vllm_service shows that a start-up refusal reaches the user.)"""
+    """A weights-only export by repo id, then a code-bearing one with --trust-remote-code."""
     from openai import OpenAI
-    from vllm.engine.arg_utils import EngineArgs
 
     env, folder = hub
-    with pytest.raises(Exception) as refused:  # noqa: PT011 (vLLM's config may wrap it)
-        EngineArgs(model=snapshot_of(env, CODE_REPO)).create_engine_config()
-    assert refused_for_code(str(refused.value), CODE_REPO, "--trust-remote-code"), refused.value
     hub_env = {k: env[k] for k in ("HF_HUB_CACHE", "HF_HUB_OFFLINE")}
     for repo, source, args in [
         (REPO, folder, ()),
